@@ -1,0 +1,48 @@
+# tritonkv: `make demo` runs the main job on the real model, `make test` runs the whole suite.
+# Both create/use a virtualenv in $(VENV) and install what they need.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.tritonkv-installed
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo bench-speed bench-quality clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),)
+	# No GPU: the CPU torch wheel (from local disk on the project machines) and an explicit
+	# triton, since the CPU wheel does not pin one. Kernels then run under the interpreter.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q "triton==3.9.0"
+endif
+	$(PY) -m pip install -q -e ".[hf,test,bench]"
+	touch $(STAMP)
+
+# The whole suite; on a CPU-only machine the kernels run under TRITON_INTERPRET=1.
+test: $(STAMP)
+	$(PY) -m tritonkv.integrations.model --fetch
+	$(if $(HAS_GPU),,TRITON_INTERPRET=1) TRITON_DEFAULT_FP_FUSION=1 HF_HUB_OFFLINE=1 \
+		$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+# Everything but the real-model tests.
+test-fast: $(STAMP)
+	$(if $(HAS_GPU),,TRITON_INTERPRET=1) $(PY) -m pytest -q -p no:cacheprovider -m "not model" tests
+
+demo: $(STAMP)
+	-command -v bible >/dev/null 2>&1 || (apt-get install -y -q bible-kjv >/dev/null 2>&1 || sudo -n apt-get install -y -q bible-kjv >/dev/null 2>&1) || true
+	$(PY) -m tritonkv.integrations.model --fetch
+	$(if $(HAS_GPU),,TRITON_INTERPRET=1) HF_HUB_OFFLINE=1 $(PY) -m tritonkv demo
+
+bench-speed: $(STAMP)
+	$(PY) benchmarks/speed.py
+
+bench-quality: $(STAMP)
+	$(PY) -m tritonkv.integrations.model --fetch
+	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) benchmarks/quality.py --quick
+
+clean:
+	rm -rf $(VENV) .cache .hypothesis

@@ -1,0 +1,46 @@
+"""Helpers shared by every kernel launcher.
+
+* ``INTERPRET``: True when kernels run under the Triton interpreter (``TRITON_INTERPRET=1``,
+  CPU tensors). The interpreter executes one program after another and pays ~0.5 ms per program,
+  so launchers pick larger blocks and shorter grids there.
+* ``triton_op`` / ``launch``: every launcher is registered with ``torch.library.triton_op`` and
+  calls its kernels through ``wrap_triton`` so ``torch.compile(fullgraph=True)`` and
+  ``torch.export`` see through it (``shared/notes/kernels.md`` §6).
+* ``TORCH_TO_TL``: the pointer type names used by ahead-of-time compile tests.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton  # noqa: F401  (re-exported)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+TORCH_TO_TL = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+FLOAT_DTYPES = tuple(TORCH_TO_TL)
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """Launch a ``@triton.jit`` kernel through ``wrap_triton`` (traceable by torch.compile)."""
+    return wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+def check_kv_tensor(name: str, t, *, ndim: int = 4) -> None:
+    """Raise a TypeError/ValueError naming ``name`` unless ``t`` is a float tensor of rank ``ndim``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """Make the last dimension unit-stride (kernels take the other strides as arguments)."""
+    return t if t.stride(-1) == 1 else t.contiguous()

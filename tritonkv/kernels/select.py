@@ -1,0 +1,342 @@
+"""The shared select + compact kernel: the only top-k in tritonkv.
+
+Per row r (= b·H_kv + h) of fp32 scores, keep exactly ``k_r = min(budget[r], N, k_max)`` tokens:
+the protected ones (the first ``sink``, the last ``window``, and any ``forced``) and then the
+highest scores, ties to the lower index, NaN lowest, -0 == +0. Kept tokens are written in
+ascending original order, with their int64 indices, and the K/V rows are gathered in the same
+pass. Budgets are an int32 device tensor that the host never reads.
+
+Pipeline (``shared/notes/kernels.md`` §3), each launch on grid (chunks, rows) so a long row is
+split over many programs:
+
+1. keys: NaN -> -inf, -0 -> +0, fp32 bits -> order-preserving uint32; protected -> 0xFFFFFFFF
+   (a genuine +inf maps to 0xFF800000, so it never displaces a protected token);
+2. three MSB radix passes (11 + 11 + 10 bits): each chunk histograms the next digit of the keys
+   that match the prefix found so far and adds it into a global ``[R, 3, 2048]`` histogram with
+   integer atomics (order-independent, so deterministic). Every later launch re-derives the
+   prefix from the histograms, which makes kernel boundaries the grid-wide barrier;
+3. count: per chunk, keys > t and keys == t for the final threshold t;
+4. compact: an exclusive prefix over earlier chunks plus a local cumsum gives each kept token its
+   output slot (ties at t go to the lowest indices), and the K/V rows are copied to the slot.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, launch, next_pow2, triton_op
+
+NB = 2048  # bins per radix pass (digits of 11, 11 and 10 bits)
+
+
+@triton.jit
+def _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED: tl.constexpr):
+    """Order-preserving uint32 keys of one tile of scores; protected tokens get the maximum."""
+    s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.where(s != s, float("-inf"), s)  # NaN ranks lowest
+    s = tl.where(s == 0.0, 0.0, s)  # -0 == +0
+    b = s.to(tl.uint32, bitcast=True)
+    u = tl.where((b >> 31) != 0, ~b, b | 0x80000000)
+    prot = (offs < sink) | (offs >= N - window)
+    if HAS_FORCED:
+        prot = prot | (tl.load(f_ptr + offs, mask=mask, other=0) != 0)
+    return tl.where(prot, 0xFFFFFFFF, u)
+
+
+@triton.jit
+def _row_budget(budget_ptr, r, N, k_max):
+    k = tl.load(budget_ptr + r)
+    return tl.maximum(tl.minimum(tl.minimum(k, N), k_max), 0)
+
+
+@triton.jit
+def _radix_prefix(hist_ptr, k, PASSES: tl.constexpr, NB: tl.constexpr):
+    """Walk the first PASSES histograms of a row: the key prefix of the k-th largest key and the
+    number of keys still to take from inside that prefix group."""
+    bins = tl.arange(0, NB)
+    prefix = tl.zeros([], dtype=tl.uint32)
+    k_rem = k
+    for p in tl.static_range(PASSES):
+        h = tl.load(hist_ptr + p * NB + bins)
+        above = tl.sum(h, 0) - tl.cumsum(h, 0)  # keys in bins > i
+        b = tl.max(tl.where(above + h >= k_rem, bins, -1), 0)  # k_rem >= 0 so b >= 0
+        k_rem = k_rem - tl.sum(tl.where(bins == b, above, 0), 0)
+        if p < 2:
+            prefix = (prefix << 11) | b.to(tl.uint32)
+        else:
+            prefix = (prefix << 10) | b.to(tl.uint32)
+    return prefix, k_rem
+
+
+@triton.jit
+def _select_hist_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, N, sink, window, k_max,
+                        PASS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                        NB: tl.constexpr, HAS_FORCED: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    k = _row_budget(budget_ptr, r, N, k_max)
+    hrow = hist_ptr + r * 3 * NB
+    prefix, k_rem = _radix_prefix(hrow, k, PASS, NB)
+    bins = tl.arange(0, NB)
+    acc = tl.zeros([NB], dtype=tl.int32)
+    for t0 in range(0, CHUNK, TILE):
+        offs = c * CHUNK + t0 + tl.arange(0, TILE)
+        mask = offs < N
+        u = _sortable_keys(s_ptr + r * N, f_ptr + r * N, offs, mask, N, sink, window, HAS_FORCED)
+        if PASS == 0:
+            match = mask
+            digit = u >> 21
+        elif PASS == 1:
+            match = mask & ((u >> 21) == prefix)
+            digit = (u >> 10) & 0x7FF
+        else:
+            match = mask & ((u >> 10) == prefix)
+            digit = u & 0x3FF
+        digit = tl.where(match, digit, 0).to(tl.int32)
+        # non-matching lanes were counted in bin 0: take them out again
+        n_out = TILE - tl.sum(match.to(tl.int32), 0)
+        acc += tl.histogram(digit, NB) - tl.where(bins == 0, n_out, 0)
+    tl.atomic_add(hrow + PASS * NB + bins, acc)
+
+
+@triton.jit
+def _select_count_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, window, k_max, C,
+                         CHUNK: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
+                         HAS_FORCED: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    k = _row_budget(budget_ptr, r, N, k_max)
+    t, need_eq = _radix_prefix(hist_ptr + r * 3 * NB, k, 3, NB)
+    n_gt = 0
+    n_eq = 0
+    for t0 in range(0, CHUNK, TILE):
+        offs = c * CHUNK + t0 + tl.arange(0, TILE)
+        mask = offs < N
+        u = _sortable_keys(s_ptr + r * N, f_ptr + r * N, offs, mask, N, sink, window, HAS_FORCED)
+        n_gt += tl.sum((mask & (u > t)).to(tl.int32), 0)
+        n_eq += tl.sum((mask & (u == t)).to(tl.int32), 0)
+    tl.store(cnt_ptr + (r * C + c) * 2, n_gt)
+    tl.store(cnt_ptr + (r * C + c) * 2 + 1, n_eq)
+
+
+@triton.jit
+def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, window, k_max, C,
+                           start_ptr, idx_ptr, len_ptr, mask_ptr,
+                           k_ptr, v_ptr, ko_ptr, vo_ptr, H, skb, skh, skn, svb, svh, svn, D,
+                           CHUNK: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr, CP2: tl.constexpr,
+                           BLOCK_D: tl.constexpr, HAS_FORCED: tl.constexpr, HAS_KV: tl.constexpr,
+                           WRITE_MASK: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    k = _row_budget(budget_ptr, r, N, k_max)
+    t, need_eq = _radix_prefix(hist_ptr + r * 3 * NB, k, 3, NB)
+    cs = tl.arange(0, CP2)
+    before = cs < c
+    gt_before = tl.sum(tl.load(cnt_ptr + (r * C + cs) * 2, mask=before, other=0), 0)
+    eq_seen = tl.sum(tl.load(cnt_ptr + (r * C + cs) * 2 + 1, mask=before, other=0), 0)
+    slot = gt_before + tl.minimum(eq_seen, need_eq)
+    if c == 0:
+        tl.store(len_ptr + r, k)
+    base = tl.load(start_ptr + r)  # int64 first output slot of this row
+    bh_k = (r // H) * skb + (r % H) * skh
+    bh_v = (r // H) * svb + (r % H) * svh
+    for t0 in range(0, CHUNK, TILE):
+        offs = c * CHUNK + t0 + tl.arange(0, TILE)
+        mask = offs < N
+        u = _sortable_keys(s_ptr + r * N, f_ptr + r * N, offs, mask, N, sink, window, HAS_FORCED)
+        eq = (mask & (u == t)).to(tl.int32)
+        eq_rank = eq_seen + tl.cumsum(eq, 0) - eq
+        keep = (mask & (u > t)) | ((eq != 0) & (eq_rank < need_eq))
+        keep_i = keep.to(tl.int32)
+        dst = base + (slot + tl.cumsum(keep_i, 0) - keep_i).to(tl.int64)
+        tl.store(idx_ptr + dst, offs.to(tl.int64), mask=keep)
+        if WRITE_MASK:
+            tl.store(mask_ptr + r * N + offs, keep.to(tl.int8), mask=mask)
+        if HAS_KV:
+            src = offs.to(tl.int64)
+            for d0 in range(0, D, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                m2 = keep[:, None] & (d < D)[None, :]
+                kv = tl.load(k_ptr + bh_k + src[:, None] * skn + d[None, :], mask=m2)
+                tl.store(ko_ptr + dst[:, None] * D + d[None, :], kv, mask=m2)
+                vv = tl.load(v_ptr + bh_v + src[:, None] * svn + d[None, :], mask=m2)
+                tl.store(vo_ptr + dst[:, None] * D + d[None, :], vv, mask=m2)
+        slot += tl.sum(keep_i, 0)
+        eq_seen += tl.sum(eq, 0)
+
+
+def _blocks(n: int, rows: int, chunk: Optional[int]):
+    """(CHUNK, TILE): tokens per program and per loop step."""
+    if INTERPRET:  # one program costs ~0.5 ms: few, large programs
+        tile = min(next_pow2(n), 4096)
+    else:
+        tile = 256
+    if chunk is None:
+        if INTERPRET:
+            chunk = tile
+        else:  # enough programs to fill ~2 waves of 132 SMs when rows are few
+            want = max(1, -(-264 // rows))
+            chunk = min(max(next_pow2(-(-n // want)), tile), 32768)
+    chunk = next_pow2(chunk)
+    return chunk, min(tile, chunk)
+
+
+@triton_op("tritonkv::select_into", mutates_args={"out_idx", "out_lengths", "out_mask", "out_keys", "out_values"})
+def select_into(scores: torch.Tensor, budgets: torch.Tensor, forced: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, out_start: torch.Tensor, out_idx: torch.Tensor, out_lengths: torch.Tensor,
+                out_mask: torch.Tensor, out_keys: torch.Tensor, out_values: torch.Tensor,
+                sink: int, window: int, k_max: int, chunk: int) -> None:
+    """The raw op. Empty ``forced``/``keys``/``out_mask`` tensors mean "absent".
+
+    scores fp32 [R, N] contiguous; budgets int32 [R]; forced uint8 [R, N]; keys/values [B, H, N, D]
+    (last dim unit-stride); out_start int64 [R] (first slot of each row in the outputs);
+    out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 [R, N]; out_keys/out_values [T, D].
+    """
+    R, N = scores.shape
+    CHUNK, TILE = _blocks(N, R, chunk if chunk > 0 else None)
+    C = triton.cdiv(N, CHUNK)
+    has_forced = forced.numel() > 0
+    has_kv = keys.numel() > 0
+    write_mask = out_mask.numel() > 0
+    hist = torch.zeros((R, 3, NB), dtype=torch.int32, device=scores.device)
+    cnt = torch.empty((R, C, 2), dtype=torch.int32, device=scores.device)
+    common = (N, sink, window, k_max)
+    for p in range(3):
+        launch(_select_hist_kernel, (C, R), scores, forced, budgets, hist, *common,
+               PASS=p, CHUNK=CHUNK, TILE=TILE, NB=NB, HAS_FORCED=has_forced)
+    launch(_select_count_kernel, (C, R), scores, forced, budgets, hist, cnt, *common, C,
+           CHUNK=CHUNK, TILE=TILE, NB=NB, HAS_FORCED=has_forced)
+    if has_kv:
+        H, D = keys.shape[1], keys.shape[3]
+        kstr = (keys.stride(0), keys.stride(1), keys.stride(2))
+        vstr = (values.stride(0), values.stride(1), values.stride(2))
+    else:
+        H, D, kstr, vstr = 1, 1, (0, 0, 0), (0, 0, 0)
+    launch(_select_compact_kernel, (C, R), scores, forced, budgets, hist, cnt, *common, C,
+           out_start, out_idx, out_lengths, out_mask, keys, values, out_keys, out_values,
+           H, *kstr, *vstr, D,
+           CHUNK=CHUNK, TILE=TILE, NB=NB, CP2=max(next_pow2(C), 2),
+           BLOCK_D=min(next_pow2(D), 128), HAS_FORCED=has_forced, HAS_KV=has_kv, WRITE_MASK=write_mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# Python wrappers
+
+
+class Out(NamedTuple):
+    """A preallocated destination: flattened rows ``[T, D]``, row ``r`` starting at ``start[r]``."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    indices: torch.Tensor  # int64 [T]
+    start: torch.Tensor  # int64 [R]
+    lengths: torch.Tensor  # int32 [R]
+
+
+def budget_tensor(budget, rows: int, device) -> torch.Tensor:
+    """An int32 ``[rows]`` device tensor from an int or a tensor of ``rows`` entries."""
+    if isinstance(budget, torch.Tensor):
+        if budget.numel() != rows:
+            raise ValueError(f"budgets must have {rows} entries (one per batch row and KV head), got shape {tuple(budget.shape)}")
+        if budget.dtype.is_floating_point or budget.dtype == torch.bool:
+            raise TypeError(f"budgets must be an integer tensor, got {budget.dtype}")
+        return budget.reshape(rows).to(device=device, dtype=torch.int32)
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise TypeError(f"budget must be an int or an int tensor, got {type(budget).__name__}")
+    return torch.full((rows,), budget, dtype=torch.int32, device=device)
+
+
+def _scores_2d(scores: torch.Tensor) -> torch.Tensor:
+    if not isinstance(scores, torch.Tensor) or scores.dim() not in (2, 3):
+        raise ValueError("scores must be a [R, N] or [B, H, N] tensor")
+    return scores.reshape(-1, scores.shape[-1]).to(torch.float32).contiguous()
+
+
+def _forced_2d(forced, shape, device) -> torch.Tensor:
+    if forced is None:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if forced.numel() != shape[0] * shape[1]:
+        raise ValueError(f"forced must have the shape of scores {tuple(shape)}, got {tuple(forced.shape)}")
+    return forced.reshape(shape).to(torch.uint8).contiguous()
+
+
+def _empty(device, dtype=torch.float32):
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 0, forced=None,
+                   with_mask: bool = False, chunk: Optional[int] = None):
+    """Kept indices only. Returns ``(indices int64 [..., k_max] padded with -1, lengths int32 [...])``
+    and, with ``with_mask``, a bool keep-mask shaped like ``scores``."""
+    s = _scores_2d(scores)
+    R, N = s.shape
+    dev = s.device
+    k_max = max(int(k_max), 0)
+    b = budget_tensor(budgets, R, dev)
+    idx = torch.full((R * k_max,), -1, dtype=torch.int64, device=dev)
+    lengths = torch.empty(R, dtype=torch.int32, device=dev)
+    mask = torch.empty((R, N) if with_mask else (0,), dtype=torch.int8, device=dev)
+    start = torch.arange(R, device=dev, dtype=torch.int64) * k_max
+    if N > 0 and R > 0:
+        select_into(s, b, _forced_2d(forced, (R, N), dev), _empty(dev), _empty(dev), start, idx, lengths,
+                    mask, _empty(dev), _empty(dev), sink, window, k_max, chunk or 0)
+    else:
+        lengths.zero_()
+        mask.zero_()
+    lead = scores.shape[:-1]
+    out = (idx.view(*lead, k_max), lengths.view(lead))
+    return out + (mask.view(scores.shape).bool(),) if with_mask else out
+
+
+def select_mask(scores, budgets, *, sink: int = 0, window: int = 0, forced=None, chunk: Optional[int] = None):
+    """Bool keep-mask shaped like ``scores`` (for allocators and score transforms)."""
+    n = scores.shape[-1]
+    return select_indices(scores, budgets, n, sink=sink, window=window, forced=forced, with_mask=True, chunk=chunk)[2]
+
+
+def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, window: int = 0, forced=None,
+              out: Optional[Out] = None, chunk: Optional[int] = None):
+    """Select and gather K/V.
+
+    ``scores`` fp32 ``[B, H, N]``; ``keys``/``values`` ``[B, H, N, D]``; ``budgets`` an int or int32
+    ``[B*H]``; ``k_max`` the static output capacity per row (>= every budget that must fit).
+
+    Without ``out``: returns ``(keys [B,H,k_max,D], values, indices int64 [B,H,k_max], lengths
+    int32 [B,H])``; rows kept shorter than ``k_max`` are zero-padded (indices -1). With ``out``:
+    writes row r at ``out.start[r]`` of the flattened ``out`` tensors and returns ``out``.
+    """
+    B, H, N, D = keys.shape
+    if values.shape != keys.shape:
+        raise ValueError(f"values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
+    s = _scores_2d(scores)
+    R = B * H
+    if s.shape != (R, N):
+        raise ValueError(f"scores must be [B, H_kv, N] = {(B, H, N)}, got {tuple(scores.shape)}")
+    dev = keys.device
+    k_max = max(min(int(k_max), N), 0)
+    b = budget_tensor(budgets, R, dev)
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    values = values if values.stride(-1) == 1 else values.contiguous()
+    if out is None:
+        exact = isinstance(budgets, int) and min(budgets, N) == k_max
+        alloc = torch.empty if exact else torch.zeros
+        ko = alloc((R * k_max, D), dtype=keys.dtype, device=dev)
+        vo = alloc((R * k_max, values.shape[-1]), dtype=values.dtype, device=dev)
+        idx = torch.full((R * k_max,), -1, dtype=torch.int64, device=dev)
+        start = torch.arange(R, device=dev, dtype=torch.int64) * k_max
+        lengths = torch.empty(R, dtype=torch.int32, device=dev)
+        dst = Out(ko, vo, idx, start, lengths)
+    else:
+        dst = out
+    if N > 0 and R > 0:
+        select_into(s, b, _forced_2d(forced, (R, N), dev), keys, values, dst.start, dst.indices, dst.lengths,
+                    _empty(dev, torch.int8), dst.keys, dst.values, sink, window, k_max, chunk or 0)
+    else:
+        dst.lengths.zero_()
+    if out is not None:
+        return out
+    return (dst.keys.view(B, H, k_max, D), dst.values.view(B, H, k_max, values.shape[-1]),
+            dst.indices.view(B, H, k_max), dst.lengths.view(B, H))

@@ -1,0 +1,82 @@
+"""The policy protocol and the registry.
+
+A policy is a small dataclass: its settings, a ``needs`` declaration (the extra inputs it reads,
+by name: ``queries``, ``attn_lse``, ``o_proj``), ``score()`` calling its Triton kernel, and
+``protected()`` saying which tokens are always kept. Selection is never reimplemented: the
+default ``select()`` calls the shared select + compact kernel; a selector that is not a plain
+top-k (CriticalKV, SCORE) overrides ``select()`` as a score transform plus calls of that kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ..kernels import select as _select
+
+POLICIES: dict[str, type["Policy"]] = {}
+
+
+def register_policy(cls):
+    """Class decorator: make ``cls`` reachable by its ``name`` in ``compress()``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def get_policy(policy) -> "Policy":
+    """A policy object from a name or an object (objects pass through)."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        try:
+            return POLICIES[policy]()
+        except KeyError:
+            raise ValueError(f"policy: unknown name {policy!r}; known: {sorted(POLICIES)}") from None
+    if isinstance(policy, type) and issubclass(policy, Policy):
+        return policy()
+    raise TypeError(f"policy must be a name or a tritonkv.policies.Policy, got {type(policy).__name__}")
+
+
+@dataclasses.dataclass
+class Policy:
+    """Base class. ``sink`` first tokens and ``window`` last tokens are always kept (inside the budget)."""
+
+    name: ClassVar[str] = ""
+    #: names of the extra inputs ``score()`` needs (checked by ``compress()`` before scoring)
+    needs: ClassVar[tuple[str, ...]] = ()
+    #: True when scores are attention-like (>= 0); CriticalKV accepts only such bases
+    nonnegative: ClassVar[bool] = False
+
+    sink: int = 0
+    window: int = 0
+
+    def __post_init__(self):
+        for f in ("sink", "window"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f} must be a non-negative int, got {v!r}")
+
+    # -- what is protected -------------------------------------------------------------------
+    def protected(self, n: int, budget: int) -> tuple[int, int]:
+        """``(sink, window)`` kept unconditionally in a row of ``n`` tokens at ``budget`` (static)."""
+        sink = min(self.sink, n)
+        return sink, min(self.window, n - sink)
+
+    # -- scoring -------------------------------------------------------------------------------
+    def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
+        """fp32 scores ``[B, H_kv, N]``, higher means keep."""
+        raise NotImplementedError
+
+    # -- selection -----------------------------------------------------------------------------
+    def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None, **inputs):
+        """Kept K/V through the shared kernel. ``budgets`` int32 ``[B*H_kv]`` on the device.
+
+        Returns ``select.select_kv``'s tuple, or writes into ``out`` (a ``select.Out``) when given.
+        """
+        return _select.select_kv(scores, budgets, keys, values, k_max, sink=sink, window=window, out=out)
+
+    def missing(self, inputs: dict) -> list[str]:
+        return [n for n in self.needs if inputs.get(n) is None]
