@@ -1,0 +1,43 @@
+"""Graph capture: ``torch.export`` (strict, i.e. through dynamo, which fails on a graph break) of
+``compress()`` for every registered policy, in a subprocess WITHOUT the Triton interpreter
+(``triton_op`` cannot be compiled under the interpreter; kernels.md §6). Numerics are tested
+eagerly elsewhere; this checks that each launcher is one traceable op with static output shapes."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = r"""
+import torch, tritonkv
+from tritonkv import POLICIES
+B, H, G, N, D, W = 1, 2, 3, 64, 16, 4
+def make(name):
+    if name == "queries": return torch.randn(B, H * G, W, D)
+    if name == "o_proj": return torch.randn(H * G * D, H * G * D)
+    if name == "hd": return torch.rand(H) + 0.1
+    raise KeyError(name)
+class M(torch.nn.Module):
+    def __init__(self, policy): super().__init__(); self.policy = policy
+    def forward(self, k, v, inputs):
+        out = tritonkv.compress((k, v), self.policy, 24, **inputs)
+        return out.keys, out.values, out.indices
+for name, cls in sorted(POLICIES.items()):
+    pol = cls()
+    k, v = torch.randn(B, H, N, D), torch.randn(B, H, N, D)
+    inputs = {n: make(n) for n in pol.needs}
+    ep = torch.export.export(M(pol), (k, v, inputs), strict=True)
+    ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("tritonkv" in o for o in ops), (name, ops)
+    print("exported", name, flush=True)
+"""
+
+
+def test_compress_exports_without_graph_break():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-5000:]
+    from tritonkv import POLICIES
+
+    exported = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("exported")}
+    assert exported == set(POLICIES)
