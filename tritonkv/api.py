@@ -141,4 +141,8 @@ def _compress_allocated(pol, allocation, scores, keys, values, k, sink, window, 
     from .cache import RaggedKV
 
     budgets = layer_budgets(allocation, scores, k, sink=sink, window=window, **inputs)
-    return RaggedKV.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window, **inputs)
+    # The ragged storage is sized to what is actually kept: one read-back of two ints per
+    # compression (never per decode step), so that per-head budgets free memory for real.
+    total, k_max = torch.stack([budgets.sum(), budgets.max()]).tolist()
+    return RaggedKV.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window,
+                                total=int(total), k_max=int(k_max), **inputs)

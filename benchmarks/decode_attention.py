@@ -1,0 +1,273 @@
+"""Decode-attention benchmark: split-K GQA attention over a RaggedKV, and the memory it frees.
+
+Each case holds an AdaKV-like allocation: per (batch row, KV head) budgets with one head keeping
+``min(4, (H+1)/2)`` x the mean and the others sharing the rest (max/mean = 4 at H_kv = 8), built
+with ``RaggedKV.from_selection`` from a cache of ``N = max budget`` tokens. For one decode query
+per head (bf16, D = 128, G = 4 query heads per KV head unless stated):
+
+- ``ragged_us``: ``decode_attention(q, ragged)`` replayed from a CUDA graph (eager: ``ragged_eager_us``);
+- ``padded_us``: the same kernel on the padded alternative ``[B, H, max, D]`` + lengths;
+- ``dense_us`` / ``sdpa_us``: the kernel and ``torch.nn.functional.scaled_dot_product_attention``
+  (``enable_gqa``) on a dense cache ``[B, H, mean, D]`` holding the same total tokens;
+- ``floor_us``: bytes that must move (kept K+V, q, out) over the copy bandwidth of a large
+  ``clone()`` measured in the same run; ``pct_copy_bw``, ``x_floor``, ``x_sdpa`` follow;
+- ``append_us`` vs ``recopy_us``: one in-place append per head vs the whole-cache copy an
+  AdaKV-style flat cache pays per decoded token;
+- ``mem_*_MB``: ``torch.cuda.memory_allocated`` deltas of building the RaggedKV vs the padded
+  ``select_kv`` output (and the uncompressed cache);
+- ``rel_err_*``: ``||out - ref|| / ||ref||`` against fp32 attention over the same tokens.
+
+Writes ``benchmarks/results/<device>-decode_attention.json`` (device, versions, commit, date) and a
+Markdown table. ``--smoke`` runs a tiny case on the CPU (Triton interpreter) to check the program.
+
+    python benchmarks/decode_attention.py
+    TRITON_INTERPRET=1 python benchmarks/decode_attention.py --smoke --out /tmp/bench
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tritonkv.cache import RaggedKV, ragged_append
+from tritonkv.kernels import select as _select
+from tritonkv.kernels.decode_attention import decode_attention, decode_attention_op, plan
+
+# (B, H_kv, G, D, mean tokens kept per head)
+CASES = [(1, 8, 4, 128, 1024), (1, 8, 4, 128, 8192), (1, 8, 4, 128, 32768), (8, 8, 4, 128, 4096),
+         (1, 3, 3, 64, 1024)]  # the last: SmolLM2-135M's attention shape
+SMOKE_CASES = [(1, 3, 2, 16, 24)]
+
+
+def bench(fn, cuda: bool, graph: bool = False) -> float:
+    """Median microseconds of ``fn()`` (CUDA events with an L2 flush; replayed from a graph if asked)."""
+    if not cuda:  # the smoke run checks the program, not the speed: one warm-up, one timed call
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    import triton.testing
+
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def adakv_budgets(B: int, H: int, mean: int) -> torch.Tensor:
+    """int32 [B*H]: one heavy head per batch row (rotating), the rest share the remainder."""
+    heavy = min(4.0, (H + 1) / 2)
+    rest = (H - heavy) / (H - 1) if H > 1 else 0.0
+    w = torch.full((B, H), rest)
+    w[torch.arange(B), torch.arange(B) % H] = heavy
+    return (w * mean).round().clamp(min=1).to(torch.int32).flatten()
+
+
+def reference(q, keys, values, lengths):
+    """fp32 attention of ``q [B, H_q, 1, D]`` over the first ``lengths [B, H]`` tokens of padded K/V."""
+    B, H, cap, D = keys.shape
+    G = q.shape[1] // H
+    mask = torch.arange(cap, device=q.device)[None, None, :] < lengths[:, :, None]  # [B, H, cap]
+    mask = mask.repeat_interleave(G, dim=1)[:, :, None, :]
+    k = keys.float().repeat_interleave(G, dim=1)
+    v = values.float().repeat_interleave(G, dim=1)
+    return F.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask)
+
+
+def rel_err(out, ref) -> float:
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def mem_delta(build, cuda: bool):
+    """(object, bytes it holds): ``memory_allocated`` delta on the GPU, tensor bytes on the CPU."""
+    if cuda:
+        torch.cuda.synchronize()
+        m0 = torch.cuda.memory_allocated()
+        obj = build()
+        torch.cuda.synchronize()
+        return obj, torch.cuda.memory_allocated() - m0
+    obj = build()
+    ts = [obj.keys, obj.values, obj.positions, obj.row_start, obj.length] if isinstance(obj, RaggedKV) else obj
+    return obj, sum(t.numel() * t.element_size() for t in ts)
+
+
+def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bfloat16, seed=0):
+    dev = "cuda" if cuda else "cpu"
+    gen = torch.Generator().manual_seed(seed)
+    budgets = adakv_budgets(B, H, mean)
+    N = int(budgets.max())
+    total = int(budgets.sum())  # the allocator's static total
+    keys = torch.randn(B, H, N, D, generator=gen).to(dev, dtype)
+    values = torch.randn(B, H, N, D, generator=gen).to(dev, dtype)
+    scores = torch.randn(B, H, N, generator=gen).to(dev)
+    q = torch.randn(B, H * G, 1, D, generator=gen).to(dev, dtype)
+    b_dev = budgets.to(dev)
+
+    ragged, mem_ragged = mem_delta(lambda: RaggedKV.from_selection(scores, b_dev, keys, values, total=total), cuda)
+    padded, mem_padded = mem_delta(lambda: _select.select_kv(scores, b_dev, keys, values, N), cuda)
+    Kp, Vp, _, lens = padded
+    del padded
+    mem_full = 2 * keys.numel() * keys.element_size()
+
+    # correctness first, against fp32 attention over the same tokens
+    ref = reference(q, Kp, Vp, lens)
+    out_r = decode_attention(q, ragged)
+    out_p = decode_attention(q, (Kp, Vp), lens)
+    row = dict(B=B, H_kv=H, G=G, D=D, mean=mean, max=N, total_tokens=total, dtype=str(dtype).replace("torch.", ""),
+               rel_err_ragged=rel_err(out_r, ref), rel_err_padded=rel_err(out_p, ref))
+    cap_d = total // (B * H)  # dense cache with the same total tokens
+    Kd = torch.randn(B, H, cap_d, D, generator=gen).to(dev, dtype)
+    Vd = torch.randn(B, H, cap_d, D, generator=gen).to(dev, dtype)
+    sdpa = lambda: F.scaled_dot_product_attention(q, Kd, Vd, enable_gqa=True)  # noqa: E731
+    row["rel_err_dense_vs_sdpa"] = rel_err(decode_attention(q, (Kd, Vd)), sdpa().float())
+
+    times = dict(ragged_us=lambda: decode_attention(q, ragged), padded_us=lambda: decode_attention(q, (Kp, Vp), lens),
+                 dense_us=lambda: decode_attention(q, (Kd, Vd)), sdpa_us=sdpa)
+    for name, fn in times.items():
+        row[name] = round(bench(fn, cuda, graph=cuda), 2)
+    row["ragged_eager_us"] = round(bench(times["ragged_us"], cuda), 2)
+
+    # in-place append vs the whole-cache re-copy of an AdaKV-style flat cache
+    k1, v1 = q[:, ::G][:, :H].contiguous(), q[:, ::G][:, :H].contiguous()
+    len0 = ragged.length.clone()
+
+    def reset():
+        ragged.length.copy_(len0)
+
+    def append():
+        reset()
+        ragged_append(k1, v1, ragged.keys, ragged.values, ragged.positions, ragged.row_start, ragged.length,
+                      ragged.next_position, H)
+
+    row["append_us"] = round(max(bench(append, cuda, graph=cuda) - bench(reset, cuda, graph=cuda), 0.0), 2)
+    row["recopy_us"] = round(bench(lambda: (ragged.keys.clone(), ragged.values.clone()), cuda, graph=cuda), 2)
+    reset()
+
+    elt = keys.element_size()
+    fbytes = 2 * total * D * elt + 2 * q.numel() * elt  # kept K+V read once, q read, out written
+    floor_us = fbytes / (copy_GBps * 1e3)
+    split, _, S = plan(ragged.max_capacity, ragged.keys.shape[0], None, D)
+    row.update(split_tokens=split, max_splits=S, floor_bytes=fbytes, floor_us=round(floor_us, 2),
+               achieved_TBps=round(fbytes / row["ragged_us"] / 1e6, 3),
+               pct_copy_bw=round(100 * floor_us / row["ragged_us"], 1), x_floor=round(row["ragged_us"] / floor_us, 2),
+               x_sdpa=round(row["ragged_us"] / row["sdpa_us"], 2),
+               mem_full_MB=round(mem_full / 2 ** 20, 2), mem_ragged_MB=round(mem_ragged / 2 ** 20, 2),
+               mem_padded_MB=round(mem_padded / 2 ** 20, 2),
+               mem_saved_pct=round(100 * (1 - mem_ragged / mem_padded), 1))
+    row["ok"] = max(row["rel_err_ragged"], row["rel_err_padded"], row["rel_err_dense_vs_sdpa"]) < 2e-2
+    for k in ("rel_err_ragged", "rel_err_padded", "rel_err_dense_vs_sdpa"):
+        row[k] = float(f"{row[k]:.3g}")
+    return row
+
+
+def sweep(B, H, G, D, mean, cuda: bool):
+    """Times of the raw op over (split_tokens, block_n) on one case (to pick the defaults)."""
+    gen = torch.Generator().manual_seed(1)
+    dev = "cuda" if cuda else "cpu"
+    budgets = adakv_budgets(B, H, mean)
+    lens = budgets.to(dev)
+    cap = _round16(int(budgets.max()) + 16)
+    start = torch.cat([torch.zeros(1, dtype=torch.int64), (budgets.to(torch.int64) + 16 + 15) // 16 * 16]).cumsum(0)
+    T = int(start[-1])
+    keys = torch.randn(T, D, generator=gen).to(dev, torch.bfloat16)
+    values = torch.randn(T, D, generator=gen).to(dev, torch.bfloat16)
+    q = torch.randn(B, H * G, 1, D, generator=gen).to(dev, torch.bfloat16)
+    start = start.to(dev)
+    rows = []
+    for split in (128, 256, 512, 1024, 2048):
+        for block_n in (32, 64, 128):
+            if block_n > split:
+                continue
+            S = -(-cap // split)
+            fn = lambda: decode_attention_op(q, keys, values, start, lens, 1 / math.sqrt(D), H, S, split, block_n)  # noqa: E731
+            rows.append(dict(split=split, block_n=block_n, us=round(bench(fn, cuda, graph=cuda), 2)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _round16(x: int) -> int:
+    return -(-x // 16) * 16
+
+
+def copy_bandwidth(cuda: bool, nbytes: int) -> float:
+    """GB/s of a device-to-device ``clone()`` (bytes read + written)."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda" if cuda else "cpu").normal_()
+    return 2 * x.numel() * x.element_size() / bench(lambda: x.clone(), cuda) / 1e3
+
+
+def run(args):
+    cuda = torch.cuda.is_available() and not args.smoke
+    cases = SMOKE_CASES if args.smoke else CASES[: 2 if args.quick else None]
+    copy_GBps = copy_bandwidth(cuda, (1 << 30) if cuda else (1 << 20))
+    rows = []
+    for case in cases:
+        row = run_case(*case, cuda=cuda, copy_GBps=copy_GBps)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    res = dict(device=torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)", torch=torch.__version__,
+               triton=__import__("triton").__version__, commit=_commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               copy_GBps=round(copy_GBps, 1), command=" ".join(sys.argv), rows=rows)
+    if args.sweep:
+        res["sweep"] = sweep(*(CASES[2] if cuda else SMOKE_CASES[0]), cuda)
+    return res
+
+
+def _commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def write(result, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    tag = result["device"].split(" (")[0].replace(" ", "-").lower()
+    base = os.path.join(out_dir, f"{tag}-decode_attention")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    cols = ["B", "H_kv", "G", "D", "mean", "max", "ragged_us", "padded_us", "dense_us", "sdpa_us", "x_sdpa", "floor_us",
+            "pct_copy_bw", "append_us", "recopy_us", "mem_ragged_MB", "mem_padded_MB", "mem_saved_pct", "ok"]
+    lines = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}; commit "
+             f"{result['commit']}; {result['date']}; copy {result['copy_GBps']} GB/s", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in result["rows"]:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return base
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the two smallest cases only")
+    p.add_argument("--sweep", action="store_true", help="also time (split_tokens, block_n) variants")
+    p.add_argument("--smoke", action="store_true", help="a tiny case on the CPU, to check the program")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    a = p.parse_args(argv)
+    res = run(a)
+    print("wrote", write(res, a.out))
+    return res
+
+
+if __name__ == "__main__":
+    main()

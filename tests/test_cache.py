@@ -1,0 +1,234 @@
+"""RaggedKV layout properties (kernels.md §4) against the list-of-rows oracle."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from aot import assert_compiles
+from reference.cache import Rows
+from reference.select import select as ref_select
+from tritonkv.cache import RaggedKV
+from tritonkv.policies.base import Policy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _layout_ok(c: RaggedKV):
+    rs, ln = c.row_start, c.length.to(torch.int64)
+    cap = rs[1:] - rs[:-1]
+    assert rs.dtype == torch.int64 and c.length.dtype == torch.int32 and c.positions.dtype == torch.int64
+    assert rs[0] == 0 and (cap >= 0).all() and rs[-1] <= c.keys.shape[0]  # monotone, inside T_cap
+    assert ((ln >= 0) & (ln <= cap)).all() and cap.max() <= c.max_capacity
+    c.check()
+
+
+def _same_as_model(c: RaggedKV, model: Rows):
+    """Every row holds exactly the model's tokens, in order, with their positions."""
+    assert c.lengths.tolist() == model.lengths().tolist()
+    cap = int(model.lengths().max())
+    K, V, L, P = c.to_padded(cap + 2, with_positions=True)
+    mk, mv, mp = model.padded(cap + 2)
+    assert torch.equal(K.double().cpu(), torch.from_numpy(mk)) and torch.equal(V.double().cpu(), torch.from_numpy(mv))
+    assert torch.equal(P.cpu(), torch.from_numpy(mp))
+    for r in range(c.length.numel()):  # the flat rows themselves, not only their padded copy
+        s, n = int(c.row_start[r]), int(c.length[r])
+        assert c.positions[s:s + n].tolist() == mp.reshape(-1, cap + 2)[r, :n].tolist()
+
+
+@st.composite
+def selection_case(draw, max_n=120):
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, 3))
+    N = draw(st.integers(1, max_n))
+    D = draw(st.sampled_from([16, 16, 64]))
+    sink = draw(st.integers(0, min(2, N)))
+    window = draw(st.integers(0, min(3, N - sink)))
+    kind = draw(st.sampled_from(["adakv", "uniform", "edges"]))
+    R = B * H
+    if kind == "adakv":  # one head takes most of the budget
+        budgets = [draw(st.integers(sink + window, sink + window + 3)) for _ in range(R)]
+        budgets[draw(st.integers(0, R - 1))] = draw(st.integers(sink + window, N + 3))
+    elif kind == "uniform":
+        budgets = [draw(st.integers(sink + window, N))] * R
+    else:  # 0 (only without protected tokens), N - 1, N, > N
+        lo = sink + window
+        budgets = [draw(st.sampled_from([max(lo, 0), max(lo, N - 1), N, N + 5])) for _ in range(R)]
+    slack = draw(st.sampled_from([0, 1, 5, 16]))
+    align = draw(st.sampled_from([1, 8, 16]))
+    exact_total = draw(st.booleans())
+    return B, H, N, D, sink, window, budgets, slack, align, exact_total, draw(st.integers(0, 2 ** 31 - 1))
+
+
+def _inputs(B, H, N, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, H, N, D, generator=g).to(dtype)
+    values = torch.randn(B, H, N, D, generator=g).to(dtype)
+    return keys.to(DEVICE), values.to(DEVICE), torch.randn(B, H, N, generator=g).to(DEVICE), g
+
+
+def _new(B, H, D, g, dtype=torch.float32):
+    """One new (k, v) token per row, [B, H, 1, D] on the test device."""
+    return tuple(torch.randn(B, H, 1, D, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+
+
+def _rows(keys, values, kept):
+    return Rows(keys.double().cpu().numpy(), values.double().cpu().numpy(), kept)
+
+
+def _kept(scores, budgets, sink=0, window=0):
+    H = scores.shape[1]
+    return [ref_select(scores[r // H, r % H].cpu().numpy(), b, sink, window) for r, b in enumerate(budgets)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=10)  # each build runs the select kernel (~20 ms per program interpreted)
+@given(case=selection_case())
+def test_from_selection_equals_per_row_gather(dtype, case):
+    B, H, N, D, sink, window, budgets, slack, align, exact_total, seed = case
+    keys, values, scores, _ = _inputs(B, H, N, D, dtype, seed)
+    kept = _kept(scores, budgets, sink, window)
+    total = sum(len(k) for k in kept) if exact_total else None
+    c = RaggedKV.from_selection(scores, torch.tensor(budgets, dtype=torch.int32), keys, values, sink, window,
+                                slack=slack, total=total, align=align)
+    _layout_ok(c)
+    cap = c.capacity.flatten()
+    for r, idx in enumerate(kept):
+        b, h = divmod(r, H)
+        s, n = int(c.row_start[r]), len(idx)
+        assert int(c.length[r]) == n and cap[r] >= n + slack and int(c.row_start[r]) % align == 0
+        assert c.positions[s:s + n].tolist() == idx.tolist()  # kept positions, exactly, ascending
+        assert torch.equal(c.keys[s:s + n], keys[b, h, idx]) and torch.equal(c.values[s:s + n], values[b, h, idx])
+    _same_as_model(c, _rows(keys, values, kept))
+    if total is not None:  # the static size follows the given total, not R * N
+        assert c.keys.shape[0] == total + B * H * (slack + align - 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=6)
+@given(case=selection_case(max_n=60), steps=st.integers(1, 12))
+def test_append_preserves_contents_and_adds_one(dtype, case, steps):
+    B, H, N, D, sink, window, budgets, slack, align, exact_total, seed = case
+    keys, values, scores, g = _inputs(B, H, N, D, dtype, seed)
+    kept = _kept(scores, budgets, sink, window)
+    c = RaggedKV.from_selection(scores, torch.tensor(budgets), keys, values, sink, window, slack=slack,
+                                total=sum(len(k) for k in kept) if exact_total else None, align=align)
+    model = _rows(keys, values, kept)
+    for _ in range(steps):  # slack 0/1/5 forces re-packs along the way
+        before = c.to_padded(int(c.length.max()))
+        k = torch.randn(B, H, 1, D, generator=g).to(dtype).to(DEVICE)
+        v = torch.randn(B, H, 1, D, generator=g).to(dtype).to(DEVICE)
+        c.append(k, v)
+        model.append(k[:, :, 0].double().cpu().numpy(), v[:, :, 0].double().cpu().numpy())
+        after = c.to_padded(before[0].shape[2])
+        assert torch.equal(c.lengths, before[2] + 1)
+        old = (torch.arange(after[0].shape[2], device=DEVICE) < before[2][..., None])[..., None]  # old tokens kept
+        assert torch.equal(after[0] * old, before[0]) and torch.equal(after[1] * old, before[1])
+        _layout_ok(c)
+    _same_as_model(c, model)
+    assert (c.next_position == N + steps).all()
+
+
+def test_append_writes_in_place_without_repack():
+    """With slack, an append changes exactly one slot per row and reallocates nothing."""
+    keys, values, scores, g = _inputs(1, 3, 40, 16, torch.float32, 0)
+    c = RaggedKV.from_selection(scores, torch.tensor([16, 32, 16]), keys, values, slack=16, total=64)
+    assert c.capacity.tolist() == [[32, 48, 32]]  # exactly 16 free slots per row
+    storage = (c.keys.data_ptr(), c.values.data_ptr(), c.row_start.data_ptr())
+    old_k = c.keys.clone()
+    for _ in range(16):
+        c.append(*_new(1, 3, 16, g))
+    assert (c.keys.data_ptr(), c.values.data_ptr(), c.row_start.data_ptr()) == storage
+    changed = (c.keys.view(torch.int32) != old_k.view(torch.int32)).any(1)  # bitwise: the slack is uninitialised
+    assert int(changed.sum()) == 3 * 16 and c.lengths.tolist() == [[32, 48, 32]]
+    c.append(*_new(1, 3, 16, g))  # all rows were full
+    assert c.keys.data_ptr() != storage[0] and c.lengths.tolist() == [[33, 49, 33]]
+    assert (c.capacity - c.lengths).min() >= 15
+
+
+def test_allocate_then_fill():
+    cap = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    c = RaggedKV.allocate(cap, 9, 2, 2, 16, torch.bfloat16, DEVICE, slack=2)
+    assert c.row_start.tolist() == [0, 3, 3, 8, 9] and c.lengths.tolist() == [[0, 0], [0, 0]]
+    _layout_ok(c)
+    model = Rows(np.zeros((2, 2, 0, 16)), np.zeros((2, 2, 0, 16)), [[], [], [], []])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):  # row 1 has no room at all: the first append re-packs
+        k, v = _new(2, 2, 16, g, torch.bfloat16)
+        c.append(k, v)
+        model.append(k[:, :, 0].double().cpu().numpy(), v[:, :, 0].double().cpu().numpy())
+        _layout_ok(c)
+    _same_as_model(c, model)
+
+
+def test_too_small_total_stays_in_bounds():
+    """A wrong static total cannot write past T_cap: the rows that do not fit shrink."""
+    keys, values, scores, _ = _inputs(1, 3, 50, 16, torch.float32, 1)
+    c = RaggedKV.from_selection(scores, torch.tensor([40, 40, 40]), keys, values, slack=0, align=1, total=50)
+    _layout_ok(c)
+    assert c.keys.shape[0] == 50 and c.lengths.tolist() == [[40, 10, 0]]
+
+
+def test_from_policy_writes_through_policy_select():
+    calls = []
+
+    class Spy(Policy):
+        def select(self, scores, budgets, keys, values, **kw):
+            calls.append(kw["out"])
+            return super().select(scores, budgets, keys, values, **kw)
+
+    keys, values, scores, _ = _inputs(2, 2, 30, 16, torch.float16, 2)
+    budgets = torch.tensor([4, 9, 30, 2])
+    a = RaggedKV.from_policy(Spy(), scores, budgets, keys, values, sink=1, window=1, total=45)
+    b = RaggedKV.from_selection(scores, budgets, keys, values, 1, 1, total=45)
+    assert len(calls) == 1 and calls[0].keys is a.keys
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.row_start, b.row_start)
+    assert torch.equal(a.to_padded()[0], b.to_padded()[0])
+
+
+def test_ragged_holds_less_than_padded():
+    """AdaKV-like budgets (max = 4 x mean): the ragged storage is far below the padded one."""
+    B, H, N, D = 1, 8, 256, 16
+    keys, values, scores, _ = _inputs(B, H, N, D, torch.float16, 3)
+    budgets = torch.tensor([128, 16, 16, 16, 32, 16, 16, 16])
+    c = RaggedKV.from_selection(scores, budgets, keys, values, total=int(budgets.sum()))
+    K, V, _ = c.to_padded()
+    assert K.shape == (B, H, 128, D)
+    assert c.keys.nbytes + c.values.nbytes < 0.6 * (K.nbytes + V.nbytes)
+    assert c.nbytes < 0.7 * (K.nbytes + V.nbytes)
+
+
+K0, V0, S0, _ = _inputs(1, 2, 10, 16, torch.float32, 0)
+
+
+def _c0():
+    return RaggedKV.from_selection(S0, 4, K0, V0)
+
+
+BAD = [
+    ("append shape", lambda: _c0().append(K0[:, :, :2], V0[:, :, :2]), ValueError, ["k", "[B, H_kv, 1, D]"]),
+    ("append dtype", lambda: _c0().append(K0[:, :, :1].half(), V0[:, :, :1].half()), TypeError, ["k", "dtype"]),
+    ("append not tensor", lambda: _c0().append([1.0], V0[:, :, :1]), TypeError, ["k"]),
+    ("values shape", lambda: RaggedKV.from_selection(S0, 4, K0, V0[:, :1]), ValueError, ["values"]),
+    ("budgets count", lambda: RaggedKV.from_selection(S0, torch.tensor([1, 2, 3]), K0, V0), ValueError, ["budgets"]),
+    ("slack", lambda: RaggedKV.from_selection(S0, 4, K0, V0, slack=-1), ValueError, ["slack"]),
+    ("total", lambda: RaggedKV.from_selection(S0, 4, K0, V0, total=2.5), ValueError, ["total"]),
+    ("capacity count", lambda: RaggedKV.allocate(torch.tensor([1]), 4, 1, 2, 16), ValueError, ["capacity"]),
+    ("allocate dtype", lambda: RaggedKV.allocate(torch.tensor([1, 1]), 4, 1, 2, 16, torch.int8), TypeError, ["dtype"]),
+]
+
+
+@pytest.mark.parametrize("what,call,exc,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input(what, call, exc, words):
+    with pytest.raises(exc) as e:
+        call()
+    for w in words:
+        assert w in str(e.value), (what, str(e.value))
+
+
+def test_append_kernel_compiles_ahead_of_time():
+    sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "ko_ptr": "*bf16", "vo_ptr": "*bf16", "pos_ptr": "*i64",
+           "start_ptr": "*i64", "len_ptr": "*i32", "next_ptr": "*i64", "H": "i32", "D": "i32", "skb": "i64",
+           "skh": "i64", "svb": "i64", "svh": "i64", "sko": "i64", "svo": "i64", "BLOCK_D": "constexpr"}
+    assert_compiles({"module": "tritonkv.cache", "kernel": "_ragged_append_kernel", "signature": sig,
+                     "constexprs": {"BLOCK_D": 128}})

@@ -1,0 +1,313 @@
+"""LagKV: scoring kernel, budget and paper modes, recursive form, against the NumPy oracle."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings, strategies as st
+
+import tritonkv
+from aot import assert_compiles
+from reference import lagkv as ref
+from reference.select import select as ref_select
+from tritonkv.kernels import lagkv as klag
+from tritonkv.kernels.lagkv import lagkv_scores
+from tritonkv.policies.lagkv import LagKV, LagKVState
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@st.composite
+def kv_case(draw, max_rows=2, scored=True):
+    """(keys, values, S, L): rows of P partitions plus a remainder; per-token scales spread the scores."""
+    S = draw(st.integers(0, 5))
+    L = draw(st.sampled_from([4, 5, 8, 13, 16, 32]))
+    P = draw(st.integers(2, 4)) if scored else draw(st.integers(0, 1))
+    N = max(1, S + P * L + draw(st.integers(0, L - 1)))
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, max_rows // B))
+    D = draw(st.sampled_from([2, 3, 16, 33, 64]))
+    dtype = draw(st.sampled_from(DTYPES))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scale = torch.exp(torch.rand(B, H, N, 1, generator=g) * 3 - 1.5)
+    keys = (torch.randn(B, H, N, D, generator=g) * scale).to(dtype)
+    values = (torch.randn(B, H, N, D, generator=g) * scale.flip(2)).to(dtype)
+    return keys, values, S, L
+
+
+def rows(keys, values):
+    """(b, h, K, V) per row, the rounded inputs as float64 NumPy arrays for the oracle."""
+    B, H = keys.shape[:2]
+    for b in range(B):
+        for h in range(H):
+            yield b, h, keys[b, h].double().numpy(), values[b, h].double().numpy()
+
+
+def separated(score, S, L, rel=1e-5):
+    """True when, in every scored partition, distinct oracle scores differ by more than rel·max."""
+    for j in range(ref.num_partitions(len(score), S, L) - 1):
+        s = np.sort(score[S + j * L: S + (j + 1) * L])
+        if np.diff(s).min() <= rel * s.max():
+            return False
+    return True
+
+
+@given(case=kv_case())
+def test_scores_and_ranks_match_oracle(case):
+    keys, values, S, L = case
+    raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)
+    rank = lagkv_scores(keys, values, sink=S, lag=L, rank=True)
+    assert raw.dtype == torch.float32 and raw.shape == keys.shape[:3]
+    for b, h, K, V in rows(keys, values):
+        s = ref.lag_scores(K, V, S, L)[0]
+        sc = ~np.isnan(s)
+        assert np.isinf(raw[b, h].numpy()[~sc]).all() and np.isinf(rank[b, h].numpy()[~sc]).all()
+        np.testing.assert_allclose(raw[b, h].numpy()[sc], s[sc], rtol=1e-5, atol=1e-7)
+        if separated(s, S, L):
+            np.testing.assert_array_equal(rank[b, h].numpy()[sc], ref.ranks(s, S, L)[sc].astype(np.float32))
+
+
+@settings(max_examples=10)
+@given(case=kv_case(), parts=st.integers(1, 3))
+def test_grid_and_blocks_do_not_change_scores(case, parts):
+    """Runs of several partitions per program (min/max carried down the run) and token/rank tiles
+    smaller than a partition give bit-identical scores."""
+    keys, values, S, L = case
+    base = lagkv_scores(keys, values, sink=S, lag=L, rank=True)
+    orig = klag._blocks
+
+    def small(lag, d, n_scored, rows_, p):
+        pp, bl, bt, bd, bj = orig(lag, d, n_scored, rows_, p)
+        return pp, bl, max(1, bl // 4), bd, max(1, bl // 2)
+
+    try:
+        klag._blocks = small
+        tiled = lagkv_scores(keys, values, sink=S, lag=L, rank=True, parts=parts)
+        raw_tiled = lagkv_scores(keys, values, sink=S, lag=L, rank=False, parts=parts)
+    finally:
+        klag._blocks = orig
+    assert torch.equal(base, tiled)
+    assert torch.equal(lagkv_scores(keys, values, sink=S, lag=L, rank=False), raw_tiled)
+
+
+@given(case=kv_case(), data=st.data())
+def test_budget_mode_matches_oracle(case, data):
+    keys, values, S, L = case
+    N = keys.shape[2]
+    pol = LagKV(sink=S, lag=L)
+    P, tail = ref.num_partitions(N, S, L), ref.tail_len(N, S, L)
+    assert pol.tail(N) == tail
+    k = data.draw(st.integers(S + tail, N - 1))
+    budget = data.draw(st.sampled_from([k, k / N]))
+    k = tritonkv.resolve_budget(budget, N)
+    assume(k >= S + tail)
+    assert pol.protected(N, k) == (S, tail)
+    out = tritonkv.compress((keys, values), pol, budget)
+    assert out.indices.shape == keys.shape[:2] + (k,)
+    q, rem = divmod(k - S - tail, P - 1)
+    for b, h, K, V in rows(keys, values):
+        idx = out.indices[b, h].numpy()
+        # the quota holds whatever the scores: q per partition, one more in the first rem
+        part = (idx[(idx >= S) & (idx < S + (P - 1) * L)] - S) // L
+        np.testing.assert_array_equal(np.bincount(part, minlength=P - 1), [q + (j < rem) for j in range(P - 1)])
+        if separated(ref.lag_scores(K, V, S, L)[0], S, L):
+            np.testing.assert_array_equal(idx, ref.budget_keep(K, V, S, L, k))
+        assert torch.equal(out.keys[b, h], keys[b, h, idx]) and torch.equal(out.values[b, h], values[b, h, idx])
+
+
+@given(case=kv_case(), data=st.data())
+def test_cross_scoring_selects_top_raw_scores(case, data):
+    keys, values, S, L = case
+    N = keys.shape[2]
+    pol = LagKV(sink=S, lag=L, cross_scoring=True)
+    tail = ref.tail_len(N, S, L)
+    k = data.draw(st.integers(S + tail, N - 1))
+    out = tritonkv.compress((keys, values), pol, k)
+    for b, h, K, V in rows(keys, values):
+        s = ref.lag_scores(K, V, S, L)[0]
+        srt = np.sort(s[~np.isnan(s)])
+        if np.diff(srt).min() > 1e-5 * srt.max():
+            np.testing.assert_array_equal(out.indices[b, h].numpy(), ref_select(np.nan_to_num(s), k, S, tail))
+
+
+@given(case=kv_case(), ratio=st.sampled_from([0.5, 0.25, 1 / 6, 0.125, 1.0, 0.01]))
+def test_paper_mode_matches_oracle(case, ratio):
+    keys, values, S, L = case
+    N = keys.shape[2]
+    pol = LagKV(sink=S, lag=L, ratio=ratio)
+    ko, vo, idx = pol.paper(keys, values)
+    assert idx.shape[-1] == pol.kept_count(N) == ref.paper_count(N, S, L, ratio)  # Eq. 10
+    for b, h, K, V in rows(keys, values):
+        if separated(ref.lag_scores(K, V, S, L)[0], S, L):
+            np.testing.assert_array_equal(idx[b, h].numpy(), ref.paper_keep(K, V, S, L, ratio))
+        i = idx[b, h]
+        assert torch.equal(ko[b, h], keys[b, h, i]) and torch.equal(vo[b, h], values[b, h, i])
+
+
+@st.composite
+def chunkings(draw, n):
+    """Chunk sizes summing to n (empty chunks included)."""
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=6)))
+    return np.diff([0] + cuts + [n]).tolist()
+
+
+@settings(max_examples=15)
+@given(case=kv_case(), ratio=st.sampled_from([0.5, 0.25, 0.125]), data=st.data())
+def test_recursive_form_equals_one_shot(case, ratio, data):
+    """After ANY chunking the recursive state equals paper mode on all tokens; |U| < 2L after every append."""
+    keys, values, S, L = case
+    N = keys.shape[2]
+    chunks = data.draw(chunkings(N))
+    state = LagKV(sink=S, lag=L, ratio=ratio).new_state()
+    t = 0
+    for n in chunks:
+        state.append(keys[:, :, t:t + n], values[:, :, t:t + n])
+        t += n
+        assert state.tail_len < 2 * L and len(state) == state.keys.shape[2] == state.indices.shape[2]
+    ko, vo, idx = LagKV(sink=S, lag=L, ratio=ratio).paper(keys, values)
+    assert torch.equal(state.indices, idx)
+    assert torch.equal(state.keys, ko) and torch.equal(state.values, vo)
+    for b, h, K, V in rows(keys, values):  # an independent NumPy recursive implementation agrees
+        if separated(ref.lag_scores(K, V, S, L)[0], S, L):
+            np.testing.assert_array_equal(idx[b, h].numpy(), ref.recursive_keep(K, V, S, L, ratio, chunks))
+
+
+@given(case=kv_case(scored=False), data=st.data())
+def test_short_rows(case, data):
+    """N < S + 2L: nothing is scored; paper mode keeps everything, budget mode is StreamingLLM."""
+    keys, values, S, L = case
+    N = keys.shape[2]
+    assert torch.isinf(lagkv_scores(keys, values, sink=S, lag=L)).all()
+    pol = LagKV(sink=S, lag=L)
+    ko, vo, idx = pol.paper(keys, values)
+    assert ko is keys and vo is values and torch.equal(idx[0, 0], torch.arange(N))
+    assume(N > max(S, 1))
+    k = data.draw(st.integers(max(S, 1), N - 1))
+    assert pol.protected(N, k) == (S, k - S)
+    out = tritonkv.compress((keys, values), pol, k)
+    for b, h, K, V in rows(keys, values):
+        np.testing.assert_array_equal(out.indices[b, h].numpy(), ref.budget_keep(K, V, S, L, k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_constant_channels_give_finite_scores(dtype):
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(1, 2, 4 + 5 * 8 + 3, 16, generator=g)
+    values = torch.randn(1, 2, keys.shape[2], 16, generator=g)
+    keys[..., :5] = 0.5  # constant over all tokens
+    values[..., 3] = -2.0
+    values[:, :, 4 + 8: 4 + 16] = 1.0  # a whole constant reference partition (every channel)
+    keys, values = keys.to(dtype), values.to(dtype)
+    for rank in (False, True):
+        s = lagkv_scores(keys, values, sink=4, lag=8, rank=rank)
+        assert torch.isfinite(s[..., 4: 4 + 4 * 8]).all()
+    raw = lagkv_scores(keys, values, sink=4, lag=8, rank=False)
+    for b, h, K, V in rows(keys, values):
+        s = ref.lag_scores(K, V, 4, 8)[0]
+        sc = ~np.isnan(s)
+        np.testing.assert_allclose(raw[b, h].numpy()[sc], s[sc], rtol=1e-5, atol=1e-7)
+
+
+@settings(max_examples=15)
+@given(case=kv_case(), seed=st.integers(0, 1000))
+def test_per_channel_affine_maps_leave_scores_unchanged(case, seed):
+    keys, values, S, L = case
+    keys, values = keys.float(), values.float()
+    g = torch.Generator().manual_seed(seed)
+    D = keys.shape[-1]
+    a_k, a_v = torch.rand(D, generator=g) * 3 + 0.25, torch.rand(D, generator=g) * 3 + 0.25
+    b_k, b_v = torch.randn(D, generator=g) * 5, torch.randn(D, generator=g) * 5
+    s0 = lagkv_scores(keys, values, sink=S, lag=L, rank=False)
+    s1 = lagkv_scores(keys * a_k + b_k, values * a_v + b_v, sink=S, lag=L, rank=False)
+    fin = torch.isfinite(s0)
+    assert torch.equal(fin, torch.isfinite(s1))
+    torch.testing.assert_close(s1[fin], s0[fin], rtol=1e-4, atol=1e-6)
+
+
+@given(case=kv_case())
+def test_softmax_sums_to_one_per_partition(case):
+    """Σ_{t∈π_j} φ_Z[t] = 1: the raw score sums to 2 per partition, and to 2·φ_K when V = K."""
+    keys, values, S, L = case
+    N = keys.shape[2]
+    P = ref.num_partitions(N, S, L)
+    parts = slice(S, S + (P - 1) * L)
+    raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)[..., parts]
+    sums = raw.reshape(*raw.shape[:2], P - 1, L).double().sum(-1)
+    torch.testing.assert_close(sums, torch.full_like(sums, 2.0), rtol=0, atol=1e-5)
+    same = lagkv_scores(keys, keys, sink=S, lag=L, rank=False)[..., parts]
+    for b, h, K, _ in rows(keys, values):
+        np.testing.assert_allclose(same[b, h].numpy(), 2 * ref.lag_scores(K, K, S, L)[1][parts], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_equal_scores_give_lower_index_the_higher_rank(dtype):
+    S, L, D = 2, 8, 16
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(1, 1, S + 4 * L, D, generator=g)
+    values = torch.randn(1, 1, S + 4 * L, D, generator=g)
+    p2 = slice(S + 2 * L, S + 3 * L)
+    keys[:, :, p2], values[:, :, p2] = keys[:, :, S + 2 * L: S + 2 * L + 1], values[:, :, S + 2 * L: S + 2 * L + 1]
+    keys[:, :, S + 5], values[:, :, S + 5] = keys[:, :, S + 2], values[:, :, S + 2]  # a duplicate in partition 0
+    keys, values = keys.to(dtype), values.to(dtype)
+    rank = lagkv_scores(keys, values, sink=S, lag=L)[0, 0]
+    raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)[0, 0]
+    assert raw[S + 2] == raw[S + 5] and rank[S + 2] == rank[S + 5] + 1 / L
+    assert sorted((rank[S: S + L] * L).tolist()) == list(range(L))
+    # partition 2: L identical tokens rank L-1, L-2, ..., 0
+    torch.testing.assert_close(rank[p2], torch.arange(L - 1, -1, -1) / L, rtol=0, atol=0)
+    # budget mode, one selectable token per scored partition: partition 2 keeps its first token
+    out = tritonkv.compress((keys, values), LagKV(sink=S, lag=L), S + L + 3)
+    kept = out.indices[0, 0].tolist()
+    assert S + 2 * L in kept and all(i not in kept for i in range(S + 2 * L + 1, S + 3 * L))
+
+
+def test_strided_inputs():
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 50, 3, 16, generator=g)  # [B, N, H, D] storage
+    keys, values = base.permute(0, 2, 1, 3), (base * 2 + 1).flip(-1).permute(0, 2, 1, 3)
+    a = lagkv_scores(keys, values, sink=3, lag=8)
+    b = lagkv_scores(keys.contiguous(), values.contiguous(), sink=3, lag=8)
+    assert torch.equal(a, b)
+
+
+def test_default_settings_and_registry():
+    pol = tritonkv.get_policy("lagkv")
+    assert isinstance(pol, LagKV) and (pol.sink, pol.lag, pol.ratio, pol.cross_scoring) == (16, 128, 0.5, False)
+    assert pol.keep == 64 and LagKV(ratio=1 / 6).keep == 21 and LagKV(lag=100, ratio=0.29).keep == 29
+    assert pol.kept_count(16 + 5 * 128 + 7) == 16 + 64 * 4 + 128 + 7
+
+
+def test_bad_input():
+    k = torch.randn(1, 2, 40, 8)
+    pol = LagKV(sink=4, lag=8)  # P = 4, tail = 12
+    with pytest.raises(ValueError, match="budget"):
+        pol.protected(40, 15)
+    with pytest.raises(ValueError, match="budget"):
+        tritonkv.compress((k, k), pol, 15)
+    with pytest.raises(ValueError, match="budget"):
+        LagKV(sink=4, lag=32).protected(40, 3)  # short row: below the sinks
+    for kw, arg in [({"lag": 0}, "lag"), ({"ratio": 0.0}, "ratio"), ({"ratio": 1.5}, "ratio"),
+                    ({"window": 4}, "window"), ({"sink": -1}, "sink"), ({"eps": 0.0}, "eps")]:
+        with pytest.raises(ValueError, match=arg):
+            LagKV(**kw)
+    with pytest.raises(ValueError, match="head dim"):
+        lagkv_scores(torch.randn(1, 1, 40, 1), torch.randn(1, 1, 40, 1), sink=4, lag=8)
+    with pytest.raises(ValueError, match="values"):
+        lagkv_scores(k, k[:, :1], sink=4, lag=8)
+    with pytest.raises(TypeError, match="keys"):
+        lagkv_scores(k.long(), k, sink=4, lag=8)
+    state = LagKVState(sink=4, lag=8)
+    with pytest.raises(ValueError, match="nothing appended"):
+        state.keys
+    state.append(k[:, :, :5], k[:, :, :5])
+    with pytest.raises(ValueError, match="keys"):
+        state.append(torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8))
+
+
+def test_lagkv_kernel_compiles_ahead_of_time():
+    sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*fp32", "tmp_ptr": "*fp32", "H": "i32",
+           "skb": "i64", "skh": "i64", "skn": "i64", "svb": "i64", "svh": "i64", "svn": "i64", "N": "i32",
+           "D": "i32", "sink": "i32", "lag": "i32", "n_scored": "i32", "parts": "i32", "eps": "fp32",
+           "BLOCK_L": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "BLOCK_J": "constexpr",
+           "RANK": "constexpr"}
+    # RANK=True compiles every line of the kernel (RANK=False is the same code minus the rank loop)
+    assert_compiles({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_score_kernel", "signature": sig,
+                     "constexprs": {"BLOCK_L": 128, "BLOCK_T": 32, "BLOCK_D": 128, "BLOCK_J": 64, "RANK": True}})

@@ -1,0 +1,304 @@
+"""``RaggedKV``: per-head KV caches of different lengths, stored without padding.
+
+Per layer, keys and values are flat ``[T_cap, D]`` tensors. Row ``r = b·H_kv + h`` owns
+``[row_start[r], row_start[r] + length[r])`` (``row_start`` int64 ``[R+1]``, ``length`` int32
+``[R]``); the gap up to ``row_start[r+1]`` is slack, so a decode step appends one token per row in
+place and copies nothing else. Each row's capacity is ``length + slack`` rounded up to ``align``
+(16) tokens. The original position of every kept token (int64, -1 in the slack) is kept beside it:
+policies and later compressions need it. The padded ``[B, H, cap, D]`` layout is the
+equal-capacity special case; ``tritonkv.kernels.decode_attention`` serves both.
+
+Static sizes. Shapes never depend on tensor values, so nothing here reads a budget back to the
+host: the flat capacity ``T_cap`` is a static int. ``from_selection`` takes it from ``total``, a
+static upper bound on the number of kept tokens of the layer (the allocator's total, e.g.
+``B·H_kv·k``), and adds the worst-case slack and rounding, ``R·(slack + align - 1)``; without
+``total`` it uses ``R·k_max`` (every row full), which is safe but frees no memory. A wrong (too
+small) ``total`` cannot write out of bounds: rows past ``T_cap`` keep fewer tokens. Host reads
+happen only in ``repack`` (when some row is full), ``to_padded()`` without ``cap``, and ``check()``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .kernels import select as _select
+from .kernels._common import FLOAT_DTYPES, check_kv_tensor, launch, next_pow2, triton_op
+
+
+@triton.jit
+def _ragged_append_kernel(k_ptr, v_ptr, ko_ptr, vo_ptr, pos_ptr, start_ptr, len_ptr, next_ptr,
+                          H, D, skb, skh, svb, svh, sko, svo, BLOCK_D: tl.constexpr):
+    """Row r: copy the new token of (b, h) to ``row_start[r] + length[r]`` if the row has room,
+    record its position and bump ``length`` and the next position (one program per row: no race)."""
+    r = tl.program_id(0).to(tl.int64)
+    start = tl.load(start_ptr + r)
+    end = tl.load(start_ptr + r + 1)
+    n = tl.load(len_ptr + r)
+    slot = start + n.to(tl.int64)
+    if slot < end:
+        b = r // H
+        h = r % H
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        kv = tl.load(k_ptr + b * skb + h * skh + d, mask=dm)  # a plain copy: no arithmetic
+        tl.store(ko_ptr + slot * sko + d, kv, mask=dm)
+        vv = tl.load(v_ptr + b * svb + h * svh + d, mask=dm)
+        tl.store(vo_ptr + slot * svo + d, vv, mask=dm)
+        p = tl.load(next_ptr + r)
+        tl.store(pos_ptr + slot, p)
+        tl.store(next_ptr + r, p + 1)
+        tl.store(len_ptr + r, n + 1)
+
+
+@triton_op("tritonkv::ragged_append", mutates_args={"keys", "values", "positions", "length", "next_position"})
+def ragged_append(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  positions: torch.Tensor, row_start: torch.Tensor, length: torch.Tensor,
+                  next_position: torch.Tensor, num_heads: int) -> None:
+    """The raw op: ``k, v [B, H, 1, D]`` (unit-stride last dim) appended in place to the flat rows."""
+    R = k.shape[0] * k.shape[1]
+    D = k.shape[3]
+    if R > 0:
+        launch(_ragged_append_kernel, (R,), k, v, keys, values, positions, row_start, length, next_position,
+               num_heads, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1), keys.stride(0), values.stride(0),
+               BLOCK_D=next_pow2(D))
+
+
+def _round_up(x: torch.Tensor, align: int) -> torch.Tensor:
+    return (x + (align - 1)) // align * align
+
+
+def _starts(cap: torch.Tensor) -> torch.Tensor:
+    """int64 ``[R+1]``: 0 then the inclusive cumsum of the row capacities (on the device)."""
+    return torch.cat([cap.new_zeros(1), cap.cumsum(0)]).to(torch.int64)
+
+
+def _check_int(name: str, x, lo: int = 0) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
+    return x
+
+
+class RaggedKV:
+    """One layer's compressed KV cache with per-row lengths and slack (see the module docstring).
+
+    Attributes:
+        keys, values: ``[T_cap, D]`` flat storage.
+        row_start: int64 ``[R+1]`` (monotone; ``row_start[R] <= T_cap``).
+        length: int32 ``[R]`` tokens held by each row (``lengths`` is the ``[B, H_kv]`` view).
+        batch, num_heads: B and H_kv (R = B·H_kv).
+        max_capacity: static int bounding every row's capacity (sets decode attention's split count).
+        slack, align: free tokens (at least) per row after a build or re-pack, and the rounding.
+    """
+
+    def __init__(self, keys, values, positions, row_start, length, next_position, *, batch: int, num_heads: int,
+                 max_capacity: int, slack: int = 16, align: int = 16, free: int = 0):
+        self.keys, self.values = keys, values
+        self._positions = positions
+        self.row_start, self.length = row_start, length
+        self.next_position = next_position  # int64 [R]: position given to the next appended token
+        self.batch, self.num_heads = batch, num_heads
+        self.max_capacity = max_capacity
+        self.slack, self.align = slack, align
+        self._free = free  # host-side lower bound on every row's free slots (0: unknown)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def allocate(cls, capacity: torch.Tensor, total_capacity: int, B: int, H: int, D: int, dtype=torch.bfloat16,
+                 device=None, *, max_capacity: Optional[int] = None, slack: int = 16, align: int = 16) -> "RaggedKV":
+        """Empty rows with the given capacities (int ``[B*H]`` device tensor).
+
+        ``total_capacity`` (static int) is ``T_cap``; capacities beyond it are cut. ``max_capacity``
+        (static int, default ``total_capacity``) must bound every row's capacity. ``row_start`` is a
+        device cumsum: nothing is read back.
+        """
+        R = _check_int("B", B, 1) * _check_int("H", H, 1)
+        total_capacity = _check_int("total_capacity", total_capacity)
+        _check_int("D", D, 1)
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        if not isinstance(capacity, torch.Tensor) or capacity.numel() != R or capacity.dtype.is_floating_point:
+            raise ValueError(f"capacity must be an integer tensor of B*H = {R} entries")
+        device = capacity.device if device is None else torch.device(device)
+        cap = capacity.reshape(R).to(device=device, dtype=torch.int64).clamp(min=0)
+        row_start = _starts(cap).clamp(max=total_capacity)
+        T = max(total_capacity, 1)
+        return cls(torch.empty((T, D), dtype=dtype, device=device), torch.empty((T, D), dtype=dtype, device=device),
+                   torch.full((T,), -1, dtype=torch.int64, device=device), row_start,
+                   torch.zeros(R, dtype=torch.int32, device=device), torch.zeros(R, dtype=torch.int64, device=device),
+                   batch=B, num_heads=H, max_capacity=total_capacity if max_capacity is None else int(max_capacity),
+                   slack=_check_int("slack", slack), align=_check_int("align", align, 1))
+
+    @classmethod
+    def from_selection(cls, scores, budgets, keys, values, sink: int = 0, window: int = 0, slack: int = 16,
+                       forced=None, *, total: Optional[int] = None, k_max: Optional[int] = None,
+                       align: int = 16) -> "RaggedKV":
+        """Select with the shared kernel straight into ragged rows (no padded intermediate).
+
+        ``scores`` fp32 ``[B, H, N]``, ``budgets`` an int or int ``[B*H]`` device tensor (tokens kept
+        per row, protected ones included), ``keys``/``values`` ``[B, H, N, D]``. Static ints:
+        ``k_max`` bounds every row's budget (default N); ``total`` bounds the sum of the kept
+        tokens (default ``B*H*k_max``); see the module docstring.
+        """
+        def select(eff, k_max, out):
+            return _select.select_kv(scores, eff, keys, values, k_max, sink=sink, window=window, forced=forced,
+                                     out=out)
+
+        return cls._build(select, budgets, keys, values, slack, total, k_max, align)
+
+    @classmethod
+    def from_policy(cls, policy, scores, budgets, keys, values, *, sink: int = 0, window: int = 0, slack: int = 16,
+                    total: Optional[int] = None, k_max: Optional[int] = None, align: int = 16,
+                    **inputs) -> "RaggedKV":
+        """Like ``from_selection`` through ``policy.select`` (score-transform policies such as
+        CriticalKV and SCORE override it and write into the same ragged ``out``)."""
+        def select(eff, k_max, out):
+            return policy.select(scores, eff, keys, values, sink=sink, window=window, k_max=k_max, out=out, **inputs)
+
+        return cls._build(select, budgets, keys, values, slack, total, k_max, align)
+
+    @classmethod
+    def _build(cls, select, budgets, keys, values, slack, total, k_max, align) -> "RaggedKV":
+        check_kv_tensor("keys", keys)
+        check_kv_tensor("values", values)
+        if values.shape != keys.shape or values.dtype != keys.dtype:
+            raise ValueError(f"values must have the shape and dtype of keys {tuple(keys.shape)} {keys.dtype}, "
+                             f"got {tuple(values.shape)} {values.dtype}")
+        slack, align = _check_int("slack", slack), _check_int("align", align, 1)
+        B, H, N, D = keys.shape
+        R = B * H
+        dev = keys.device
+        k_max = N if k_max is None else min(_check_int("k_max", k_max), N)
+        total = R * k_max if total is None else _check_int("total", total)
+        T = max(total + R * (slack + align - 1), 1)  # static: worst-case slack + rounding on every row
+        want = _select.budget_tensor(budgets, R, dev).to(torch.int64).clamp(0, k_max)
+        row_start = _starts(_round_up(want + slack, align)).clamp(max=T)
+        eff = torch.minimum(want, row_start[1:] - row_start[:-1]).to(torch.int32)  # rows past T shrink
+        out = _select.Out(keys=torch.empty((T, D), dtype=keys.dtype, device=dev),
+                          values=torch.empty((T, D), dtype=values.dtype, device=dev),
+                          indices=torch.full((T,), -1, dtype=torch.int64, device=dev),
+                          start=row_start[:-1], lengths=torch.empty(R, dtype=torch.int32, device=dev))
+        select(eff, k_max, out)
+        return cls(out.keys, out.values, out.indices, row_start, out.lengths,
+                   torch.full((R,), N, dtype=torch.int64, device=dev), batch=B, num_heads=H,
+                   max_capacity=max(-(-(k_max + slack) // align) * align, 1), slack=slack, align=align, free=slack)
+
+    # -- views ------------------------------------------------------------------------------------
+    @property
+    def lengths(self) -> torch.Tensor:
+        """int32 ``[B, H_kv]`` tokens held per row."""
+        return self.length.view(self.batch, self.num_heads)
+
+    @property
+    def capacity(self) -> torch.Tensor:
+        """int64 ``[B, H_kv]`` capacity of each row (length + free slots)."""
+        return (self.row_start[1:] - self.row_start[:-1]).view(self.batch, self.num_heads)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 ``[T_cap]`` original position of every stored token (-1 in the slack)."""
+        return self._positions
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the storage and its metadata."""
+        ts = (self.keys, self.values, self._positions, self.row_start, self.length, self.next_position)
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def __repr__(self):
+        return (f"RaggedKV(B={self.batch}, H_kv={self.num_heads}, D={self.head_dim}, T_cap={self.keys.shape[0]}, "
+                f"max_capacity={self.max_capacity}, dtype={self.dtype}, device={self.device})")
+
+    # -- decoding ---------------------------------------------------------------------------------
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> "RaggedKV":
+        """Append one token per row (``k, v [B, H_kv, 1, D]``) in place; ``length += 1``.
+
+        No host read while the static bound on free slots lasts (``slack`` appends after a build
+        or re-pack); then one read of the true minimum, and a ``repack`` if some row is full.
+        """
+        for name, t in (("k", k), ("v", v)):
+            check_kv_tensor(name, t)
+            if tuple(t.shape) != (self.batch, self.num_heads, 1, self.head_dim):
+                raise ValueError(f"{name} must be [B, H_kv, 1, D] = {(self.batch, self.num_heads, 1, self.head_dim)}, "
+                                 f"got {tuple(t.shape)}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} must have the cache's dtype {self.dtype}, got {t.dtype}")
+        if self._free <= 0:
+            self._free = int((self.capacity - self.lengths).amin()) if self.length.numel() else 1
+            if self._free <= 0:
+                self.repack()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        ragged_append(k, v, self.keys, self.values, self._positions, self.row_start, self.length,
+                      self.next_position, self.num_heads)
+        self._free -= 1
+        return self
+
+    def repack(self, slack: Optional[int] = None) -> "RaggedKV":
+        """Re-lay rows with ``capacity = round_up(length + max(slack, 1), align)`` (copies the cache;
+        one host read for the new static sizes)."""
+        slack = max(self.slack if slack is None else _check_int("slack", slack), 1)
+        R = self.length.numel()
+        length = self.length.to(torch.int64)
+        cap = _round_up(length + slack, self.align)
+        start = _starts(cap)
+        total, max_cap = (torch.stack([start[-1], cap.max()]).tolist() if R else (0, 0))
+        t = torch.arange(max(total, 1), device=self.device)
+        r = torch.searchsorted(start[1:], t, right=True).clamp(max=max(R - 1, 0))
+        j = t - start[r]
+        valid = j < length[r]
+        src = (self.row_start[r] + j).clamp(0, self.keys.shape[0] - 1)
+        self.keys = torch.where(valid[:, None], self.keys[src], 0)
+        self.values = torch.where(valid[:, None], self.values[src], 0)
+        self._positions = torch.where(valid, self._positions[src], -1)
+        self.row_start = start
+        self.max_capacity = max(int(max_cap), 1)
+        self._free = slack
+        return self
+
+    def to_padded(self, cap: Optional[int] = None, *, with_positions: bool = False):
+        """``(K [B, H, cap, D], V, lengths int32 [B, H])`` zero-padded (and int64 positions, -1 padded).
+
+        ``cap`` defaults to the longest row (one host read); rows longer than ``cap`` are cut.
+        """
+        if cap is None:
+            cap = int(self.length.max()) if self.length.numel() else 0
+        cap = _check_int("cap", cap)
+        B, H, D = self.batch, self.num_heads, self.head_dim
+        j = torch.arange(cap, device=self.device)
+        valid = j[None, :] < self.length[:, None]
+        src = (self.row_start[:-1, None] + j[None, :]).clamp(0, self.keys.shape[0] - 1)
+        K = torch.where(valid[..., None], self.keys[src], 0).view(B, H, cap, D)
+        V = torch.where(valid[..., None], self.values[src], 0).view(B, H, cap, D)
+        lengths = self.length.clamp(max=cap).view(B, H)
+        if with_positions:
+            return K, V, lengths, torch.where(valid, self._positions[src], -1).view(B, H, cap)
+        return K, V, lengths
+
+    def check(self) -> None:
+        """Validate the layout invariants on the host (debugging and tests; reads the metadata back)."""
+        rs = self.row_start.cpu()
+        ln = self.length.cpu().to(torch.int64)
+        cap = rs[1:] - rs[:-1]
+        if rs.numel() != ln.numel() + 1 or rs[0] != 0 or not bool((cap >= 0).all()):
+            raise ValueError("row_start must start at 0 and be non-decreasing")
+        if int(rs[-1]) > self.keys.shape[0]:
+            raise ValueError(f"row_start ends at {int(rs[-1])}, past T_cap = {self.keys.shape[0]}")
+        if not bool(((ln >= 0) & (ln <= cap)).all()):
+            raise ValueError("length must lie in [0, capacity] for every row")
+        if ln.numel() and int(cap.max()) > self.max_capacity:
+            raise ValueError(f"a row's capacity {int(cap.max())} exceeds max_capacity {self.max_capacity}")

@@ -1,0 +1,307 @@
+"""Split-K grouped-query decode attention over a ragged (or padded) KV cache.
+
+One query token per (batch row, query head) attends to the kept tokens of its KV head. The cache
+is either
+
+* ragged (``tritonkv.RaggedKV``): flat ``K, V [T_cap, D]``, row ``r = b·H_kv + h`` owning
+  ``[row_start[r], row_start[r] + length[r])``; or
+* dense/padded: ``K, V [B, H_kv, cap, D]`` (any strides, last dim unit-stride) with optional
+  ``lengths`` — the equal-capacity special case, served by the same kernel with row start 0 and
+  the row's base pointer from the batch/head strides.
+
+Two launches (``shared/notes/kernels.md`` §5):
+
+1. grid ``(S, R)``: program ``(s, r)`` takes the FIXED token range ``[s·SPLIT, (s+1)·SPLIT)`` of row
+   r, so rows of very different lengths get balanced work; a split past the row's length exits at
+   once. It loads the G query heads of KV head r together (padded to 16 for ``tl.dot`` on the
+   GPU), streams its tokens in ``BLOCK_N`` tiles with an online softmax (base 2) and writes the
+   normalised partial output ``[R, S, G, D]`` and its log-sum-exp ``[R, S, G]``;
+2. grid ``(R,)``: merges the partials of the row's non-empty splits (their count is re-derived
+   from ``length``, so nothing is read back on the host). A row of length 0 gives zeros and an
+   LSE of -inf, never NaN.
+
+``S`` (the split count) is a static int: ``ceil(max_capacity / SPLIT)`` from a capacity the
+caller knows (the padded cap, or ``RaggedKV.max_capacity``), never from the lengths' values.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, triton_op
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_ptr,
+                         H, G, D, S, sqb, sqh, skb, skh, skn, svb, svh, svn, qk_scale,
+                         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         GP: tl.constexpr, HAS_START: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    """Stage 1: one (split, row) -> partial O [G, D] and LSE (base 2) [G]."""
+    s = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1).to(tl.int64)
+    length = tl.load(len_ptr + r).to(tl.int64)
+    lo = s * SPLIT
+    if lo < length:
+        hi = tl.minimum(lo + SPLIT, length)
+        if HAS_START:
+            start = tl.load(start_ptr + r)
+        else:
+            start = tl.zeros([], dtype=tl.int64)
+        b = r // H
+        h = r % H
+        g = tl.arange(0, GP)
+        d = tl.arange(0, BLOCK_D)
+        gmask = g < G
+        dmask = d < D
+        q = tl.load(q_ptr + b * sqb + (h * G + g.to(tl.int64))[:, None] * sqh + d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)
+        if not NATIVE_DOT:
+            q = q.to(tl.float32)
+        k_row = k_ptr + b * skb + h * skh
+        v_row = v_ptr + b * svb + h * svh
+        m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
+        for t0 in range(lo, hi, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tmask = t < hi
+            tok = start + t
+            kvmask = tmask[:, None] & dmask[None, :]
+            k = tl.load(k_row + tok[:, None] * skn + d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(v_row + tok[:, None] * svn + d[None, :], mask=kvmask, other=0.0)
+            if NATIVE_DOT:  # fp16/bf16 operands, fp32 accumulation (GPU only)
+                qk = tl.dot(q, tl.trans(k))
+            else:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            qk = tl.where(tmask[None, :], qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has a valid token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if NATIVE_DOT:
+                pv = tl.dot(p.to(v.dtype), v)
+            else:
+                pv = tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        part = (r * S + s) * G + g.to(tl.int64)
+        tl.store(po_ptr + part[:, None] * D + d[None, :], acc / l_i[:, None],
+                 mask=gmask[:, None] & dmask[None, :])
+        tl.store(plse_ptr + part, m_i + tl.log2(l_i), mask=gmask)
+
+
+@triton.jit
+def _decode_merge_kernel(po_ptr, plse_ptr, len_ptr, o_ptr, lse_ptr, G, D, S,
+                         SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, GP: tl.constexpr):
+    """Stage 2: merge the non-empty splits of row r into O [G, D] and LSE (natural log) [G]."""
+    r = tl.program_id(0).to(tl.int64)
+    length = tl.load(len_ptr + r).to(tl.int64)
+    n_split = tl.minimum((length + SPLIT - 1) // SPLIT, S)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < G
+    m2 = gmask[:, None] & (d < D)[None, :]
+    m = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
+    for s in range(0, n_split):
+        part = (r * S + s) * G + g.to(tl.int64)
+        lse = tl.load(plse_ptr + part, mask=gmask, other=0.0)
+        o = tl.load(po_ptr + part[:, None] * D + d[None, :], mask=m2, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        l_sum = l_sum * alpha + w
+        m = m_new
+    nonempty = l_sum > 0.0
+    out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_sum, 1.0)[:, None], 0.0)
+    rows = r * G + g.to(tl.int64)
+    tl.store(o_ptr + rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=m2)
+    lse_out = tl.where(nonempty, (m + tl.log2(tl.where(nonempty, l_sum, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+    tl.store(lse_ptr + rows, lse_out, mask=gmask)
+
+
+def plan(max_capacity: int, total_tokens: int, split_tokens: Optional[int] = None, D: int = 128):
+    """Static launch plan ``(SPLIT, BLOCK_N, S)`` from static ints only.
+
+    ``SPLIT`` tokens per split (fixed for every row); ``S = ceil(max_capacity / SPLIT)`` splits per
+    row. On the GPU the default aims at ~4 programs per SM over the whole cache (``total_tokens``),
+    clamped to [BLOCK_N, 1024]; under the interpreter one split per row (fewest programs).
+    """
+    block_n = 64 if D <= 128 else 32
+    if INTERPRET:
+        block_n = min(256, max(16, next_pow2(max_capacity)))
+    if split_tokens is None:
+        if INTERPRET:
+            split = min(max(16, next_pow2(max_capacity)), 4096)
+        else:
+            split = min(max(next_pow2(-(-total_tokens // (4 * 132))), block_n), 1024)
+    else:
+        if isinstance(split_tokens, bool) or not isinstance(split_tokens, int) or split_tokens < 1:
+            raise ValueError(f"split_tokens must be a positive int, got {split_tokens!r}")
+        split = split_tokens
+    block_n = min(block_n, max(16, next_pow2(split)))
+    return split, block_n, max(1, -(-max(max_capacity, 0) // split))
+
+
+@triton_op("tritonkv::decode_attention", mutates_args={})
+def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor,
+                        lengths: torch.Tensor, scale: float, num_kv_heads: int, max_splits: int,
+                        split_tokens: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw op. ``q [B, H_q, 1, D]``; ragged ``keys/values [T, D]`` with ``row_start`` int64 [>= R],
+    or dense ``[B, H_kv, cap, D]`` with an empty ``row_start``; ``lengths`` int32 [R].
+
+    Returns ``(out [B, H_q, 1, D] in q's dtype, lse fp32 [B, H_q])`` (natural-log LSE, -inf for
+    empty rows).
+    """
+    B, Hq, _, D = q.shape
+    H = num_kv_heads
+    G = Hq // H
+    R = B * H
+    S = max_splits
+    dev = q.device
+    out = torch.empty((B, Hq, 1, D), dtype=q.dtype, device=dev)
+    lse = torch.empty((B, Hq), dtype=torch.float32, device=dev)
+    part_o = torch.empty((R, S, G, D), dtype=torch.float32, device=dev)
+    part_lse = torch.empty((R, S, G), dtype=torch.float32, device=dev)
+    has_start = row_start.numel() > 0
+    if has_start:
+        kstr = (0, 0, keys.stride(0))
+        vstr = (0, 0, values.stride(0))
+    else:
+        kstr = (keys.stride(0), keys.stride(1), keys.stride(2))
+        vstr = (values.stride(0), values.stride(1), values.stride(2))
+    native = (not INTERPRET) and q.dtype != torch.float32
+    GP = next_pow2(G) if INTERPRET else max(16, next_pow2(G))
+    BLOCK_D = next_pow2(D) if INTERPRET else max(16, next_pow2(D))
+    if R > 0:
+        launch(_decode_split_kernel, (S, R), q, keys, values, row_start, lengths, part_o, part_lse,
+               H, G, D, S, q.stride(0), q.stride(1), *kstr, *vstr, scale * LOG2E,
+               SPLIT=split_tokens, BLOCK_N=block_n, BLOCK_D=BLOCK_D, GP=GP, HAS_START=has_start,
+               NATIVE_DOT=native)
+        launch(_decode_merge_kernel, (R,), part_o, part_lse, lengths, out, lse, G, D, S,
+               SPLIT=split_tokens, BLOCK_D=BLOCK_D, GP=next_pow2(G))
+    return out, lse
+
+
+# ------------------------------------------------------------------------------------------------
+# Python wrappers
+
+
+def _check_q(q, D: Optional[int], H: int, B: Optional[int]):
+    check_kv_tensor("q", q)
+    if q.shape[2] != 1:
+        raise ValueError(f"q must be one decode token per head, [B, H_q, 1, D]; got shape {tuple(q.shape)}")
+    if q.shape[1] % H != 0:
+        raise ValueError(f"q: H_q = {q.shape[1]} must be a multiple of the {H} KV heads")
+    if D is not None and q.shape[3] != D:
+        raise ValueError(f"q: head dim {q.shape[3]} differs from the cache's {D}")
+    if B is not None and q.shape[0] != B:
+        raise ValueError(f"q: batch {q.shape[0]} differs from the cache's {B}")
+
+
+def _lengths_tensor(lengths, B: int, H: int, cap: int, device) -> torch.Tensor:
+    if lengths is None:
+        return torch.full((B * H,), cap, dtype=torch.int32, device=device)
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+        raise TypeError("lengths must be an integer tensor of shape [B], [B, H_kv] or [B*H_kv]")
+    if lengths.shape in ((B,), (B, 1)):
+        lengths = lengths.reshape(B, 1).expand(B, H)
+    elif lengths.numel() != B * H:
+        raise ValueError(f"lengths must have shape [B]={B}, [B, H_kv]=({B}, {H}) or [B*H_kv], got {tuple(lengths.shape)}")
+    return lengths.reshape(B * H).to(device=device, dtype=torch.int32).clamp(0, cap).contiguous()
+
+
+def decode_attention(q: torch.Tensor, kv, lengths: Optional[torch.Tensor] = None, *, scale: Optional[float] = None,
+                     split_tokens: Optional[int] = None, return_lse: bool = False):
+    """Attention of one decode token per head over a compressed cache.
+
+    Args:
+        q: ``[B, H_q, 1, D]`` queries (RoPE applied), ``H_q = G·H_kv``; query head ``j`` reads KV
+            head ``j // G``.
+        kv: a ``tritonkv.RaggedKV``, or a ``(keys, values)`` pair of dense ``[B, H_kv, cap, D]``.
+        lengths: dense caches only: valid tokens per row, ``[B]`` or ``[B, H_kv]`` (default ``cap``).
+        scale: softmax scale (default ``1/sqrt(D)``).
+        split_tokens: tokens per split (default from the cache's static size).
+        return_lse: also return the natural-log LSE ``fp32 [B, H_q]`` (-inf for empty rows), to
+            merge with attention over other tokens.
+
+    Returns ``out [B, H_q, 1, D]`` in q's dtype (zeros for rows of length 0), and the LSE if asked.
+    """
+    if hasattr(kv, "row_start"):  # RaggedKV
+        return decode_attention_ragged(q, kv.keys, kv.values, kv.row_start, kv.length, kv.num_heads,
+                                       kv.max_capacity, scale=scale, split_tokens=split_tokens, return_lse=return_lse)
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        raise TypeError("kv must be a RaggedKV or a (keys, values) pair of [B, H_kv, cap, D] tensors")
+    keys, values = kv
+    check_kv_tensor("keys", keys)
+    check_kv_tensor("values", values)
+    if values.shape != keys.shape:
+        raise ValueError(f"values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
+    B, H, cap, D = keys.shape
+    _check_q(q, D, H, B)
+    _check_dtypes(q, keys, values)
+    lens = _lengths_tensor(lengths, B, H, cap, q.device)
+    split, block_n, S = plan(cap, B * H * cap, split_tokens, D)
+    keys, values = _unit_stride(keys), _unit_stride(values)
+    out, lse = decode_attention_op(_unit_stride(q), keys, values, _empty_start(q.device), lens,
+                                   _scale(scale, D), H, S, split, block_n)
+    return (out, lse) if return_lse else out
+
+
+def decode_attention_ragged(q, keys, values, row_start, lengths, num_kv_heads: int, max_capacity: int, *,
+                            scale: Optional[float] = None, split_tokens: Optional[int] = None,
+                            return_lse: bool = False):
+    """Decode attention over flat ragged rows: ``keys/values [T, D]``, row ``r = b·H_kv + h`` at
+    ``[row_start[r], row_start[r] + lengths[r])``. ``max_capacity`` (static int) must bound every
+    row's length: it fixes the split count without reading ``lengths``."""
+    check_kv_tensor("keys", keys, ndim=2)
+    check_kv_tensor("values", values, ndim=2)
+    if values.shape != keys.shape:
+        raise ValueError(f"values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
+    D = keys.shape[1]
+    _check_q(q, D, num_kv_heads, None)
+    _check_dtypes(q, keys, values)
+    R = q.shape[0] * num_kv_heads
+    if row_start.dtype != torch.int64 or row_start.numel() < R:
+        raise ValueError(f"row_start must be an int64 tensor with at least R = B*H_kv = {R} entries")
+    if lengths.numel() != R or lengths.dtype != torch.int32:
+        raise ValueError(f"lengths must be an int32 tensor of R = B*H_kv = {R} entries, got "
+                         f"{lengths.dtype} {tuple(lengths.shape)}")
+    split, block_n, S = plan(int(max_capacity), keys.shape[0], split_tokens, D)
+    out, lse = decode_attention_op(_unit_stride(q), _unit_stride(keys), _unit_stride(values), row_start.contiguous(),
+                                   lengths.reshape(R).contiguous(), _scale(scale, D), num_kv_heads, S, split, block_n)
+    return (out, lse) if return_lse else out
+
+
+def _check_dtypes(q, keys, values):
+    if keys.dtype != q.dtype or values.dtype != q.dtype:
+        raise TypeError(f"q, keys and values must share one dtype, got {q.dtype}, {keys.dtype}, {values.dtype}")
+    if keys.device != q.device or values.device != q.device:
+        raise ValueError(f"q, keys and values must be on one device, got {q.device}, {keys.device}, {values.device}")
+
+
+def _scale(scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _empty_start(device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64, device=device)
