@@ -20,7 +20,7 @@ def make(name):
 class M(torch.nn.Module):
     def __init__(self, policy): super().__init__(); self.policy = policy
     def forward(self, k, v, inputs):
-        out = tritonkv.compress((k, v), self.policy, 24, **inputs)
+        out = tritonkv.compress((k, v), self.policy, 40, **inputs)
         return out.keys, out.values, out.indices
 for name, cls in sorted(POLICIES.items()):
     pol = cls()

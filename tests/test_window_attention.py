@@ -1,0 +1,310 @@
+"""Window attention (algorithms.md §1.4): the kernel against the NumPy oracle, and the four policies
+built on it (snapkv, tova, h2o, surfacelogic): selection, invariants, protection, bad inputs, AOT."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tritonkv
+from aot import assert_compiles
+from reference import window_attention as ref
+from reference.select import select as ref_select
+from tritonkv.kernels import window_attention as kwa
+from tritonkv.kernels.window_attention import window_attention_scores
+from tritonkv.policies import H2O, TOVA, SnapKV, SurfaceLogicKV
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+POLICY_CLASSES = [SnapKV, TOVA, H2O, SurfaceLogicKV]
+
+
+@st.composite
+def wa_case(draw, dtypes=DTYPES, max_n=160, min_n=1):
+    """(keys, queries): G ∈ {1, 3, 4}, N from 1 (W ≥ N included), awkward D; per-token key scales
+    and a query temperature spread the attention from flat to peaked."""
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, 2))
+    G = draw(st.sampled_from([1, 3, 4]))
+    N = draw(st.one_of(st.integers(1, 12), st.integers(13, max_n)) if min_n == 1 else st.integers(min_n, max_n))
+    W = draw(st.sampled_from([1, 2, 5, 8, 17, 32, 40]))
+    D = draw(st.sampled_from([3, 16, 33, 64]))
+    dtype = draw(st.sampled_from(dtypes))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    temp = draw(st.sampled_from([0.5, 1.0, 2.0]))
+    keys = torch.randn(B, H, N, D, generator=g) * torch.exp(torch.rand(B, H, N, 1, generator=g) - 0.5)
+    queries = torch.randn(B, H * G, W, D, generator=g) * temp
+    return keys.to(dtype), queries.to(dtype)
+
+
+def oracle(keys, queries, **kw):
+    """Oracle scores float64 [B, H, N] on the rounded inputs."""
+    return np.stack([ref.scores(keys[b].double().numpy(), queries[b].double().numpy(), **kw)
+                     for b in range(keys.shape[0])])
+
+
+def oracle_lse(keys, queries, scale=None):
+    return torch.tensor(np.stack([ref.lse(keys[b].double().numpy(), queries[b].double().numpy(), scale)
+                                  for b in range(keys.shape[0])]), dtype=torch.float32)
+
+
+def separated(s, lo, hi, rel=1e-5):
+    """Distinct values of s[lo:hi] differ by more than rel·max (exact copies, e.g. from max pooling,
+    are one value)."""
+    v = np.unique(s[lo:hi])
+    return len(v) < 2 or np.diff(v).min() > rel * np.abs(v).max()
+
+
+def oracle_kw(kw):
+    """The kernel's keyword settings under the oracle's names."""
+    kw = dict(kw)
+    return dict(kw, pool_mode=kw.pop("pool"), rows=kw.pop("row_reduce"))
+
+
+def assert_scores_close(got, want):
+    # fp32 arithmetic against fp64: the logits' rounding (≈1e-7·|τ q·k|) moves P by a relative ≈1e-6
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-5, atol=1e-9 * max(1.0, np.abs(want).max()))
+
+
+SETTINGS = st.fixed_dictionaries({
+    "kernel_size": st.sampled_from([1, 2, 3, 7]),
+    "pool": st.sampled_from(["max", "avg"]),
+    "row_reduce": st.sampled_from(["mean", "sum"]),
+    "head_reduce": st.sampled_from(["mean", "max", "layer"]),
+})
+
+
+@given(case=wa_case(), kw=SETTINGS, lse=st.booleans(), scale=st.sampled_from([None, 0.3]))
+def test_scores_match_oracle(case, kw, lse, scale):
+    keys, queries = case
+    attn_lse = oracle_lse(keys, queries, scale) if lse else None
+    got = window_attention_scores(keys, queries, attn_lse=attn_lse, scale=scale, **kw)
+    assert got.dtype == torch.float32 and got.shape == keys.shape[:3]
+    want = oracle(keys, queries, scale=scale, **oracle_kw(kw))
+    assert_scores_close(got, want)
+
+
+@settings(max_examples=15)
+@given(case=wa_case(), kw=SETTINGS)
+def test_lse_given_equals_lse_computed(case, kw):
+    keys, queries = case
+    computed = window_attention_scores(keys, queries, **kw)
+    given_ = window_attention_scores(keys, queries, attn_lse=oracle_lse(keys, queries), **kw)
+    torch.testing.assert_close(given_, computed, rtol=2e-5, atol=1e-9 * max(1.0, computed.abs().max().item()))
+
+
+@settings(max_examples=15)
+@given(case=wa_case(max_n=100), kw=SETTINGS, chunk=st.sampled_from([16, 32]), lse=st.booleans())
+def test_small_blocks_and_many_chunks(case, kw, chunk, lse):
+    """Several key chunks per row (partial LSEs combined), key tiles smaller than a chunk, and query
+    rows split into blocks of one head × 16 rows (no hoisting) give the oracle's scores."""
+    keys, queries = case
+    orig = kwa._config
+
+    def small(N, R, G, W, D, ch):
+        cfg = orig(N, R, G, W, D, ch)
+        return {**cfg, "GB": 1, "BW": 16, "BLOCK_N": 16}
+
+    attn_lse = oracle_lse(keys, queries) if lse else None
+    try:
+        kwa._config = small
+        got = window_attention_scores(keys, queries, attn_lse=attn_lse, chunk=chunk, **kw)
+    finally:
+        kwa._config = orig
+    want = oracle(keys, queries, **oracle_kw(kw))
+    assert_scores_close(got, want)
+
+
+@given(case=wa_case(min_n=20), data=st.data())
+def test_policies_select_oracle_indices(case, data):
+    """compress() with each policy keeps exactly the oracle's selection (on separated scores)."""
+    keys, queries = case
+    B, H, N, _ = keys.shape
+    cls = data.draw(st.sampled_from(POLICY_CLASSES))
+    kw = {}
+    if data.draw(st.booleans()):
+        kw = dict(window=data.draw(st.integers(1, 12)), kernel_size=data.draw(st.sampled_from([1, 3, 5])),
+                  pool=data.draw(st.sampled_from(["max", "avg"])), sink=data.draw(st.integers(0, 3)),
+                  head_reduce=data.draw(st.sampled_from(["group", "max", "layer"])))
+        if data.draw(st.booleans()):
+            kw["q_window"] = data.draw(st.integers(1, 45))
+    pol = cls(**kw)
+    sink, window = pol.protected(N, N)
+    if sink + window >= N:
+        return
+    k = data.draw(st.integers(sink + window, N - 1))
+    inputs = {"queries": queries}
+    if data.draw(st.booleans()):
+        inputs["attn_lse"] = oracle_lse(keys, queries)
+    out = tritonkv.compress((keys, torch.randn_like(keys)), pol, k, **inputs)
+    assert out.indices.shape == (B, H, k)
+    w_q = min(queries.shape[2], pol.q_window or pol.window)
+    q_used = queries[:, :, -w_q:]
+    opts = dict(scale=pol.scale, rows=pol.row_reduce, head_reduce=pol.head_reduce)
+    want = oracle(keys, q_used, kernel_size=pol.kernel_size, pool_mode=pol.pool, **opts)
+    unpooled = oracle(keys, q_used, **opts)
+    for b in range(B):
+        for h in range(H):
+            if separated(want[b, h], sink, N - window) and separated(unpooled[b, h], sink, N - window):
+                np.testing.assert_array_equal(out.indices[b, h].numpy(), ref_select(want[b, h], k, sink, window))
+            i = out.indices[b, h]
+            assert torch.equal(out.keys[b, h], keys[b, h, i])
+
+
+@settings(max_examples=15)
+@given(case=wa_case(dtypes=[torch.float32]), seed=st.integers(0, 1000), head_reduce=st.sampled_from(["mean", "max"]))
+def test_adding_a_vector_to_every_key_leaves_scores_unchanged(case, seed, head_reduce):
+    keys, queries = case
+    g = torch.Generator().manual_seed(seed)
+    shift = torch.randn(keys.shape[0], keys.shape[1], 1, keys.shape[3], generator=g)
+    s0 = window_attention_scores(keys, queries, kernel_size=3, head_reduce=head_reduce)
+    s1 = window_attention_scores(keys + shift, queries, kernel_size=3, head_reduce=head_reduce)
+    # each row's logits shift by τ·q_i·c; fp32 logits of size ≈10 carry ≈1e-6 absolute error
+    torch.testing.assert_close(s1, s0, rtol=5e-5, atol=1e-9)
+
+
+@settings(max_examples=15)
+@given(case=wa_case(), g=st.sampled_from([2, 3, 4]), kw=SETTINGS)
+def test_identical_query_heads_equal_one_head(case, g, kw):
+    keys, queries = case
+    queries = queries[:, : keys.shape[1]]  # one query head per KV head
+    one = window_attention_scores(keys, queries, **kw)
+    many = window_attention_scores(keys, queries.repeat_interleave(g, dim=1), **kw)
+    torch.testing.assert_close(many, one, rtol=1e-6, atol=1e-12)
+
+
+@settings(max_examples=6)
+@given(case=wa_case(), head_reduce=st.sampled_from(["group", "layer"]), data=st.data())
+def test_tova_is_snapkv_with_one_query_and_no_pooling(case, head_reduce, data):
+    keys, queries = case
+    N = keys.shape[2]
+    tova = TOVA(head_reduce=head_reduce)
+    snap = SnapKV(window=1, kernel_size=1, head_reduce=head_reduce)
+    assert tova.protected(N, N) == snap.protected(N, N) == (0, 1)
+    s_t = tova.score(keys, keys, queries=queries)
+    assert torch.equal(s_t, snap.score(keys, keys, queries=queries))
+    assert torch.equal(s_t, window_attention_scores(keys, queries[:, :, -1:], head_reduce=tova.head_reduce))
+    if head_reduce == "layer":  # one ranking shared by every KV head
+        assert torch.equal(s_t, s_t[:, :1].expand_as(s_t))
+    if N > 1:
+        k = data.draw(st.integers(1, N - 1))
+        a = tritonkv.compress((keys, keys), tova, k, queries=queries)
+        b = tritonkv.compress((keys, keys), snap, k, queries=queries)
+        assert torch.equal(a.indices, b.indices) and (a.indices[..., -1] == N - 1).all()
+
+
+@settings(max_examples=15)
+@given(case=wa_case(), head_reduce=st.sampled_from(["mean", "max", "layer"]))
+def test_mean_scores_are_a_sub_distribution(case, head_reduce):
+    """u ≥ 0 and, in mean form, Σ_{j < N−W} u[h, j] ≤ 1 (each row's softmax sums to 1 over ≥ that range)."""
+    keys, queries = case
+    W = queries.shape[2]
+    s = window_attention_scores(keys, queries, head_reduce=head_reduce)
+    assert (s >= 0).all()
+    if head_reduce != "max":
+        assert (s[..., : max(keys.shape[2] - W, 0)].double().sum(-1) <= 1 + 1e-5).all()
+    h2o = window_attention_scores(keys, queries, row_reduce="sum", head_reduce=head_reduce)
+    torch.testing.assert_close(h2o, s * W, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", POLICY_CLASSES)
+def test_defaults_and_short_rows(cls):
+    """Table defaults; a row no longer than W is all window: the most recent `budget` tokens are kept."""
+    pol = cls()
+    assert pol.nonnegative and pol.needs == ("queries",)
+    defaults = {SnapKV: (32, 7, "max", "mean"), TOVA: (1, 1, "max", "mean"), H2O: (32, 1, "max", "sum"),
+                SurfaceLogicKV: (32, 1, "max", "mean")}[cls]
+    assert (pol.window, pol.kernel_size, pol.pool, pol.row_reduce) == defaults and pol.head_reduce == "mean"
+    W = pol.window
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 2, W, 16, generator=g)
+    queries = torch.randn(1, 6, W, 16, generator=g)
+    if W > 1:
+        assert pol.protected(W, 5) == (0, 5)
+        out = tritonkv.compress((keys, keys), pol, 5, queries=queries)
+        assert out.indices[0, 0].tolist() == list(range(W - 5, W))
+    long_keys = torch.randn(1, 2, W + 20, 16, generator=g)
+    assert pol.protected(W + 20, W + 3) == (0, W)
+    if W > 1:
+        with pytest.raises(ValueError, match="budget"):
+            tritonkv.compress((long_keys, long_keys), pol, W - 1, queries=queries)
+
+
+def test_queries_beyond_the_window_are_ignored():
+    g = torch.Generator().manual_seed(4)
+    keys = torch.randn(1, 2, 60, 16, generator=g)
+    queries = torch.randn(1, 4, 20, 16, generator=g)
+    lse = oracle_lse(keys, queries[:, :, -8:])
+    pol = SnapKV(window=8, kernel_size=3)
+    want = window_attention_scores(keys, queries[:, :, -8:], kernel_size=3)
+    assert torch.equal(pol.score(keys, keys, queries=queries), want)
+    full_lse = torch.cat([torch.zeros(1, 4, 12), lse], dim=2)
+    torch.testing.assert_close(pol.score(keys, keys, queries=queries, attn_lse=full_lse), want, rtol=2e-5, atol=1e-9)
+    # H2O over every query with a smaller protected window (the original H2O's setting)
+    h2o = H2O(window=4, q_window=60)
+    q_all = torch.randn(1, 4, 60, 16, generator=g)
+    assert torch.equal(h2o.score(keys, keys, queries=q_all), window_attention_scores(keys, q_all, row_reduce="sum"))
+    assert h2o.protected(60, 30) == (0, 4)
+
+
+K = torch.randn(1, 2, 40, 16)
+Q = torch.randn(1, 4, 8, 16)
+BAD = [
+    ("queries missing", lambda: tritonkv.compress((K, K), "snapkv", 35), ValueError, ["queries"]),
+    ("queries not a tensor", lambda: window_attention_scores(K, [1, 2]), TypeError, ["queries"]),
+    ("queries wrong D", lambda: window_attention_scores(K, torch.randn(1, 4, 8, 8)), ValueError, ["queries", "D=16"]),
+    ("queries heads", lambda: window_attention_scores(K, torch.randn(1, 3, 8, 16)), ValueError, ["queries", "H_q"]),
+    ("queries empty window", lambda: window_attention_scores(K, torch.randn(1, 4, 0, 16)), ValueError, ["queries", "W"]),
+    ("queries batch", lambda: window_attention_scores(K, torch.randn(2, 4, 8, 16)), ValueError, ["queries", "B=1"]),
+    ("queries int", lambda: window_attention_scores(K, torch.ones(1, 4, 8, 16, dtype=torch.int32)), TypeError, ["queries"]),
+    ("keys 3-d", lambda: window_attention_scores(K[0], Q), ValueError, ["keys"]),
+    ("lse shape", lambda: window_attention_scores(K, Q, attn_lse=torch.zeros(1, 4, 7)), ValueError, ["attn_lse", "[B, H_q, W]"]),
+    ("lse int", lambda: window_attention_scores(K, Q, attn_lse=torch.zeros(1, 4, 8, dtype=torch.long)), TypeError, ["attn_lse"]),
+    ("scale", lambda: window_attention_scores(K, Q, scale=0.0), ValueError, ["scale"]),
+    ("kernel_size", lambda: window_attention_scores(K, Q, kernel_size=0), ValueError, ["kernel_size"]),
+    ("pool", lambda: window_attention_scores(K, Q, pool="mean"), ValueError, ["pool", "avg"]),
+    ("row_reduce", lambda: window_attention_scores(K, Q, row_reduce="max"), ValueError, ["row_reduce", "sum"]),
+    ("head_reduce", lambda: window_attention_scores(K, Q, head_reduce="min"), ValueError, ["head_reduce", "layer"]),
+    ("policy window 0", lambda: SnapKV(window=0), ValueError, ["window"]),
+    ("policy kernel_size", lambda: SnapKV(kernel_size=1.5), ValueError, ["kernel_size"]),
+    ("policy pool", lambda: SnapKV(pool="sum"), ValueError, ["pool"]),
+    ("policy head_reduce", lambda: TOVA(head_reduce="all"), ValueError, ["head_reduce"]),
+    ("policy q_window", lambda: H2O(q_window=0), ValueError, ["q_window"]),
+    ("policy scale", lambda: SurfaceLogicKV(scale=-1.0), ValueError, ["scale"]),
+    ("budget below window", lambda: tritonkv.compress((K, K), SnapKV(window=8), 5, queries=Q), ValueError, ["budget"]),
+]
+
+
+@pytest.mark.parametrize("what,call,exc,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_inputs(what, call, exc, words):
+    with pytest.raises(exc) as e:
+        call()
+    for w in words:
+        assert w in str(e.value), (what, str(e.value))
+
+
+def test_kernels_compile_ahead_of_time():
+    """Every kernel for sm_80 and sm_90: bf16 operands straight into tl.dot (one hoisted row block)
+    and fp32 inputs (IEEE dot, several row blocks, group max); pooling max and avg + layer mean."""
+    mod = "tritonkv.kernels.window_attention"
+    i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    kq = i32("H", "G", "N", "W", "D", "skb", "skh", "skn", "sqb", "sqh", "sqw")
+    specs = []
+    for dt, cast, gmax, hoist, gb, bw in (("bf16", False, False, True, 4, 32), ("fp32", True, True, False, 1, 16)):
+        # (the LSE kernel shares its loads and dot with the score kernel: its bf16 build suffices)
+        blocks = {"CHUNK": 256, "BLOCK_N": 64, "GB": gb, "BW": bw, "BLOCK_D": 128}
+        tail = {"CAST_FP32": cast, "DOT_PREC": "ieee"}
+        lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32", "scale": "fp32"}
+        score_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "lse_ptr": "*fp32", "u_ptr": "*fp32", **kq,
+                     **i32("slb", "slh", "slc", "slg", "slw", "NC"), "scale": "fp32", "out_scale": "fp32"}
+        lse_c = {**blocks, **tail}
+        score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail}
+        if dt == "bf16":
+            specs.append({"module": mod, "kernel": "_window_lse_kernel", "constexprs": lse_c,
+                          "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}}})
+        specs.append({"module": mod, "kernel": "_window_score_kernel", "constexprs": score_c,
+                      "signature": {**score_sig, **{c: "constexpr" for c in score_c}}})
+    pool_sig = {"u_ptr": "*fp32", "out_ptr": "*fp32", **i32("H", "N", "n_pool")}
+    for ks, mx, layer in ((7, True, False), (5, False, True)):
+        c = {"KSIZE": ks, "POOL_MAX": mx, "LAYER": layer, "BLOCK": 1024}
+        specs.append({"module": mod, "kernel": "_window_pool_kernel", "constexprs": c,
+                      "signature": {**pool_sig, **{k: "constexpr" for k in c}}})
+    assert_compiles(*specs)

@@ -1,0 +1,318 @@
+"""Window attention: the score kernel of SnapKV, TOVA, H2O-style and SurfaceLogicKV selection
+(``shared/notes/algorithms.md`` §1.4).
+
+The last W queries Q_w ``[B, H_q, W, D]`` (positions p_i = N − W + i, RoPE applied) attend to all
+keys ``[B, H_kv, N, D]``, causally inside the window:
+
+    P[q,i,j] = exp(τ·q_i·k_j − lse[q,i])   for j ≤ p_i       (τ = 1/√D unless ``scale`` is given)
+    u[q,j]   = (1/W) Σ_i P[q,i,j]                            (``row_reduce="sum"``: Σ_i, H2O)
+    u[h,j]   = mean_{q∈G(h)} u[q,j]                          (``head_reduce="max"``: max;
+                                                              ``"layer"``: mean over all H_q heads)
+    s[h,·]   = pool_κ(u[h,·]) over [0, N−W), stride 1, padding κ//2
+
+``pool="max"`` ignores the padding, ``pool="avg"`` counts it as zeros (divides by κ). The G query
+heads are reduced *before* pooling. Window positions [N−W, N) keep their unpooled u (the attention
+they receive from the window rows that see them); policies protect them. Query rows at negative
+positions (W > N) see no key and add nothing.
+
+Kernels, each on a grid (key chunks, B·H_kv) so a long row splits over many programs; one program
+holds all G·W query rows of its KV head (in blocks of GB heads × BW rows when there are many):
+
+1. ``_window_lse_kernel`` (only without ``attn_lse``): per chunk and query row, the partial
+   ln Σ_j exp(τ·q_i·k_j) over the chunk's visible keys (online max/sum);
+2. ``_window_score_kernel``: combines the partial LSEs (or reads ``attn_lse``, natural log, from
+   the prefill attention: then K is read once), and writes u[h, j] reduced over rows and heads;
+3. ``_window_pool_kernel`` (only for κ > 1 or ``head_reduce="layer"``): the layer mean and the
+   pooling, which needs neighbours across chunk borders, over the reduced ``[B, H_kv, N]`` rows.
+
+``tl.dot`` takes the native fp16/bf16 operands on the GPU (fp32 accumulation) and fp32 operands
+under the interpreter, whose bf16 arithmetic is wrong (kernels.md rule 1), or for fp32 inputs
+(then with ``input_precision="ieee"``, not TF32).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op
+
+POOLS = ("max", "avg")
+ROW_REDUCE = ("mean", "sum")
+HEAD_REDUCE = ("mean", "max", "layer")
+
+
+@triton.jit
+def _rows(g0, w0, G, W, N, GB: tl.constexpr, BW: tl.constexpr):
+    """Query rows m = g·BW + i of the block starting at head g0, row w0: (head, row, position, valid)."""
+    m = tl.arange(0, GB * BW)
+    g = g0 + m // BW
+    i = w0 + m % BW
+    pos = N - W + i
+    return g, i, pos, (g < G) & (i < W) & (pos >= 0)
+
+
+@triton.jit
+def _load_q(q_ptr, qbase, sqh, sqw, g, i, valid, d, D, CAST_FP32: tl.constexpr):
+    m = valid[:, None] & (d < D)[None, :]
+    q = tl.load(q_ptr + qbase + g.to(tl.int64)[:, None] * sqh + i.to(tl.int64)[:, None] * sqw + d[None, :],
+                mask=m, other=0.0)
+    if CAST_FP32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32: tl.constexpr):
+    """Keys j as a [BLOCK_D, BLOCK_N] tile (transposed for the dot)."""
+    m = (d < D)[:, None] & (j < N)[None, :]
+    kt = tl.load(k_ptr + kbase + j.to(tl.int64)[None, :] * skn + d[:, None], mask=m, other=0.0)
+    if CAST_FP32:
+        kt = kt.to(tl.float32)
+    return kt
+
+
+@triton.jit
+def _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid):
+    """ln Σ over all keys per row, combined from NC partial LSEs (NC = 1: ``attn_lse`` as given)."""
+    offs = lbase + g.to(tl.int64) * slg + i.to(tl.int64) * slw
+    mx = tl.full(g.shape, float("-inf"), tl.float32)
+    for c in range(NC):
+        mx = tl.maximum(mx, tl.load(lse_ptr + offs + c * slc, mask=valid, other=float("-inf")).to(tl.float32))
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    tot = tl.zeros(g.shape, tl.float32)
+    for c in range(NC):
+        tot += tl.exp(tl.load(lse_ptr + offs + c * slc, mask=valid, other=float("-inf")).to(tl.float32) - mx)
+    return mx + tl.log(tl.where(valid, tot, 1.0))
+
+
+@triton.jit
+def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw, C, scale,
+                       CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
+                       BLOCK_D: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    kbase = (r // H) * skb + (r % H) * skh
+    qbase = (r // H) * sqb + (r % H) * G * sqh
+    d = tl.arange(0, BLOCK_D)
+    n_chunk = tl.minimum(CHUNK, N - c * CHUNK)  # keys of this chunk
+    for g0 in range(0, G, GB):
+        for w0 in range(0, W, BW):
+            g, i, pos, valid = _rows(g0, w0, G, W, N, GB, BW)
+            q = _load_q(q_ptr, qbase, sqh, sqw, g, i, valid, d, D, CAST_FP32)
+            mx = tl.full([GB * BW], float("-inf"), tl.float32)
+            tot = tl.zeros([GB * BW], tl.float32)
+            for t0 in range(0, n_chunk, BLOCK_N):
+                j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
+                kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
+                s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
+                s = tl.where(valid[:, None] & (j[None, :] <= pos[:, None]), s, float("-inf"))
+                new = tl.maximum(mx, tl.max(s, 1))
+                safe = tl.where(new == float("-inf"), 0.0, new)
+                tot = tot * tl.exp(mx - safe) + tl.sum(tl.exp(s - safe[:, None]), 1)
+                mx = new
+            part = tl.where(tot > 0, mx + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf"))
+            tl.store(part_ptr + ((r * C + c) * G + g) * W + i, part, mask=(g < G) & (i < W))
+
+
+@triton.jit
+def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw,
+                         slb, slh, slc, slg, slw, NC, scale, out_scale,
+                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
+                         BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
+                         CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    kbase = (r // H) * skb + (r % H) * skh
+    qbase = (r // H) * sqb + (r % H) * G * sqh
+    lbase = (r // H) * slb + (r % H) * slh
+    d = tl.arange(0, BLOCK_D)
+    n_chunk = tl.minimum(CHUNK, N - c * CHUNK)  # keys of this chunk
+    if HOIST:  # a single row block: queries and LSEs stay in registers for every key tile
+        g_h, i_h, pos_h, valid_h = _rows(0, 0, G, W, N, GB, BW)
+        q_h = _load_q(q_ptr, qbase, sqh, sqw, g_h, i_h, valid_h, d, D, CAST_FP32)
+        lse_h = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g_h, i_h, valid_h)
+    for t0 in range(0, n_chunk, BLOCK_N):
+        j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
+        kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for g0 in range(0, G, GB):
+            hs = tl.zeros([GB, BLOCK_N], tl.float32)  # per-head sums over the window rows
+            for w0 in range(0, W, BW):
+                if HOIST:
+                    q, lse, pos, valid = q_h, lse_h, pos_h, valid_h
+                else:
+                    g, i, pos, valid = _rows(g0, w0, G, W, N, GB, BW)
+                    q = _load_q(q_ptr, qbase, sqh, sqw, g, i, valid, d, D, CAST_FP32)
+                    lse = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid)
+                s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
+                vis = valid[:, None] & (j[None, :] <= pos[:, None])
+                p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))
+                hs += tl.sum(tl.reshape(p, [GB, BW, BLOCK_N]), 1)
+            if GROUP_MAX:
+                acc = tl.maximum(acc, tl.max(hs, 0))  # padded heads add zeros; u >= 0
+            else:
+                acc += tl.sum(hs, 0)
+        tl.store(u_ptr + r * N + j, acc * out_scale, mask=j < N)
+
+
+@triton.jit
+def _head_value(u_ptr, r, j, m, H, N, LAYER: tl.constexpr):
+    """u[r, j], or with LAYER the mean over the H heads of r's batch row."""
+    if LAYER:
+        first = (r // H) * H
+        v = tl.zeros(j.shape, tl.float32)
+        for h in range(H):
+            v += tl.load(u_ptr + (first + h) * N + j, mask=m, other=0.0)
+        v = v / H
+    else:
+        v = tl.load(u_ptr + r * N + j, mask=m, other=0.0)
+    return v
+
+
+@triton.jit
+def _window_pool_kernel(u_ptr, out_ptr, H, N, n_pool, KSIZE: tl.constexpr, POOL_MAX: tl.constexpr,
+                        LAYER: tl.constexpr, BLOCK: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    j = c * BLOCK + tl.arange(0, BLOCK)
+    res = _head_value(u_ptr, r, j, j < N, H, N, LAYER)
+    if KSIZE > 1:
+        if POOL_MAX:
+            acc = tl.full([BLOCK], float("-inf"), tl.float32)
+        else:
+            acc = tl.zeros([BLOCK], tl.float32)
+        for t in tl.static_range(KSIZE):
+            jj = j - KSIZE // 2 + t
+            m = (jj >= 0) & (jj < n_pool)
+            v = _head_value(u_ptr, r, jj, m, H, N, LAYER)
+            if POOL_MAX:
+                acc = tl.maximum(acc, tl.where(m, v, float("-inf")))
+            else:
+                acc += v  # padding counts as zero
+        if not POOL_MAX:
+            acc = acc / KSIZE
+        res = tl.where(j < n_pool, acc, res)
+    tl.store(out_ptr + r * N + j, res, mask=j < N)
+
+
+def _config(N: int, R: int, G: int, W: int, D: int, chunk: int) -> dict:
+    """Block sizes. Rows: GB heads × BW window rows per block (≥ 16 rows for ``tl.dot``)."""
+    block_d = max(16, next_pow2(D))
+    if INTERPRET:  # ~0.5 ms per program: one program per row, large tiles
+        bw, gb = next_pow2(W), next_pow2(G)
+        while gb * bw < 16:
+            bw *= 2
+        block_n = max(16, min(next_pow2(N), 2 ** 16 // (gb * bw)))
+        chunk = chunk or max(block_n, next_pow2(N))
+        warps = 4
+    else:
+        bw = min(next_pow2(W), 128)
+        gb = min(next_pow2(G), max(1, 128 // bw))
+        while gb * bw < 16:
+            bw *= 2
+        block_n = 64 if block_d <= 128 else 32
+        if not chunk:  # about two waves of 132 SMs when rows are few
+            want = max(1, -(-264 // R))
+            chunk = max(block_n, next_pow2(-(-N // want)))
+        warps = 8 if gb * bw * block_n >= 8192 else 4
+    chunk = next_pow2(chunk)
+    return dict(CHUNK=chunk, BLOCK_N=min(block_n, chunk), GB=gb, BW=bw, BLOCK_D=block_d, num_warps=warps)
+
+
+@triton_op("tritonkv::window_attention_score", mutates_args=())
+def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: torch.Tensor, scale: float,
+                        kernel_size: int, pool: str, row_reduce: str, head_reduce: str, chunk: int) -> torch.Tensor:
+    """The raw op: keys ``[B, H, N, D]``, queries ``[B, G·H, W, D]`` (last dims unit-stride),
+    ``attn_lse`` ``[B, G·H, W]`` or empty (computed here) -> fp32 ``[B, H, N]``. ``chunk``: keys per
+    program (0 = automatic); it changes the grid, not the result beyond rounding."""
+    B, H, N, D = keys.shape
+    Hq, W = queries.shape[1], queries.shape[2]
+    G = Hq // H
+    R = B * H
+    dev = keys.device
+    out = torch.empty((B, H, N), dtype=torch.float32, device=dev)
+    if R == 0 or N == 0:
+        return out
+    cfg = _config(N, R, G, W, D, chunk)
+    C = triton.cdiv(N, cfg["CHUNK"])
+    cast = INTERPRET or keys.dtype == torch.float32 or queries.dtype != keys.dtype
+    common = dict(CAST_FP32=cast, DOT_PREC="ieee", **cfg)
+    kq = (H, G, N, W, D, keys.stride(0), keys.stride(1), keys.stride(2),
+          queries.stride(0), queries.stride(1), queries.stride(2))
+    if attn_lse.numel() > 0:
+        lse, NC = attn_lse, 1
+        lstr = (attn_lse.stride(0), G * attn_lse.stride(1), 0, attn_lse.stride(1), attn_lse.stride(2))
+    else:
+        lse, NC = torch.empty((B, H, C, G, W), dtype=torch.float32, device=dev), C
+        lstr = (H * C * G * W, C * G * W, G * W, W, 1)
+        launch(_window_lse_kernel, (C, R), keys, queries, lse, *kq, C, scale, **common)
+    pooled = kernel_size > 1 or head_reduce == "layer"
+    u = torch.empty_like(out) if pooled else out
+    out_scale = (1.0 / W if row_reduce == "mean" else 1.0) * (1.0 if head_reduce == "max" else 1.0 / G)
+    launch(_window_score_kernel, (C, R), keys, queries, lse, u, *kq, *lstr, NC, scale, out_scale,
+           GROUP_MAX=head_reduce == "max", HOIST=G <= cfg["GB"] and W <= cfg["BW"], **common)
+    if pooled:
+        block = min(next_pow2(N), 4096 if INTERPRET else 1024)
+        launch(_window_pool_kernel, (triton.cdiv(N, block), R), u, out, H, N, max(N - W, 0),
+               KSIZE=kernel_size, POOL_MAX=pool == "max", LAYER=head_reduce == "layer", BLOCK=block)
+    return out
+
+
+def _choice(name: str, value, options) -> str:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+    return value
+
+
+def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_lse: Optional[torch.Tensor] = None,
+                            scale: Optional[float] = None, kernel_size: int = 1, pool: str = "max",
+                            row_reduce: str = "mean", head_reduce: str = "mean", chunk: int = 0) -> torch.Tensor:
+    """Window-attention scores, fp32 ``[B, H_kv, N]`` (higher = keep).
+
+    Args:
+        keys: ``[B, H_kv, N, D]`` with RoPE applied.
+        queries: the last W queries ``[B, H_q, W, D]`` (H_q a multiple of H_kv; query head q reads
+            KV head q // G), at positions N − W … N − 1, RoPE applied.
+        attn_lse: optional ``[B, H_q, W]`` natural-log softmax normalisers of those queries over
+            their visible keys (from the prefill attention, at the same ``scale``); saves a pass
+            over the keys. Computed here when absent.
+        scale: attention scale τ (default 1/√D).
+        kernel_size, pool: 1-D pooling (κ, ``"max"`` or ``"avg"``) over the positions before the window.
+        row_reduce: ``"mean"`` (SnapKV, TOVA) or ``"sum"`` (H2O column sums) over the window rows.
+        head_reduce: over the G query heads of each KV head, ``"mean"`` or ``"max"``; ``"layer"`` is
+            the mean over all H_q heads, the same scores for every KV head (TOVA).
+        chunk: keys per program (0 = automatic); changes the grid only.
+    """
+    check_kv_tensor("keys", keys)
+    check_kv_tensor("queries", queries)
+    B, H, N, D = keys.shape
+    if queries.shape[0] != B or queries.shape[3] != D or queries.shape[1] % max(H, 1) or queries.shape[1] == 0 \
+            or queries.shape[2] == 0:
+        raise ValueError(f"queries must be [B={B}, H_q (a positive multiple of H_kv={H}), W >= 1, D={D}], "
+                         f"got {tuple(queries.shape)}")
+    if queries.device != keys.device:
+        raise ValueError(f"queries must be on the device of keys ({keys.device}), got {queries.device}")
+    if attn_lse is None:
+        attn_lse = torch.empty(0, dtype=torch.float32, device=keys.device)
+    else:
+        if not isinstance(attn_lse, torch.Tensor) or not attn_lse.dtype.is_floating_point:
+            raise TypeError(f"attn_lse must be a float tensor, got {getattr(attn_lse, 'dtype', type(attn_lse))}")
+        if tuple(attn_lse.shape) != tuple(queries.shape[:3]):
+            raise ValueError(f"attn_lse must be [B, H_q, W] = {tuple(queries.shape[:3])} like the queries, "
+                             f"got {tuple(attn_lse.shape)}")
+        if attn_lse.device != keys.device:
+            raise ValueError(f"attn_lse must be on the device of keys ({keys.device}), got {attn_lse.device}")
+        attn_lse = attn_lse.to(torch.float32)
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite float (the attention scale), got {scale!r}")
+    if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
+        raise ValueError(f"kernel_size must be a positive int, got {kernel_size!r}")
+    return window_attention_op(row_major(keys), row_major(queries), attn_lse, float(scale), kernel_size,
+                               _choice("pool", pool, POOLS), _choice("row_reduce", row_reduce, ROW_REDUCE),
+                               _choice("head_reduce", head_reduce, HEAD_REDUCE), int(chunk))

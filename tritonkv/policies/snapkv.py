@@ -1,0 +1,107 @@
+"""SnapKV (window-query attention, pooled) and the settings shared by the window-attention family
+(``shared/notes/algorithms.md`` §1.4; kernel in ``kernels/window_attention.py``).
+
+The last W queries attend to every key (causal inside the window); the softmax is reduced over the
+window rows and over the G query heads of each KV head, then pooled over the positions before the
+window. The W window positions are protected. ``tova``, ``h2o`` and ``surfacelogic`` are the same
+policy with other defaults.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Optional
+
+import torch
+
+from ..kernels._common import check_kv_tensor
+from ..kernels.window_attention import HEAD_REDUCE, POOLS, ROW_REDUCE, window_attention_scores
+from .base import Policy, register_policy
+
+
+def _positive_int(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+@dataclasses.dataclass
+class WindowAttentionPolicy(Policy):
+    """Settings of the window-attention family.
+
+    * ``window`` W: the last W queries are read and the last W tokens protected;
+      ``q_window`` reads a different number of queries (None = W; e.g. H2O over all queries with a
+      smaller protected window). Queries beyond it are ignored, fewer are used as given.
+    * ``kernel_size`` κ and ``pool`` (``"max"`` ignores the padding, ``"avg"`` counts it as zeros):
+      pooling over the positions before the window; κ = 1 means none.
+    * ``row_reduce``: ``"mean"`` or ``"sum"`` (H2O) over the window rows.
+    * ``head_reduce``: over the G query heads of a KV head, ``"mean"`` (alias ``"group"``) or
+      ``"max"``; ``"layer"`` averages all H_q heads so every KV head gets the same scores.
+    * ``scale``: attention scale τ (None = 1/√D).
+
+    Inputs: ``queries`` ``[B, H_q, W, D]`` (RoPE applied) and, optionally, ``attn_lse``
+    ``[B, H_q, W]`` (natural-log softmax normalisers from the prefill attention at the same scale),
+    which saves a pass over the keys.
+    """
+
+    needs: ClassVar[tuple[str, ...]] = ("queries",)
+    nonnegative: ClassVar[bool] = True
+
+    window: int = 32
+    kernel_size: int = 1
+    pool: str = "max"
+    row_reduce: str = "mean"
+    head_reduce: str = "mean"
+    scale: Optional[float] = None
+    q_window: Optional[int] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        _positive_int("window", self.window)
+        _positive_int("kernel_size", self.kernel_size)
+        if self.q_window is not None:
+            _positive_int("q_window", self.q_window)
+        if self.head_reduce == "group":
+            self.head_reduce = "mean"
+        for name, options in (("pool", POOLS), ("row_reduce", ROW_REDUCE), ("head_reduce", HEAD_REDUCE)):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name} must be one of {options}, got {getattr(self, name)!r}")
+        if self.scale is not None and (isinstance(self.scale, bool) or not isinstance(self.scale, (int, float))
+                                       or not 0 < self.scale < float("inf")):
+            raise ValueError(f"scale must be None (1/sqrt(D)) or a positive float, got {self.scale!r}")
+
+    def protected(self, n: int, budget: int) -> tuple[int, int]:
+        """``(sink, window)``: the last W tokens, clipped to the row. A row no longer than W lies
+        entirely in the window: then the most recent ``budget − sink`` tokens are protected."""
+        sink = min(self.sink, n)
+        window = min(self.window, n - sink)
+        if n <= self.window:
+            window = min(window, max(budget - sink, 0))
+        return sink, window
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, queries: Optional[torch.Tensor] = None,
+              attn_lse: Optional[torch.Tensor] = None, **inputs) -> torch.Tensor:
+        """fp32 ``[B, H_kv, N]`` window attention (≥ 0); the window positions keep unpooled values."""
+        if queries is None:
+            raise ValueError(f"policy {self.name!r} needs queries: the last window of queries [B, H_q, W, D]")
+        check_kv_tensor("queries", queries)
+        w = self.q_window or self.window
+        if queries.shape[2] > w:
+            queries = queries[:, :, -w:]
+            if isinstance(attn_lse, torch.Tensor) and attn_lse.dim() == 3:
+                attn_lse = attn_lse[:, :, -w:]
+        return window_attention_scores(keys, queries, attn_lse=attn_lse, scale=self.scale,
+                                       kernel_size=self.kernel_size, pool=self.pool, row_reduce=self.row_reduce,
+                                       head_reduce=self.head_reduce)
+
+
+@register_policy
+@dataclasses.dataclass
+class SnapKV(WindowAttentionPolicy):
+    """SnapKV: window W = 32, max-pool κ = 7, mean over the window rows and the query group (the
+    AdaKV/CriticalKV setting). SnapKV's own code and kvpress use ``pool="avg"`` (kvpress: W = 64,
+    κ = 5) and pool before the group mean; here the group is reduced first."""
+
+    name: ClassVar[str] = "snapkv"
+
+    window: int = 32
+    kernel_size: int = 7
+    pool: str = "max"
