@@ -1,0 +1,137 @@
+"""Knorm (algorithms.md §1.1): the kernel against the NumPy oracle, kept indices end to end through
+compress() (the shared select with the policy's protected sizes), the invariants (s ≤ 0, ranking
+unchanged by a common positive scale), bad inputs and the AOT compile."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tritonkv
+from aot import assert_compiles
+from reference import knorm as ref
+from test_keydiff import DTYPES, assert_kept_matches
+from tritonkv.kernels.knorm import knorm_scores
+from tritonkv.kernels.select import select_indices
+from tritonkv.policies import Knorm
+
+RTOL = 1e-6  # fp32 sum of squares against fp64: ~1e-7 relative
+
+
+@st.composite
+def keys_case(draw, max_n=300, dtypes=DTYPES):
+    """keys [B, H, N, D]: Gaussian, small integers (many exact ties), exact duplicates or spread
+    scales; possibly strided rows."""
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, 4))
+    N = draw(st.one_of(st.integers(1, 12), st.integers(13, max_n)))
+    D = draw(st.sampled_from([16, 64, 128]))
+    dtype = draw(st.sampled_from(dtypes))
+    kind = draw(st.sampled_from(["normal", "ints", "dups", "scaled"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    if kind == "ints":  # exact in every dtype; equal norms tie exactly
+        k = rng.integers(-2, 3, (B, H, N, D)).astype(np.float64)
+    else:
+        k = rng.standard_normal((B, H, N, D))
+    if kind == "dups":
+        src = rng.integers(0, N, N)
+        pick = rng.random(N) < 0.4
+        k[:, :, pick] = k[:, :, src[pick]]
+    elif kind == "scaled":
+        k *= np.exp(rng.uniform(-3, 3, (B, H, N, 1)))
+    keys = torch.from_numpy(k).to(dtype)
+    if draw(st.booleans()):
+        keys = keys.transpose(1, 2).contiguous().transpose(1, 2)
+    return keys
+
+
+def oracle(keys):
+    return ref.scores(keys.double().numpy())
+
+
+def tol(s):
+    return RTOL * max(1.0, float(np.abs(s).max(initial=0.0)))
+
+
+@given(keys=keys_case(), chunk=st.sampled_from([0, 64]))
+def test_scores_match_oracle(keys, chunk):
+    got = knorm_scores(keys, chunk=chunk)
+    assert got.dtype == torch.float32 and got.shape == keys.shape[:3] and got.is_contiguous()
+    want = oracle(keys)
+    np.testing.assert_allclose(got.numpy(), want, rtol=RTOL, atol=0)
+    assert (got <= 0).all()
+
+
+@st.composite
+def budget_case(draw, n):
+    sink = draw(st.sampled_from([0, 0, 1, 4]))
+    window = draw(st.sampled_from([0, 0, 1, 7]))
+    pol = Knorm(sink=sink, window=window)
+    s, w = pol.protected(n, n)
+    edge = draw(st.sampled_from(["protected", "n-1", "n", "over", "random", "random"]))
+    k = {"protected": max(s + w, 1), "n-1": max(n - 1, 1), "n": n, "over": n + 3}.get(edge) or draw(st.integers(1, n))
+    return pol, k
+
+
+@given(keys=keys_case(), data=st.data())
+def test_kept_matches_oracle(keys, data):
+    B, H, N, D = keys.shape
+    pol, k = data.draw(budget_case(N))
+    values = torch.randn(keys.shape).to(keys.dtype)
+    if k >= N:
+        out = tritonkv.compress((keys, values), pol, k)
+        assert out.keys is keys and out.values is values
+        return
+    sink, window = pol.protected(N, k)
+    if sink + window > k:
+        with pytest.raises(ValueError, match="budget"):
+            tritonkv.compress((keys, values), pol, k)
+        return
+    out = tritonkv.compress((keys, values), pol, k)
+    s = oracle(keys).reshape(B * H, N)
+    assert_kept_matches(out.indices.reshape(B * H, k).numpy(), [k] * (B * H), s, k, sink, window, tol(s))
+    g = out.indices[..., None].expand(-1, -1, -1, D)
+    assert torch.equal(out.keys, keys.gather(2, g)) and torch.equal(out.values, values.gather(2, g))
+
+
+@settings(max_examples=15)
+@given(keys=keys_case(max_n=200), data=st.data())
+def test_common_scale_keeps_the_ranking(keys, data):
+    B, H, N, D = keys.shape
+    k = data.draw(st.integers(1, N))
+    base = knorm_scores(keys)
+    # a power of two scales every fp32 score exactly: identical kept sets, whatever the ties
+    c2 = 2.0 ** data.draw(st.sampled_from([-2, -1, 1, 3]))
+    scaled = knorm_scores(keys.float() * c2)
+    assert torch.equal(scaled, base * c2)
+    # any c > 0 keeps the oracle's ranking (exact unless the cut is a near-tie)
+    c = data.draw(st.floats(0.01, 100))
+    idx, lengths = select_indices(knorm_scores(keys.float() * c), k, k)
+    s = oracle(keys).reshape(B * H, N)
+    assert_kept_matches(idx.reshape(B * H, k).numpy(), lengths.reshape(-1).numpy(), s, k, 0, 0, 4 * tol(s))
+
+
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda: knorm_scores(torch.randn(2, 3, 4)), ValueError, ["keys"]),
+    (lambda: knorm_scores(torch.ones(1, 1, 4, 8, dtype=torch.int64)), TypeError, ["keys"]),
+    (lambda: knorm_scores([1.0]), TypeError, ["keys"]),
+    (lambda: knorm_scores(torch.randn(1, 1, 4, 8), chunk=-2), ValueError, ["chunk"]),
+    (lambda: Knorm(window=-1), ValueError, ["window"]),
+])
+def test_bad_inputs(make, exc, words):
+    with pytest.raises(exc) as e:
+        make()
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_registered():
+    assert tritonkv.POLICIES["knorm"] is Knorm
+    assert (Knorm().sink, Knorm().window, Knorm.needs) == (0, 0, ())
+
+
+def test_aot_compiles():
+    assert_compiles({"module": "tritonkv.kernels.knorm", "kernel": "_knorm_kernel",
+                     "signature": {"k_ptr": "*bf16", "out_ptr": "*fp32", "H": "i32", "skb": "i64", "skh": "i32",
+                                   "skn": "i32", "N": "i32", "D": "i32",
+                                   "CHUNK": "constexpr", "TILE": "constexpr", "BLOCK_D": "constexpr"},
+                     "constexprs": {"CHUNK": 2048, "TILE": 64, "BLOCK_D": 128}})

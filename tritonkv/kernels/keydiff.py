@@ -1,0 +1,103 @@
+"""KeyDiff: negative cosine similarity of each key to the anchor (KeyDiff §3.2, Eqs. 7–8,
+App. B.1; ``shared/notes/algorithms.md`` §1.2).
+
+    k̂_i = k_i / max(‖k_i‖, 1e-12)
+    a   = (1/n) Σ_i k̂_i                      ("normalized", default)   or   (1/n) Σ_i k_i   ("raw")
+    s_i = −(a·k_i) / max(‖a‖·‖k_i‖, 1e-8)    clamped to [−1, 1]
+
+The anchor is a reduction over the whole row, so scoring takes two launches on the same grid
+(token chunks, B·H_kv rows), which lets a long row split over many programs:
+
+1. ``_keydiff_anchor_kernel``: each chunk writes its partial sum of (normalised) keys to an fp32
+   ``[R, C, D]`` buffer — no float atomics, so the result does not depend on program order;
+2. ``_keydiff_score_kernel``: each program sums the row's C partials in a fixed order (every
+   program of a row gets the same anchor, bit for bit), then scores its chunk. It walks the grid
+   backwards, so it starts on the chunks the first launch read last (still in L2 on the GPU).
+
+The kernel boundary is the row-wide barrier. Keys are read twice; scores are fp32 ``[B, H, N]``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import launch, next_pow2, row_major, triton_op
+from .knorm import _check_keys, _load_keys, token_blocks
+
+ANCHORS = ("normalized", "raw")
+
+
+@triton.jit
+def _keydiff_anchor_kernel(k_ptr, part_ptr, H, skb, skh, skn, N, D, C,
+                           CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
+                           NORMALIZE: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    acc = tl.zeros([TILE, BLOCK_D], dtype=tl.float32)  # reduced over tokens once, at the end
+    for t0 in range(0, CHUNK, TILE):
+        k, offs, mask = _load_keys(k_ptr, r, H, skb, skh, skn, N, D, c, t0, CHUNK, TILE, BLOCK_D)
+        if NORMALIZE:
+            k = k / tl.maximum(tl.sqrt_rn(tl.sum(k * k, 1)), 1e-12)[:, None]
+        acc += k
+    d = tl.arange(0, BLOCK_D)
+    tl.store(part_ptr + (r * C + c) * D + d, tl.sum(acc, 0), mask=d < D)
+
+
+@triton.jit
+def _keydiff_score_kernel(k_ptr, part_ptr, out_ptr, H, skb, skh, skn, N, D, C,
+                          CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    c = tl.num_programs(0) - 1 - tl.program_id(0)
+    r = (tl.num_programs(1) - 1 - tl.program_id(1)).to(tl.int64)
+    # the anchor: the row's chunk partials summed in a fixed order, then the mean
+    d = tl.arange(0, BLOCK_D)
+    a = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        p = tl.load(part_ptr + (r * C + cc)[:, None] * D + d[None, :],
+                    mask=(cc < C)[:, None] & (d < D)[None, :], other=0.0)
+        a += tl.sum(p, 0)
+    a = a / N
+    a_norm = tl.sqrt_rn(tl.sum(a * a, 0))
+    for t0 in range(0, CHUNK, TILE):
+        k, offs, mask = _load_keys(k_ptr, r, H, skb, skh, skn, N, D, c, t0, CHUNK, TILE, BLOCK_D)
+        dot = tl.sum(k * a[None, :], 1)
+        k_norm = tl.sqrt_rn(tl.sum(k * k, 1))
+        s = 0.0 - dot / tl.maximum(a_norm * k_norm, 1e-8)  # 0.0 - x: a zero key scores +0
+        s = tl.minimum(tl.maximum(s, -1.0), 1.0)
+        tl.store(out_ptr + r * N + offs, s, mask=mask)
+
+
+@triton_op("tritonkv::keydiff_score", mutates_args=())
+def keydiff_score_op(keys: torch.Tensor, normalize: bool, chunk: int) -> torch.Tensor:
+    """The raw op: keys ``[B, H, N, D]`` (last dim unit-stride) -> fp32 ``[B, H, N]``."""
+    B, H, N, D = keys.shape
+    R = B * H
+    out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)
+    if N > 0 and R > 0:
+        cfg = token_blocks(N, R, D, chunk)
+        C = triton.cdiv(N, cfg["CHUNK"])
+        part = torch.empty((R, C, D), dtype=torch.float32, device=keys.device)
+        strides = (keys.stride(0), keys.stride(1), keys.stride(2))
+        launch(_keydiff_anchor_kernel, (C, R), keys, part, H, *strides, N, D, C, NORMALIZE=normalize, **cfg)
+        launch(_keydiff_score_kernel, (C, R), keys, part, out, H, *strides, N, D, C,
+               BLOCK_C=min(next_pow2(C), max(1, 4096 // cfg["BLOCK_D"])), **cfg)
+    return out
+
+
+def keydiff_scores(keys: torch.Tensor, *, anchor: str = "normalized", chunk: int = 0) -> torch.Tensor:
+    """KeyDiff scores ``−cos(k_i, a)``, fp32 ``[B, H_kv, N]`` in [−1, 1] (higher = keep: the keys
+    least like the anchor are kept).
+
+    ``anchor``: ``"normalized"`` (mean of the unit keys, the default as in Table 15 and kvpress) or
+    ``"raw"`` (mean of the keys themselves, §3.2). The anchor spans all N tokens of the row.
+    ``chunk`` (tokens per program, 0 = automatic) changes the grid; the anchor's fp32 summation
+    order follows it, so scores may move in the last bits.
+    """
+    _check_keys(keys)
+    if anchor not in ANCHORS:
+        raise ValueError(f"anchor must be one of {ANCHORS}, got {anchor!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"chunk must be a non-negative int (0 = automatic), got {chunk!r}")
+    return keydiff_score_op(row_major(keys), anchor == "normalized", chunk)

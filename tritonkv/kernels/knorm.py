@@ -1,0 +1,93 @@
+"""Knorm: the negated L2 norm of each key (Devoto et al.; ``shared/notes/algorithms.md`` §1.1).
+
+    s_i = −‖k_i‖₂      (accumulated in fp32: a bf16 norm ties distinct tokens)
+
+One launch on a grid (token chunks, B·H_kv rows), so a long row splits over many programs. Each
+program streams its chunk in ``[TILE, BLOCK_D]`` tiles of the strided ``[B, H, N, D]`` keys (last
+dim unit-stride, int64 offsets) and writes fp32 scores ``[B, H, N]``.
+
+``token_blocks`` and ``_load_keys`` are shared with the KeyDiff kernels (``kernels/keydiff.py``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op
+
+
+@triton.jit
+def _load_keys(k_ptr, r, H, skb, skh, skn, N, D, c, t0, CHUNK: tl.constexpr, TILE: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """One fp32 tile ``[TILE, BLOCK_D]`` of row ``r`` (int64) at tokens ``c·CHUNK + t0 + [0, TILE)``;
+    zeros outside the row. Returns ``(tile, token offsets, token mask)``."""
+    offs = c * CHUNK + t0 + tl.arange(0, TILE)
+    mask = offs < N
+    d = tl.arange(0, BLOCK_D)
+    ptr = k_ptr + (r // H) * skb + (r % H) * skh + offs.to(tl.int64)[:, None] * skn + d[None, :]
+    k = tl.load(ptr, mask=mask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    return k, offs, mask
+
+
+@triton.jit
+def _knorm_kernel(k_ptr, out_ptr, H, skb, skh, skn, N, D,
+                  CHUNK: tl.constexpr, TILE: tl.constexpr, BLOCK_D: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    for t0 in range(0, CHUNK, TILE):
+        k, offs, mask = _load_keys(k_ptr, r, H, skb, skh, skn, N, D, c, t0, CHUNK, TILE, BLOCK_D)
+        s = 0.0 - tl.sqrt_rn(tl.sum(k * k, 1))
+        tl.store(out_ptr + r * N + offs, s, mask=mask)
+
+
+def token_blocks(n: int, rows: int, d: int, chunk: int = 0) -> dict:
+    """Launch configuration of a token-streaming kernel: ``CHUNK`` tokens per program (a power of
+    two), ``TILE`` tokens per loop step, ``BLOCK_D`` = next_pow2(d), ``num_warps``.
+
+    Under the interpreter (~0.5 ms per program, one numpy call per op) one program per row with
+    whole-row tiles; on the GPU ~64·128-element tiles and enough chunks for about two waves of 132
+    SMs when rows are few (B·H_kv = 8 is the common case). ``chunk`` (> 0) forces the chunk size.
+    """
+    block_d = next_pow2(d)
+    if INTERPRET:
+        tile = min(next_pow2(n), max(16, 4096 * 128 // block_d))
+        chunk = chunk or tile
+    else:
+        tile = max(16, 8192 // block_d)
+        if not chunk:
+            want = max(1, -(-264 // max(rows, 1)))
+            chunk = min(max(next_pow2(-(-n // want)), tile), 16384)
+    chunk = next_pow2(chunk)
+    return dict(CHUNK=chunk, TILE=min(tile, chunk), BLOCK_D=block_d,
+                num_warps=4 if min(tile, chunk) * block_d <= 4096 else 8)
+
+
+def _check_keys(keys) -> None:
+    check_kv_tensor("keys", keys)
+    if keys.shape[-1] < 1:
+        raise ValueError(f"keys must have a head dim >= 1, got shape {tuple(keys.shape)}")
+
+
+@triton_op("tritonkv::knorm_score", mutates_args=())
+def knorm_score_op(keys: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The raw op: keys ``[B, H, N, D]`` (last dim unit-stride) -> fp32 ``[B, H, N]``."""
+    B, H, N, D = keys.shape
+    out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)
+    if N > 0 and B * H > 0:
+        cfg = token_blocks(N, B * H, D, chunk)
+        launch(_knorm_kernel, (triton.cdiv(N, cfg["CHUNK"]), B * H), keys, out, H,
+               keys.stride(0), keys.stride(1), keys.stride(2), N, D, **cfg)
+    return out
+
+
+def knorm_scores(keys: torch.Tensor, *, chunk: int = 0) -> torch.Tensor:
+    """Knorm scores ``−‖k_i‖₂``, fp32 ``[B, H_kv, N]`` (higher = keep, so small-norm keys are kept).
+
+    ``keys`` ``[B, H_kv, N, D]`` in fp32/fp16/bf16, any strides. ``chunk`` (tokens per program,
+    0 = automatic) changes the grid, never the result.
+    """
+    _check_keys(keys)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"chunk must be a non-negative int (0 = automatic), got {chunk!r}")
+    return knorm_score_op(row_major(keys), chunk)

@@ -1,0 +1,26 @@
+"""Knorm (Devoto et al.; ``shared/notes/algorithms.md`` §1.1): keep the keys of smallest L2 norm.
+Kernel in ``kernels/knorm.py``."""
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ..kernels.knorm import knorm_scores
+from .base import Policy, register_policy
+
+
+@register_policy
+@dataclasses.dataclass
+class Knorm(Policy):
+    """Knorm: score ``−‖k_i‖₂`` (fp32). No sink and no window by default; both are accepted.
+
+    Devoto et al. leave the first two layers uncompressed; that is a per-layer decision for the
+    caller (compress only the layers you want), not a setting of the score."""
+
+    name: ClassVar[str] = "knorm"
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
+        """fp32 ``[B, H_kv, N]`` = −‖k_i‖₂ (≤ 0)."""
+        return knorm_scores(keys)
