@@ -127,6 +127,12 @@ def test_plus_inf_never_displaces_protected():
     np.testing.assert_array_equal(select_indices(s, 3, 3, sink=1, window=1)[0][0].numpy(), [0, 1, 4])
 
 
+def test_strided_budget_view_is_read_correctly():
+    s = torch.randn(2, 30, generator=torch.Generator().manual_seed(1))
+    lb = torch.tensor([[7, 2, 9], [1, 5, 3]])
+    assert select_mask(s, lb[:, 1]).sum(1).tolist() == [2, 5]
+
+
 def test_budget_tensor_errors():
     s = torch.randn(2, 10)
     with pytest.raises(ValueError, match="budgets"):

@@ -243,7 +243,7 @@ def budget_tensor(budget, rows: int, device) -> torch.Tensor:
             raise ValueError(f"budgets must have {rows} entries (one per batch row and KV head), got shape {tuple(budget.shape)}")
         if budget.dtype.is_floating_point or budget.dtype == torch.bool:
             raise TypeError(f"budgets must be an integer tensor, got {budget.dtype}")
-        return budget.reshape(rows).to(device=device, dtype=torch.int32)
+        return budget.reshape(rows).to(device=device, dtype=torch.int32).contiguous()
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise TypeError(f"budget must be an int or an int tensor, got {type(budget).__name__}")
     return torch.full((rows,), budget, dtype=torch.int32, device=device)

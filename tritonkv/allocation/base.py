@@ -1,0 +1,158 @@
+"""The allocator protocol, the registry and the checks every allocator shares.
+
+An allocator object is a small dataclass of settings with a ``name``, a ``needs`` declaration
+(the extra inputs it reads, checked by ``compress()``) and ``__call__``:
+
+    alloc(scores=<fp32 [B, H, N]>, budget=<selectable b per head>, sink=, window=, layer=,
+          num_layers=, **inputs) -> int32 [B, H] selectable budgets on the scores' device
+
+The selectable region of a row is tokens ``[sink, N - window)`` (``avail = N - sink - window``
+of them); callers add the protected count ``sink + window`` back. Allocators that depend only on
+shapes never read score values (``scores`` may then be replaced by ``shape=(B, H, N)``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, Optional
+
+import torch
+
+ALLOCATORS: dict[str, type["Allocator"]] = {}
+
+EPS_FLOOR = 1e-6  # floor(x + 1e-6): the library's convention for floors of float products (algorithms.md §0)
+
+
+def register_allocator(cls):
+    """Class decorator: make ``cls`` reachable by its ``name`` in ``compress(allocation=...)``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    ALLOCATORS[cls.name] = cls
+    return cls
+
+
+def get_allocator(allocation) -> "Allocator":
+    """An allocator object from a name, a class or an object (objects pass through)."""
+    if isinstance(allocation, Allocator):
+        return allocation
+    if isinstance(allocation, str):
+        try:
+            return ALLOCATORS[allocation]()
+        except KeyError:
+            raise ValueError(f"allocation: unknown name {allocation!r}; known: {sorted(ALLOCATORS)}") from None
+    if isinstance(allocation, type) and issubclass(allocation, Allocator):
+        return allocation()
+    raise TypeError(f"allocation must be a name ({sorted(ALLOCATORS)}) or a tritonkv.allocation.Allocator, "
+                    f"got {type(allocation).__name__}")
+
+
+def floor_eps(x: float) -> int:
+    """``floor(x + 1e-6)``: floors of float products such as α·b or b/β (0.29·100 gives 29)."""
+    return math.floor(x + EPS_FLOOR)
+
+
+def check_int(name: str, v, lo: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+def check_mode(mode: str, modes: tuple[str, ...]) -> str:
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+    return mode
+
+
+def check_positive(name: str, v, lo: float = 0.0, strict: bool = True) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or (v <= lo if strict else v < lo):
+        raise ValueError(f"{name} must be a number {'>' if strict else '>='} {lo}, got {v!r}")
+    return float(v)
+
+
+def check_profile(name: str, profile, num_heads: Optional[int] = None) -> torch.Tensor:
+    """A float ``[L, H]`` profile; a query-head profile ``[L, G·H]`` is averaged over each group."""
+    if not isinstance(profile, torch.Tensor):
+        try:
+            profile = torch.as_tensor(profile, dtype=torch.float64)
+        except Exception:
+            raise TypeError(f"{name} must be an [L, H] tensor of non-negative floats, got {type(profile).__name__}") from None
+    if profile.dim() != 2 or profile.shape[0] < 1 or profile.shape[1] < 1:
+        raise ValueError(f"{name} must be an [L, H] tensor (layers x heads), got shape {tuple(profile.shape)}")
+    if profile.dtype == torch.bool or profile.dtype.is_complex:
+        raise TypeError(f"{name} must hold real numbers, got {profile.dtype}")
+    profile = profile.to(torch.float64)
+    if num_heads is not None and profile.shape[1] != num_heads:
+        if profile.shape[1] % num_heads:
+            raise ValueError(f"{name} has {profile.shape[1]} heads per layer: expected H_kv = {num_heads} or a "
+                             f"multiple of it (query heads, averaged over each group)")
+        profile = profile.view(profile.shape[0], num_heads, -1).mean(-1)
+    return profile
+
+
+def check_nonnegative(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Host-side value check, done once when a profile is given to an allocator object."""
+    bad = t.detach().cpu()
+    if torch.isnan(bad).any() or (bad < 0).any():
+        raise ValueError(f"{name} must be non-negative with no NaN")
+    return t
+
+
+@dataclasses.dataclass
+class Allocator:
+    """Base class: subclasses set ``name``/``needs`` and implement ``allocate``."""
+
+    name: ClassVar[str] = ""
+    #: names of the extra inputs the allocator reads (``compress()`` checks they are present)
+    needs: ClassVar[tuple[str, ...]] = ()
+
+    def __call__(self, scores=None, budget=None, sink: int = 0, window: int = 0, layer=None, num_layers=None,
+                 shape=None, **inputs) -> torch.Tensor:
+        """int32 ``[B, H]`` selectable budgets (each in ``[0, avail]``) on the scores' device."""
+        if scores is not None:
+            if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
+                raise ValueError("scores must be a [B, H_kv, N] tensor")
+            B, H, N = scores.shape
+            device = scores.device
+        elif shape is not None:
+            B, H, N = (int(s) for s in shape)
+            device = torch.device(inputs.pop("device", "cpu"))
+        else:
+            raise ValueError(f"allocation {self.name!r}: pass scores [B, H_kv, N] (or shape=(B, H_kv, N))")
+        b = check_int("budget", budget)
+        sink, window = check_int("sink", sink), check_int("window", window)
+        avail = N - sink - window
+        if avail < 0:
+            raise ValueError(f"sink + window ({sink} + {window}) exceed the row length N = {N}")
+        if layer is not None:
+            check_int("layer", layer)
+        if num_layers is not None:
+            check_int("num_layers", num_layers, 1)
+            if layer is not None and layer >= num_layers:
+                raise ValueError(f"layer must be < num_layers = {num_layers}, got {layer}")
+        ctx = dict(B=B, H=H, N=N, avail=avail, b=min(b, avail), sink=sink, window=window, device=device,
+                   layer=layer, num_layers=num_layers)
+        out = self.allocate(scores, ctx, **inputs)
+        return out.to(device=device, dtype=torch.int32).expand(B, H).contiguous()
+
+    def allocate(self, scores, ctx: dict, **inputs) -> torch.Tensor:
+        """Budgets broadcastable to ``[B, H]``; ``ctx`` holds B, H, N, avail, b (<= avail), sink,
+        window, device, layer, num_layers."""
+        raise NotImplementedError
+
+    @staticmethod
+    def selectable(scores: torch.Tensor, ctx: dict) -> torch.Tensor:
+        """fp32 scores of the selectable tokens ``[B, H, avail]`` (protected positions excluded)."""
+        return scores[:, :, ctx["sink"]: ctx["N"] - ctx["window"]].to(torch.float32)
+
+    @staticmethod
+    def need_layer(ctx: dict, num_layers: Optional[int] = None) -> int:
+        """The layer index (checked against ``num_layers`` when the allocator knows it)."""
+        layer = ctx["layer"]
+        if layer is None:
+            raise ValueError("layer: this allocator needs the layer index (pass layer= to compress())")
+        if num_layers is not None:
+            if ctx["num_layers"] is not None and ctx["num_layers"] != num_layers:
+                raise ValueError(f"num_layers = {ctx['num_layers']} disagrees with the profile's {num_layers} layers")
+            if layer >= num_layers:
+                raise ValueError(f"layer must be < {num_layers} (the profile's layers), got {layer}")
+        return layer

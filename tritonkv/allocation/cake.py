@@ -1,0 +1,97 @@
+"""CAKE layer preference (algorithms.md §2.7, optional).
+
+Per layer, from the window attention ``A [B, H, W, n]`` (W window queries over the prefix keys)::
+
+    H_l = −Σ A·log(A + 1e-10)                   spatial dispersion
+    V_l = Σ_{heads,keys} Var_{window rows}(A)    temporal shift (population variance)
+    P_l = H_l^(1/τ₁) · V_l^(1/τ₂)
+    B_l = B_total · P_l / ΣP                     B_total = L·b, a per-head count shared by the layer
+
+Exact mode rounds by largest remainder (cap ``avail``); paper mode uses CAKE's ``adjust_budgets``.
+The variance divisor does not matter: it scales every P_l alike, and scaling P changes nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .base import Allocator, check_mode, check_positive, register_allocator
+from .rounding import adjust_budgets, largest_remainder
+
+MODES = ("exact", "paper")
+
+
+def cake_preference(attn: torch.Tensor, *, tau1: float = 1.0, tau2: float = 1.0) -> torch.Tensor:
+    """float64 ``[B]`` preference ``P_l`` of one layer from its window attention ``[B, H, W, n]``."""
+    if not isinstance(attn, torch.Tensor) or attn.dim() != 4:
+        raise ValueError("attn must be the window attention [B, H, W, n]")
+    check_positive("tau1", tau1)
+    check_positive("tau2", tau2)
+    a = attn.to(torch.float64)
+    ent = -(a * torch.log(a + 1e-10)).sum((1, 2, 3))
+    var = a.var(dim=2, correction=0).sum((1, 2))
+    return ent.clamp_min(0.0) ** (1.0 / tau1) * var ** (1.0 / tau2)
+
+
+def cake_budgets(preference: torch.Tensor, b: int, avail: int, *, mode: str = "exact") -> torch.Tensor:
+    """int32 ``[B, L]`` per-head budget of each layer from ``preference`` ``[L]`` or ``[L, B]``."""
+    check_mode(mode, MODES)
+    p = preference.to(torch.float64)
+    p = (p[:, None] if p.dim() == 1 else p).transpose(0, 1).clamp_min(0.0)  # [B, L]
+    L = p.shape[1]
+    if b >= avail or b <= 0:
+        return torch.full(p.shape, max(min(b, avail), 0), dtype=torch.int32, device=p.device)
+    total = L * b
+    s = p.sum(-1, keepdim=True)
+    x = torch.where(s > 0, total * p / torch.where(s > 0, s, 1.0), float(b))
+    if mode == "paper":
+        return adjust_budgets(x, total, avail)
+    return largest_remainder(x, total, cap=avail, weights=p)
+
+
+@register_allocator
+@dataclasses.dataclass
+class Cake(Allocator):
+    """CAKE: layer budgets ∝ dispersion × temporal shift (input ``layer_preference`` ``[L]`` or
+    ``[L, B]``, from ``cake_preference`` on each layer), the same for all heads of a layer."""
+
+    name = "cake"
+    needs = ("layer_preference", "layer")
+
+    mode: str = "exact"
+
+    def __post_init__(self):
+        check_mode(self.mode, MODES)
+
+    def allocate(self, scores, ctx, layer_preference=None, **inputs):
+        if layer_preference is None:
+            raise ValueError("layer_preference: cake needs every layer's preference P_l ([L] or [L, B])")
+        p = torch.as_tensor(layer_preference).to(ctx["device"])
+        if p.dim() not in (1, 2) or (p.dim() == 2 and p.shape[1] not in (1, ctx["B"])):
+            raise ValueError(f"layer_preference must be [L] or [L, B={ctx['B']}], got {tuple(p.shape)}")
+        layer = self.need_layer(ctx, p.shape[0])
+        return cake_budgets(p, ctx["b"], ctx["avail"], mode=self.mode)[:, layer, None]
+
+
+@dataclasses.dataclass
+class Fixed(Allocator):
+    """Precomputed selectable budgets (``[L, H]`` or ``[L, B, H]``), e.g. from ``score_budgets``;
+    each layer's row is returned, clamped to ``[0, avail]``."""
+
+    name = "fixed"
+    needs = ("layer",)
+
+    budgets: torch.Tensor = None
+
+    def __post_init__(self):
+        if not isinstance(self.budgets, torch.Tensor) or self.budgets.dim() not in (2, 3) \
+                or self.budgets.dtype.is_floating_point or self.budgets.dtype == torch.bool:
+            raise ValueError("budgets must be an int tensor [L, H] or [L, B, H] of selectable budgets")
+
+    def allocate(self, scores, ctx, **inputs):
+        layer = self.need_layer(ctx, self.budgets.shape[0])
+        return self.budgets[layer].to(ctx["device"]).clamp(0, ctx["avail"])
+
+
+register_allocator(Fixed)

@@ -1,0 +1,90 @@
+"""HeadKV-style budgets from an offline profile (algorithms.md §2.4).
+
+With a profile ``p [L, H] >= 0`` (a query-head profile is averaged over each group), β = 1.5, τ = 1::
+
+    p ← p/Σp;  p ← p^τ;  p ← p/Σp
+    fixed = b − ⌊b/β⌋,  pool = ⌊b/β⌋·L·H,  b_{l,h} = fixed + p_{l,h}·pool
+
+Exact mode: largest remainder to ``L·H·b`` with a cap at ``avail`` (excess spread in proportion to
+``p``). Paper mode: round each budget (half to even) and clamp to ``[0, avail]``. Larger β means a
+*smaller* pool; β → ∞ is uniform. An all-zero profile counts as uniform.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .base import (Allocator, check_mode, check_nonnegative, check_positive, check_profile, floor_eps,
+                   register_allocator)
+from .rounding import largest_remainder
+
+MODES = ("exact", "paper")
+
+
+def normalise(p: torch.Tensor) -> torch.Tensor:
+    """``p / Σp`` over the whole tensor (uniform when the sum is 0)."""
+    s = p.sum()
+    return torch.where(s > 0, p / torch.where(s > 0, s, 1.0), 1.0 / p.numel())
+
+
+def profile_budgets(share: torch.Tensor, b: int, avail: int, ratio: float, mode: str) -> torch.Tensor:
+    """``fixed + share·pool`` rounded (shared by HeadKV and SurfaceLogicKV): ``fixed = b − ⌊b/ratio⌋``,
+    ``pool = ⌊b/ratio⌋·L·H``; ``share [L, H]`` sums to 1 except in SurfaceLogicKV's paper mode."""
+    L, H = share.shape
+    if b >= avail or b <= 0:
+        return torch.full((L, H), max(min(b, avail), 0), dtype=torch.int32, device=share.device)
+    small = floor_eps(b / ratio)
+    fixed, pool = b - small, small * L * H
+    x = fixed + share * pool
+    if mode == "paper":
+        return torch.round(x).clamp(0, avail).to(torch.int32)
+    return largest_remainder(x.reshape(-1), L * H * b, cap=avail, weights=share.reshape(-1)).view(L, H)
+
+
+def headkv_budgets(profile: torch.Tensor, b: int, avail: int, *, beta: float = 1.5, tau: float = 1.0,
+                   mode: str = "exact") -> torch.Tensor:
+    """int32 ``[L, H]`` selectable budgets of every (layer, head), on the profile's device."""
+    check_positive("beta", beta, 1.0, strict=False)
+    check_positive("tau", tau)
+    check_mode(mode, MODES)
+    p = normalise(check_profile("profile", profile).clamp_min(0.0))
+    if tau != 1.0:  # p^1 renormalised is p: skip the no-op so τ = 1 is bit-exact
+        p = normalise(p ** tau)
+    return profile_budgets(p, b, avail, beta, mode)
+
+
+@register_allocator
+@dataclasses.dataclass
+class HeadKV(Allocator):
+    """HeadKV: a fixed share per head plus a pool split by an offline head-importance profile.
+
+    The profile is the field ``profile`` or the input ``profile=`` (``[L, H_kv]`` or ``[L, H_q]``).
+    """
+
+    name = "headkv"
+
+    profile: Optional[torch.Tensor] = None
+    beta: float = 1.5
+    tau: float = 1.0
+    mode: str = "exact"
+
+    def __post_init__(self):
+        check_positive("beta", self.beta, 1.0, strict=False)
+        check_positive("tau", self.tau)
+        check_mode(self.mode, MODES)
+        if self.profile is not None:
+            self.profile = check_nonnegative("profile", check_profile("profile", self.profile))
+
+    @property
+    def needs(self):
+        return ("layer",) if self.profile is not None else ("layer", "profile")
+
+    def allocate(self, scores, ctx, profile=None, **inputs):
+        profile = self.profile if profile is None else profile
+        if profile is None:
+            raise ValueError("profile: headkv needs an offline head profile [L, H] (field or input profile=)")
+        p = check_profile("profile", profile, ctx["H"]).to(ctx["device"])
+        layer = self.need_layer(ctx, p.shape[0])
+        return headkv_budgets(p, ctx["b"], ctx["avail"], beta=self.beta, tau=self.tau, mode=self.mode)[layer]

@@ -1,0 +1,77 @@
+"""PyramidKV layer budgets (algorithms.md §2.2): a linear ramp from ``max`` at layer 0 down to
+``min`` at the last layer, with mean ``b``.
+
+Float rule (exact mode, the default)::
+
+    min = b/β;  max = 2b − min                      (β = 20)
+    if max > avail: max = avail; min = 2b − max
+    b_l = max − l·(max − min)/(L − 1)
+
+then largest remainder to ``Σ_l b_l = L·b`` (ties to the lower layer keep the ramp non-increasing).
+Paper mode (KVCache-Factory / AdaKV ``pyram_mode``) uses the integer ``min = ⌊b/β⌋``, the clamp
+``max ≥ avail`` and an integer step ``⌊(max − min)/(L − 1)⌋``; its total lies in
+``[L·b, L·b + L(L−1)/2]``. ``b ≥ avail`` keeps everything; ``L = 1`` is uniform. Budgets depend only
+on static ints, so they are built on the host and moved to the device (no device read).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .base import Allocator, check_int, check_mode, check_positive, floor_eps, register_allocator
+from .rounding import largest_remainder
+
+MODES = ("exact", "paper")
+
+
+def pyramid_budgets(num_layers: int, b: int, avail: int, *, beta: float = 20.0, mode: str = "exact",
+                    device="cpu") -> torch.Tensor:
+    """int32 ``[L]`` selectable budget of each layer (shared by the layer's heads)."""
+    L = check_int("num_layers", num_layers, 1)
+    check_positive("beta", beta)
+    check_mode(mode, MODES)
+    if b >= avail:
+        return torch.full((L,), max(avail, 0), dtype=torch.int32, device=device)
+    if b <= 0 or L == 1:
+        return torch.full((L,), max(b, 0), dtype=torch.int32, device=device)
+    if mode == "paper":
+        lo = floor_eps(b / beta)
+        hi = 2 * b - lo
+        if hi >= avail:
+            hi = avail
+            lo = 2 * b - hi
+        step = (hi - lo) // (L - 1)
+        out = [min(max(hi - l * step, 0), avail) for l in range(L)]
+        return torch.tensor(out, dtype=torch.int32, device=device)
+    lo = b / beta
+    hi = 2 * b - lo
+    if hi > avail:
+        hi = float(avail)
+        lo = 2 * b - hi
+    x = torch.tensor([hi - l * (hi - lo) / (L - 1) for l in range(L)], dtype=torch.float64, device=device)
+    return largest_remainder(x, L * b, cap=avail)
+
+
+@register_allocator
+@dataclasses.dataclass
+class Pyramid(Allocator):
+    """PyramidKV: more tokens in lower layers (reads only shapes, ``layer`` and ``num_layers``)."""
+
+    name = "pyramid"
+    needs = ("layer", "num_layers")
+
+    beta: float = 20.0
+    mode: str = "exact"
+
+    def __post_init__(self):
+        check_positive("beta", self.beta)
+        check_mode(self.mode, MODES)
+
+    def allocate(self, scores, ctx, **inputs):
+        if ctx["num_layers"] is None:
+            raise ValueError("num_layers: pyramid needs the model's layer count (pass num_layers=)")
+        layer = self.need_layer(ctx, ctx["num_layers"])
+        per_layer = pyramid_budgets(ctx["num_layers"], ctx["b"], ctx["avail"], beta=self.beta, mode=self.mode,
+                                    device=ctx["device"])
+        return per_layer[layer]
