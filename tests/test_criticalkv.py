@@ -1,0 +1,281 @@
+"""CriticalKV: projected-value norm kernel and two-stage selection, against the NumPy oracle."""
+import dataclasses
+from typing import ClassVar, Optional
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import tritonkv
+from aot import assert_compiles
+from reference import criticalkv as ref
+from tritonkv.kernels import select as ksel
+from tritonkv.kernels.critical import value_norms
+from tritonkv.policies.base import Policy
+from tritonkv.policies.criticalkv import CriticalKV
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REL = 1e-5  # fp32 norms differ from the float64 oracle by ~1e-6 (reduction order)
+
+
+@dataclasses.dataclass
+class GivenScores(Policy):
+    """Test-only base (not registered): returns the scores it holds."""
+
+    name: ClassVar[str] = "test_given_scores"
+    nonnegative: ClassVar[bool] = True
+    scores: Optional[torch.Tensor] = None
+
+    def score(self, keys, values, **inputs):
+        return self.scores
+
+
+@dataclasses.dataclass
+class SignedScores(GivenScores):
+    nonnegative: ClassVar[bool] = False
+
+
+@st.composite
+def cases(draw, max_n=160, dtypes=DTYPES):
+    """(scores fp32 distinct > 0 [B,H,N], values, W_O, G, sink, window, budgets int [B*H])."""
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, 4 // B))
+    G = draw(st.sampled_from([1, 3, 4]))
+    N = draw(st.integers(1, max_n))
+    D = draw(st.sampled_from([8, 16, 33, 64]))
+    DM = draw(st.sampled_from([16, 24, 48]))
+    dtype = draw(st.sampled_from(dtypes))
+    w_dtype = draw(st.sampled_from([dtype, dtype, torch.float32]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    sink = draw(st.integers(0, min(3, N)))
+    window = draw(st.integers(0, min(8, N - sink)))
+    budgets = [draw(st.integers(sink + window, N + 2)) for _ in range(B * H)]
+    s = np.stack([(rng.permutation(N) + 1.0) / N for _ in range(B * H)]).reshape(B, H, N)
+    scale = np.exp(rng.uniform(-1.5, 1.5, (B, H, N, 1)))
+    values = torch.from_numpy(rng.standard_normal((B, H, N, D)) * scale).to(dtype)
+    w = torch.from_numpy(rng.standard_normal((DM, H * G * D)) / np.sqrt(D)).to(w_dtype)
+    return (torch.from_numpy(s).float(), values, w, G, sink, window,
+            torch.tensor(budgets, dtype=torch.int32))
+
+
+def oracle_norms(values, w, G):
+    """float64 [B, H, N] oracle norms on the (rounded) inputs."""
+    B, H = values.shape[:2]
+    V, W = values.double().numpy(), w.double().numpy()
+    return np.stack([[ref.value_norms(V[b, h], W, h, G) for h in range(H)] for b in range(B)])
+
+
+def kept_rows(idx, lengths):
+    lengths = lengths.reshape(-1)
+    return [idx.reshape(len(lengths), -1)[r, :l].numpy() for r, l in enumerate(lengths.tolist())]
+
+
+def check_row(kept, s, n, budget, sink, window, alpha, eps=1e-4):
+    """Exact against the oracle when the stage-2 boundary is separated; else the kept multiset."""
+    P, S1, S2, s2 = ref.stages(s, n, budget, sink, window, alpha, eps)
+    want = np.flatnonzero(P | S1 | S2)
+    cand = ref.ranked(s2, np.flatnonzero(~P & ~S1))
+    m = int(S2.sum())
+    separated = m == 0 or m == len(cand) or s2[cand[m - 1]] - s2[cand[m]] > REL * s2[cand[m - 1]]
+    if separated:
+        np.testing.assert_array_equal(kept, want)
+    else:
+        got = np.zeros_like(P)
+        got[kept] = True
+        assert len(kept) == len(want) and (got[P | S1]).all()
+        np.testing.assert_allclose(np.sort(s2[got & ~P & ~S1]), np.sort(s2[S2]), rtol=REL)
+
+
+@given(case=cases(max_n=200))
+def test_value_norms_match_oracle(case):
+    _, values, w, G, *_ = case
+    n = value_norms(values, w)
+    assert n.dtype == torch.float32 and n.shape == values.shape[:3]
+    np.testing.assert_allclose(n.numpy(), oracle_norms(values, w, G), rtol=REL, atol=1e-6)
+
+
+@settings(max_examples=12)
+@given(case=cases(), alpha=st.sampled_from([0.0, 0.25, 0.5, 0.7, 1.0, 0.3]))
+def test_selection_matches_oracle(case, alpha):
+    """Per-head budgets (as from AdaKV), B > 1, G in {1, 3, 4}, every dtype: exact kept indices."""
+    s, values, w, G, sink, window, budgets = case
+    B, H, N = s.shape
+    k_max = int(min(budgets.max(), N))
+    pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window), alpha=alpha)
+    ko, vo, idx, lengths = pol.select(pol.score(values, values), budgets, values, values, sink=sink, window=window,
+                                      k_max=k_max, o_proj=w)
+    n = oracle_norms(values, w, G)
+    for r, kept in enumerate(kept_rows(idx, lengths)):
+        b, h = divmod(r, H)
+        assert len(kept) == min(int(budgets[r]), N)
+        check_row(kept, s[b, h].double().numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
+        assert torch.equal(ko[b, h, :len(kept)], values[b, h, kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compress_dense_and_ragged(dtype):
+    """compress() with one budget (dense) and RaggedKV.from_policy with per-head budgets (B = 2)."""
+    rng = np.random.default_rng(3)
+    B, H, G, N, D, sink, window = 2, 2, 3, 70, 16, 2, 5
+    s = torch.from_numpy((np.stack([rng.permutation(N) for _ in range(B * H)]) + 1.0) / N).float().view(B, H, N)
+    values = torch.from_numpy(rng.standard_normal((B, H, N, D)) * np.exp(rng.uniform(-1, 1, (B, H, N, 1)))).to(dtype)
+    keys = values.flip(-1)
+    w = torch.from_numpy(rng.standard_normal((24, H * G * D))).to(dtype)
+    n = oracle_norms(values, w, G)
+    pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window))
+    out = tritonkv.compress((keys, values), pol, 0.3, o_proj=w)
+    assert out.indices.shape == (B, H, 21)
+    for b in range(B):
+        for h in range(H):
+            kept = out.indices[b, h].numpy()
+            check_row(kept, s[b, h].double().numpy(), n[b, h], 21, sink, window, 0.5)
+            assert torch.equal(out.keys[b, h], keys[b, h, kept]) and torch.equal(out.values[b, h], values[b, h, kept])
+    budgets = torch.tensor([7, 30, 69, 12], dtype=torch.int32)
+    rag = tritonkv.RaggedKV.from_policy(pol, s, budgets, keys, values, sink=sink, window=window, o_proj=w)
+    K, _, lengths, pos = rag.to_padded(N, with_positions=True)
+    assert lengths.view(-1).tolist() == budgets.tolist()
+    for r in range(B * H):
+        b, h = divmod(r, H)
+        kept = pos[b, h, :budgets[r]].numpy()
+        check_row(kept, s[b, h].double().numpy(), n[b, h], int(budgets[r]), sink, window, 0.5)
+        assert torch.equal(K[b, h, :budgets[r]], keys[b, h, kept])
+
+
+def _select_indices(pol, s, budgets, values, w, sink, window):
+    N = s.shape[-1]
+    _, _, idx, lengths = pol.select(s, budgets, values, values, sink=sink, window=window, k_max=N, o_proj=w)
+    return idx, lengths
+
+
+@settings(max_examples=4)
+@given(case=cases(max_n=120), ties=st.booleans())
+def test_alpha_one_is_base_and_alpha_zero_is_pure(case, ties):
+    """α = 1: the base selection; α = 0: plain selection on (s + ε)·n. Exact, ties included."""
+    s, values, w, G, sink, window, budgets = case
+    if ties:  # few distinct values (zeros included): the tie rule decides
+        s = torch.floor(s * 3) / 3
+    base = GivenScores(scores=s, sink=sink, window=window)
+    N = s.shape[-1]
+    want = ksel.select_indices(s, budgets, N, sink=sink, window=window)
+    got = _select_indices(CriticalKV(base=base, alpha=1.0), s, budgets, values, w, sink, window)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    pure = (s + 1e-4) * value_norms(values, w)
+    want = ksel.select_indices(pure, budgets, N, sink=sink, window=window)
+    got = _select_indices(CriticalKV(base=base, alpha=0.0), s, budgets, values, w, sink, window)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@settings(max_examples=4)
+@given(case=cases(max_n=120), alpha=st.sampled_from([0.25, 0.5, 0.7]), data=st.data())
+def test_invariants(case, alpha, data):
+    """Top ⌊αb⌋ by s always kept; W_O·c (c > 0) and permuting query heads within a group change
+    nothing; permuting query heads across groups does (when it changes the norms)."""
+    s, values, w, G, sink, window, budgets = case
+    B, H, N = s.shape
+    pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window), alpha=alpha)
+    idx, lengths = _select_indices(pol, s, budgets, values, w, sink, window)
+    rows = kept_rows(idx, lengths)
+    n = oracle_norms(values, w, G)
+    for r, kept in enumerate(rows):
+        b, h = divmod(r, H)
+        _, S1, _, _ = ref.stages(s[b, h].numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
+        assert set(np.flatnonzero(S1)) <= set(kept.tolist())
+    # scaling W_O by a power of two is exact: identical indices, ties or not
+    c = data.draw(st.sampled_from([0.25, 2.0, 8.0]))
+    scaled = _select_indices(pol, s, budgets, values, w * c, sink, window)
+    assert torch.equal(scaled[0], idx)
+    # permuting the query heads inside each group (W_O column blocks)
+    D = values.shape[-1]
+    perm = np.concatenate([h * G + np.random.default_rng(data.draw(st.integers(0, 99))).permutation(G)
+                           for h in range(H)])
+    cols = torch.from_numpy(np.concatenate([np.arange(q * D, (q + 1) * D) for q in perm]))
+    wp = w[:, cols]
+    torch.testing.assert_close(value_norms(values, wp), value_norms(values, w), rtol=REL, atol=1e-6)
+    perm_idx, perm_len = _select_indices(pol, s, budgets, values, wp, sink, window)
+    for r, kept in enumerate(kept_rows(perm_idx, perm_len)):
+        b, h = divmod(r, H)
+        check_row(kept, s[b, h].numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
+
+
+def test_group_order_matters():
+    """The norm of KV head h reads exactly the columns of query heads h·G … h·G + G − 1."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(1, 2, 5, 16, generator=g)
+    w = torch.zeros(8, 2 * 2 * 16)
+    w[:, 2 * 16:3 * 16] = torch.randn(8, 16, generator=g)  # only query head 2 (group of KV head 1)
+    n = value_norms(values, w)
+    assert (n[0, 0] == 0).all() and (n[0, 1] > 0).all()
+    want = (values[0, 1] @ w[:, 32:48].T).abs().sum(-1) / 2
+    torch.testing.assert_close(n[0, 1], want, rtol=1e-6, atol=0)
+
+
+def test_strided_and_module_inputs():
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 40, 3, 16, generator=g)
+    values = base.permute(0, 2, 1, 3)  # [B, H, N, D] view of [B, N, H, D] storage
+    lin = torch.nn.Linear(3 * 2 * 16, 24, bias=False)
+    want = value_norms(values.contiguous(), lin.weight.detach().contiguous())
+    assert torch.equal(value_norms(values, lin), want)
+    assert torch.equal(value_norms(values, lin.weight.detach().T.contiguous().T), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_with_snapkv(dtype):
+    """The default base: SnapKV (window 32, max-pool 7) scores from queries."""
+    snap = pytest.importorskip("tritonkv.policies.snapkv")
+    g = torch.Generator().manual_seed(2)
+    B, H, G, N, D = 2, 2, 3, 90, 16
+    keys = torch.randn(B, H, N, D, generator=g).to(dtype)
+    values = (torch.randn(B, H, N, D, generator=g) * torch.rand(B, H, N, 1, generator=g) * 3).to(dtype)
+    queries = torch.randn(B, H * G, 32, D, generator=g).to(dtype)
+    w = (torch.randn(48, H * G * D, generator=g) / 4).to(dtype)
+    pol = tritonkv.get_policy("criticalkv")
+    assert isinstance(pol.base, snap.SnapKV) and (pol.alpha, pol.eps) == (0.5, 1e-4)
+    assert set(pol.needs) == {"queries", "o_proj"} and pol.protected(N, 50) == (0, 32)
+    out = tritonkv.compress((keys, values), pol, 50, queries=queries, o_proj=w)
+    s = snap.SnapKV().score(keys, values, queries=queries)
+    n = oracle_norms(values, w, G)
+    for b in range(B):
+        for h in range(H):
+            check_row(out.indices[b, h].numpy(), s[b, h].double().numpy(), n[b, h], 50, 0, 32, 0.5)
+    with pytest.raises(ValueError, match="o_proj"):
+        tritonkv.compress((keys, values), pol, 50, queries=queries)
+
+
+def test_bad_input():
+    s = torch.rand(1, 2, 20)
+    base = GivenScores(scores=s)
+    with pytest.raises(ValueError, match="base.*non-negative"):
+        CriticalKV(base=SignedScores(scores=s))
+    with pytest.raises(ValueError, match="base"):
+        CriticalKV(base=CriticalKV(base=base))
+    with pytest.raises(TypeError, match="base"):
+        CriticalKV(base="snapkv")
+    for kw, arg in [({"alpha": -0.1}, "alpha"), ({"alpha": 1.5}, "alpha"), ({"eps": -1.0}, "eps"),
+                    ({"alpha": float("nan")}, "alpha")]:
+        with pytest.raises(ValueError, match=arg):
+            CriticalKV(base=base, **kw)
+    k = torch.randn(1, 2, 20, 16)
+    pol = CriticalKV(base=base)
+    assert pol.needs == ("o_proj",)
+    with pytest.raises(ValueError, match="o_proj"):
+        tritonkv.compress((k, k), pol, 5)
+    with pytest.raises(ValueError, match="o_proj"):
+        tritonkv.compress((k, k), pol, 5, o_proj=torch.randn(8, 2 * 16 + 3))
+    with pytest.raises(ValueError, match="o_proj"):
+        value_norms(k, torch.randn(8, 2 * 16).long())
+    with pytest.raises(TypeError, match="o_proj"):
+        value_norms(k, [[1.0]])
+    with pytest.raises(TypeError, match="values"):
+        value_norms(k.long(), torch.randn(8, 32))
+
+
+def test_value_norm_kernel_compiles_ahead_of_time():
+    sig = {"v_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "H": "i32", "G": "i32", "N": "i32", "D": "i32",
+           "DM": "i32", "svb": "i64", "svh": "i64", "svn": "i64", "swm": "i64", "swc": "i64",
+           "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "NATIVE_DOT": "constexpr"}
+    spec = {"module": "tritonkv.kernels.critical", "kernel": "_value_norm_kernel", "signature": sig}
+    assert_compiles({**spec, "constexprs": {"BLOCK_N": 128, "BLOCK_D": 128, "BLOCK_M": 64, "NATIVE_DOT": True}},
+                    {**spec, "signature": {**sig, "v_ptr": "*fp32", "w_ptr": "*fp16"},
+                     "constexprs": {"BLOCK_N": 64, "BLOCK_D": 64, "BLOCK_M": 128, "NATIVE_DOT": False}})

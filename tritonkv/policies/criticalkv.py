@@ -1,0 +1,117 @@
+"""CriticalKV perturbation-constrained selection (CriticalKV §3.4, Algorithms 1–2;
+``shared/notes/algorithms.md`` §1.6).
+
+A wrapper over an attention-like base policy (SnapKV by default). Per row, with base scores s ≥ 0,
+protected tokens P and selectable budget b = budget − |P| (which may differ per head, e.g. from
+AdaKV)::
+
+    S1   = top-⌊α·b⌋ non-protected tokens by s                       (stage 1)
+    S2   = top-(b − |S1|) of the rest by (s + ε)·n_j,  n_j = ‖v_j W_O‖₁ (group mean, ``kernels/critical.py``)
+    kept = P ∪ S1 ∪ S2
+
+as a score transform over the shared select kernel: a selection with budget |P| + ⌊α·b⌋ on s
+marks S1, then a selection with the row budgets on (s + ε)·n keeps S1 forced like protected
+tokens. ⌊α·b⌋ is computed on the device from the budgets tensor (as ⌊α·b + 10⁻⁶⌋ in float64, the
+library's rounding of fractional budgets, so that 0.29·100 gives 29). α = 1 is the base
+selection, α = 0 pure (s + ε)·n selection.
+
+α applies to the selectable part (the AdaKV-codebase convention), not to the whole budget as in
+kvpress; the two differ when the window is comparable to α·k.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+from ..kernels import select as _select
+from ..kernels.critical import value_norms
+from .base import Policy, register_policy
+
+
+def _default_base() -> Policy:
+    from .snapkv import SnapKV
+
+    return SnapKV()
+
+
+def check_base(owner: str, base) -> None:
+    """A score-transform wrapper's base must be a plain policy whose scores are attention-like (≥ 0)."""
+    if not isinstance(base, Policy):
+        raise TypeError(f"base must be a tritonkv Policy instance, got {type(base).__name__}")
+    if not base.nonnegative:
+        raise ValueError(f"base: {owner} needs non-negative (attention-like) base scores; "
+                         f"{type(base).__name__} gives signed scores (its nonnegative flag is False)")
+    if type(base).select is not Policy.select:
+        raise ValueError(f"base: {owner} needs a plain scoring policy, got {type(base).__name__}, "
+                         f"which is itself a selection transform")
+
+
+def row_budgets(budgets, scores: torch.Tensor, k_max: int) -> torch.Tensor:
+    """int32 ``[R]`` budgets as the select kernel applies them: min(budget, N, k_max), ≥ 0."""
+    R, N = scores.numel() // max(scores.shape[-1], 1), scores.shape[-1]
+    b = _select.budget_tensor(budgets, R, scores.device)
+    return b.clamp(min=0, max=max(min(int(k_max), N), 0))
+
+
+def _check_fraction(name: str, v, lo: float, hi: float) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi or math.isnan(v):
+        raise ValueError(f"{name} must be a float in [{lo}, {hi}], got {v!r}")
+
+
+@register_policy
+@dataclasses.dataclass
+class CriticalKV(Policy):
+    """CriticalKV over ``base`` (default ``SnapKV()``: window 32, max-pool 7): stage-1 fraction
+    ``alpha`` of the selectable budget by the base scores, the rest by (s + ``eps``)·‖v W_O‖₁.
+
+    Needs the base's inputs plus ``o_proj`` (W_O ``[D_model, H_q·d]``, nn.Linear layout, or the
+    module). Protected tokens are the base's (``sink``/``window`` mirror it and are not settable).
+    """
+
+    name: ClassVar[str] = "criticalkv"
+    nonnegative: ClassVar[bool] = True
+
+    sink: int = dataclasses.field(default=0, init=False)
+    window: int = dataclasses.field(default=0, init=False)
+    base: Policy = dataclasses.field(default_factory=_default_base)
+    alpha: float = 0.5
+    eps: float = 1e-4
+
+    def __post_init__(self):
+        check_base("CriticalKV", self.base)
+        _check_fraction("alpha", self.alpha, 0.0, 1.0)
+        _check_fraction("eps", self.eps, 0.0, math.inf)
+        self.sink, self.window = self.base.sink, self.base.window
+        super().__post_init__()
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The base's inputs plus ``o_proj`` (an instance property: it depends on the base)."""
+        return tuple(self.base.needs) + tuple(n for n in ("o_proj",) if n not in self.base.needs)
+
+    def protected(self, n: int, budget: int) -> tuple[int, int]:
+        return self.base.protected(n, budget)
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
+        """The base scores s (what allocators such as AdaKV see); the transform is in ``select``."""
+        return self.base.score(keys, values, **inputs)
+
+    def stage1_budgets(self, budgets: torch.Tensor, protected: int) -> torch.Tensor:
+        """|P| + ⌊α·b⌋ per row, b = budget − |P| (int32, on the device)."""
+        sel = (budgets.to(torch.float64) - protected).clamp(min=0)
+        return (protected + torch.floor(sel * self.alpha + 1e-6)).to(torch.int32)
+
+    def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None,
+               o_proj=None, **inputs):
+        """Two-stage selection through the shared kernel (see the module docstring)."""
+        if o_proj is None:
+            raise ValueError("criticalkv needs the input o_proj: the output projection weight W_O "
+                             "[D_model, H_q * D] (nn.Linear layout)")
+        b = row_budgets(budgets, scores, k_max)
+        s = scores.to(torch.float32)
+        stage1 = _select.select_mask(s, self.stage1_budgets(b, sink + window), sink=sink, window=window)
+        s2 = (s + self.eps) * value_norms(values, o_proj)
+        return _select.select_kv(s2, budgets, keys, values, k_max, sink=sink, window=window, forced=stage1, out=out)

@@ -1,0 +1,143 @@
+"""SCORE redundancy-penalised selection (SCORE §3.4, Eq. 13; ``shared/notes/algorithms.md`` §1.7).
+
+A wrapper over an attention-like base policy (default: the SnapKV-family window mean without
+pooling, κ = 1, the scores SCORE's allocator reads). Per layer, with base scores A ≥ 0, head
+budgets b_h and head distinctness HD_h > 0 (input ``hd``, from the SCORE allocator, §2.6), the
+scores of tokens that other heads also pick are lowered before the shared top-k::
+
+    parallel (default):
+        U_h    = select(A[h], b_h)                       unpenalised, the shared kernel
+        r_h[j] = Σ_{h'≠h} U_h'[j]                         a sum over heads minus the own one
+        Ã[h,j] = A[h,j] · exp(−(α / HD_h) · r_h[j])
+        kept_h = select(Ã[h], b_h)
+
+    sequential ("greedy"): heads in order of descending HD (ties to the lower h); r[j] counts the
+        final selections of the heads already visited. The visiting order is computed on the
+        device (a rank by pairwise comparison, no sort, no host read); the loop over the H visits
+        is in Python because each visit depends on the previous ones, and each visit is one call
+        of the shared select on that head's row of every batch element.
+
+Protected tokens are in every U_h and every kept set, so their penalty never matters. α = 0 is
+plain top-k; the default α = 0.004 (the paper's choice in [0.001, 0.01]) only reorders near-ties.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+from ..kernels import select as _select
+from .base import Policy, register_policy
+from .criticalkv import _check_fraction, check_base, row_budgets
+
+MODES = ("parallel", "sequential")
+
+
+def _default_base() -> Policy:
+    from .snapkv import SnapKV
+
+    return SnapKV(kernel_size=1)
+
+
+def head_distinctness(hd, batch: int, heads: int, device) -> torch.Tensor:
+    """``hd`` ([H_kv] or [B, H_kv], > 0) as fp32 ``[B, H_kv]`` on ``device``.
+
+    Values are checked on the host only where they already are there (a list or a plain CPU
+    tensor, outside torch.compile/export); elsewhere they are clamped to ≥ 1e-6 on the device, as
+    the allocator does, so nothing is read back.
+    """
+    if hd is None:
+        raise ValueError("score needs the input hd: head distinctness HD > 0 per KV head, [H_kv] or "
+                         "[B, H_kv] (from the SCORE allocator)")
+    if not isinstance(hd, torch.Tensor):
+        try:
+            hd = torch.tensor(hd, dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"hd must be a float tensor [H_kv] or [B, H_kv], got {type(hd).__name__}") from None
+    if hd.dtype == torch.bool or hd.is_complex():
+        raise TypeError(f"hd must be a real float tensor, got {hd.dtype}")
+    if tuple(hd.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"hd must have shape [H_kv] = [{heads}] or [B, H_kv] = [{batch}, {heads}], "
+                         f"got {tuple(hd.shape)}")
+    if type(hd) is torch.Tensor and hd.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(((hd > 0) & torch.isfinite(hd)).all()):
+            raise ValueError(f"hd must be finite and > 0 (head distinctness), got {hd.tolist()}")
+    return hd.to(device=device, dtype=torch.float32).clamp_min(1e-6).expand(batch, heads)
+
+
+def _sequential_order(hd: torch.Tensor) -> torch.Tensor:
+    """``perm[b, i]`` = the head visited i-th in batch row b: descending HD, ties to the lower head."""
+    B, H = hd.shape
+    h = torch.arange(H, device=hd.device)
+    before = (hd[:, None, :] > hd[:, :, None]) | ((hd[:, None, :] == hd[:, :, None]) & (h[None, :] < h[:, None]))
+    rank = before.sum(-1)  # [B, H]: heads visited before h
+    return torch.empty_like(rank).scatter_(1, rank, h.expand(B, H).contiguous())
+
+
+@register_policy
+@dataclasses.dataclass
+class ScoreSelect(Policy):
+    """SCORE's redundancy-penalised selection over ``base`` (default ``SnapKV(kernel_size=1)``).
+
+    ``alpha`` is the penalty strength α (≥ 0), ``mode`` ``"parallel"`` (r counts the other heads'
+    unpenalised picks) or ``"sequential"`` (greedy in descending HD). Needs the base's inputs plus
+    ``hd``. Protected tokens are the base's (``sink``/``window`` mirror it and are not settable).
+    """
+
+    name: ClassVar[str] = "score"
+    nonnegative: ClassVar[bool] = True
+
+    sink: int = dataclasses.field(default=0, init=False)
+    window: int = dataclasses.field(default=0, init=False)
+    base: Policy = dataclasses.field(default_factory=_default_base)
+    alpha: float = 0.004
+    mode: str = "parallel"
+
+    def __post_init__(self):
+        check_base("ScoreSelect", self.base)
+        _check_fraction("alpha", self.alpha, 0.0, math.inf)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        self.sink, self.window = self.base.sink, self.base.window
+        super().__post_init__()
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The base's inputs plus ``hd`` (an instance property: it depends on the base)."""
+        return tuple(self.base.needs) + tuple(n for n in ("hd",) if n not in self.base.needs)
+
+    def protected(self, n: int, budget: int) -> tuple[int, int]:
+        return self.base.protected(n, budget)
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
+        """The base scores A (what the allocator sees); the penalty is applied in ``select``."""
+        return self.base.score(keys, values, **inputs)
+
+    def penalised(self, scores: torch.Tensor, budgets, hd, *, sink: int, window: int, k_max: int) -> torch.Tensor:
+        """Ã ``[B, H, N]``: the scores whose plain top-k is SCORE's selection."""
+        B, H, N = scores.shape
+        s = scores.to(torch.float32)
+        b = row_budgets(budgets, s, k_max).view(B, H)
+        hd = head_distinctness(hd, B, H, s.device)
+        rate = (self.alpha / hd)[..., None]  # [B, H, 1]
+        if self.mode == "parallel":
+            u = _select.select_mask(s, b, sink=sink, window=window).to(torch.float32)
+            return s * torch.exp(-rate * (u.sum(1, keepdim=True) - u))
+        perm = _sequential_order(hd)
+        taken = torch.zeros((B, N), dtype=torch.float32, device=s.device)  # final picks of visited heads
+        out = torch.empty_like(s)
+        for i in range(H):
+            h = perm[:, i:i + 1]  # [B, 1]
+            row = s.gather(1, h[..., None].expand(B, 1, N))[:, 0] * torch.exp(-rate.gather(1, h[..., None])[:, 0] * taken)
+            out.scatter_(1, h[..., None].expand(B, 1, N), row[:, None])
+            taken += _select.select_mask(row, b.gather(1, h)[:, 0], sink=sink, window=window).to(torch.float32)
+        return out
+
+    def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None, hd=None,
+               **inputs):
+        """Penalised selection through the shared kernel (see the module docstring)."""
+        B, H, N = keys.shape[:3]
+        pen = self.penalised(scores.reshape(B, H, N), budgets, hd, sink=sink, window=window, k_max=k_max)
+        return _select.select_kv(pen, budgets, keys, values, k_max, sink=sink, window=window, out=out)
