@@ -1,0 +1,120 @@
+"""SurfaceLogicKV INFsc profiler (tritonkv/allocation/profiler.py; algorithms.md §2.5)."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tritonkv.allocation import profiler
+from tritonkv.allocation.profiler import (WeightSums, group_mean, infsc_scores, load_profile, needle_weights,
+                                          profile_infsc)
+
+SHIPPED = "smollm2-135m-instruct-infsc"
+
+
+def _oracle_weights(a: np.ndarray, needle: np.ndarray):
+    """WO, WD, WS of one row by a stable sort (ties to the lower position)."""
+    k = len(needle)
+    order = sorted(range(len(a)), key=lambda i: (-a[i], i))
+    top = set(order[:k])
+    n = set(needle.tolist())
+    return (sum(a[i] for i in top & n), sum(a[i] for i in top - n), sum(a[i] for i in n - top))
+
+
+@pytest.mark.parametrize("T,n_needle", [(37, 5), (130, 17), (64, 1)])
+def test_needle_weights_match_oracle(T, n_needle):
+    g = torch.Generator().manual_seed(T)
+    attn = torch.softmax(torch.randn(2, 3, T, generator=g) * 3, -1)
+    start = T // 3
+    pos = torch.arange(start, start + n_needle)
+    wo, wd, ws = needle_weights(attn, pos)
+    assert wo.shape == (2, 3)
+    rows = attn.reshape(-1, T).numpy().astype(np.float64)
+    for r, (o, d, s) in enumerate(zip(wo.flatten(), wd.flatten(), ws.flatten())):
+        eo, ed, es = _oracle_weights(rows[r], pos.numpy())
+        np.testing.assert_allclose([o, d, s], [eo, ed, es], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(float(o + s), rows[r][pos.numpy()].sum(), rtol=1e-5)
+
+
+def test_needle_weights_extremes():
+    T = 40
+    pos = torch.arange(10, 14)
+    a = torch.full((1, T), 0.01)
+    a[0, pos] = 0.2  # the needle is the top-4: all weight correct
+    wo, wd, ws = needle_weights(a, pos)
+    assert float(wd) == 0 and float(ws) == 0 and abs(float(wo) - 0.8) < 1e-6
+    b = torch.full((1, T), 0.001)
+    b[0, :4] = 0.2  # a sink takes the top-4: the needle is subconscious
+    wo, wd, ws = needle_weights(b, pos)
+    assert float(wo) == 0 and abs(float(wd) - 0.8) < 1e-6 and abs(float(ws) - 0.004) < 1e-6
+    with pytest.raises(ValueError, match="needle_positions"):
+        needle_weights(a, torch.arange(0))
+
+
+def test_infsc_formula():
+    wo = torch.tensor([[0.6, 0.0], [0.2, 0.1]])
+    wd = torch.tensor([[0.2, 0.5], [0.2, 0.0]])
+    ws = torch.tensor([[0.1, 0.1], [0.0, 0.0]])
+    sf, lg, inf = infsc_scores(wo, wd, ws)
+    torch.testing.assert_close(sf, torch.tensor([[0.75, 0.0], [0.5, 1.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(lg, torch.tensor([[0.5, 1.0], [1 / 3, 0.0]]), atol=1e-6, rtol=0)
+    expect = 2 * sf * lg / (sf + lg + 1e-8)
+    torch.testing.assert_close(inf, expect)
+    assert float(lg.max()) == pytest.approx(1.0)
+    assert float(inf[0, 0]) == pytest.approx(0.6, abs=1e-6)  # harmonic mean of 0.75 and 0.5
+
+
+def test_group_mean_and_sums():
+    x = torch.arange(18, dtype=torch.float32).view(2, 9)
+    torch.testing.assert_close(group_mean(x, 3), torch.tensor([[1.0, 4.0, 7.0], [10.0, 13.0, 16.0]]))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        group_mean(x, 2)
+    s = WeightSums()
+    s.add(torch.ones(2, 9, 3), torch.zeros(2, 9, 3), torch.ones(2, 9, 3))
+    s.add(torch.ones(2, 9, 1), torch.ones(2, 9, 1), torch.ones(2, 9, 1))
+    p = s.profile(3, {})
+    torch.testing.assert_close(p.wd, torch.full((2, 9), 0.25))  # ratio of means: 1 over 4 steps
+    with pytest.raises(ValueError, match="trials"):
+        WeightSums().profile(3, {})
+
+
+def test_shipped_profile_loads():
+    kv = load_profile(SHIPPED)
+    q = load_profile(SHIPPED, heads="query")
+    assert kv.shape == (30, 3) and q.shape == (30, 9) and kv.dtype == torch.float32
+    assert torch.all((kv >= 0) & (kv <= 1)) and torch.all((q >= 0) & (q <= 1))
+    torch.testing.assert_close(kv, group_mean(q, 3), atol=2e-6, rtol=0)
+    assert float(q.max()) > 0
+    with open(profiler.profile_path(SHIPPED)) as f:
+        data = json.load(f)
+    assert {"model", "grid", "infsc_query_heads", "infsc_kv_heads", "date"} <= set(data)
+    assert data["grid"]["lengths"] and data["grid"]["depths"]
+    assert max(max(r) for r in data["lg_query_heads"]) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_load_profile_missing():
+    with pytest.raises(ValueError, match="profile"):
+        load_profile("no-such-model-infsc")
+    with pytest.raises(TypeError, match="profile"):
+        load_profile(None)
+    with pytest.raises(ValueError, match="heads"):
+        load_profile(SHIPPED, heads="both")
+
+
+@pytest.mark.model
+def test_profiler_on_real_model():
+    from tritonkv.integrations.model import load_smollm2
+
+    model, tok = load_smollm2()
+    kw = dict(lengths=[384], depths=[0.5], steps=1, layers=[0, 14], source="synthetic")
+    p = profile_infsc(model, tok, **kw)
+    assert p.infsc_query_heads.shape == (2, 9) and p.infsc_kv_heads.shape == (2, 3)
+    for t in (p.sf, p.lg, p.infsc_query_heads, p.infsc_kv_heads):
+        assert torch.all((t >= 0) & (t <= 1)) and torch.isfinite(t).all()
+    assert float(p.lg.max()) == pytest.approx(1.0, abs=1e-6)
+    # the weights are attention mass: WO + WD + WS <= 1 per head
+    assert torch.all(p.wo + p.wd + p.ws <= 1 + 1e-5)
+    assert model.config._attn_implementation == "sdpa"  # eager only inside the profiler
+    assert p.grid["lengths"] == [384] and p.grid["layers"] == [0, 14]
+    q = profile_infsc(model, tok, **kw)
+    assert torch.equal(p.infsc_query_heads, q.infsc_query_heads) and torch.equal(p.wd, q.wd)
