@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 import tritonkv
 from aot import assert_compiles
 from reference import knorm as ref
+from reference.select import select as ref_select
 from test_keydiff import DTYPES, assert_kept_matches
 from tritonkv.kernels.knorm import knorm_scores
 from tritonkv.kernels.select import select_indices
@@ -103,11 +104,18 @@ def test_common_scale_keeps_the_ranking(keys, data):
     c2 = 2.0 ** data.draw(st.sampled_from([-2, -1, 1, 3]))
     scaled = knorm_scores(keys.float() * c2)
     assert torch.equal(scaled, base * c2)
-    # any c > 0 keeps the oracle's ranking (exact unless the cut is a near-tie)
+    assert torch.equal(select_indices(scaled, k, k)[0], select_indices(base, k, k)[0])
+    # any c > 0 keeps the oracle's top-k scores. Rounding keys*c to fp32 can split ties that are
+    # exact in the oracle (|(1,1,1,1)| == |(2,0,0,0)|), so among tied tokens the indices may differ:
+    # compare the kept multiset of oracle scores, always.
     c = data.draw(st.floats(0.01, 100))
     idx, lengths = select_indices(knorm_scores(keys.float() * c), k, k)
     s = oracle(keys).reshape(B * H, N)
-    assert_kept_matches(idx.reshape(B * H, k).numpy(), lengths.reshape(-1).numpy(), s, k, 0, 0, 4 * tol(s))
+    idx = idx.reshape(B * H, k).numpy()
+    for r in range(B * H):
+        assert lengths.reshape(-1)[r] == k and (np.diff(idx[r]) > 0).all()
+        want = ref_select(s[r], k)
+        np.testing.assert_allclose(np.sort(s[r][idx[r]]), np.sort(s[r][want]), rtol=0, atol=4 * tol(s))
 
 
 @pytest.mark.parametrize("make, exc, words", [
