@@ -294,11 +294,11 @@ def test_decode_step_has_no_graph_break(lm):
     assert cache.get_seq_length() == n0 + 1 and cache.stored_tokens()[0] == n0 + 1
 
 
-def test_decode_loop_compiles_fullgraph(lm):
-    """torch.compile(fullgraph=True) of the decode step (CPU: the aot_eager backend, which functionalises the
-    cache's in-place writes like inductor does): no recompile after the first step as the fill index and the
-    positions move, logits equal to the eager loop's, host counters right after ``compress_now``."""
-    model, tok = lm
+def _compiled_loop_matches_eager(model, tok, steps: int, **compile_kw):
+    """Decode ``steps`` tokens with ``torch.compile(step, fullgraph=True, **compile_kw)`` over one cache and
+    eagerly over another: no recompile after the first step, logits within ATOL at every step; returns the
+    compiled loop's cache (host counters caught up) and the eager one's."""
+    device = model.device
     n0, cache, logits = _decode_setup(model, tok)
     _, ref, _ = _decode_setup(model, tok)
 
@@ -306,21 +306,29 @@ def test_decode_loop_compiles_fullgraph(lm):
         return model(input_ids=t, position_ids=p, past_key_values=cache, use_cache=True).logits[:, -1]
 
     torch._dynamo.reset()
-    cstep = torch.compile(step, fullgraph=True, backend="aot_eager")
+    cstep = torch.compile(step, fullgraph=True, **compile_kw)
     t_c = t_r = logits.argmax(-1, keepdim=True)
     try:
         with tt.use_tritonkv(model), torch.no_grad():
-            for i in range(3):
-                p = torch.tensor([[n0 + i]])
+            for i in range(steps):
+                p = torch.tensor([[n0 + i]], device=device)
                 torch._dynamo.config.error_on_recompile = i > 0
                 lc = cstep(t_c, p).clone()
                 lr = model(input_ids=t_r, position_ids=p, past_key_values=ref, use_cache=True).logits[:, -1]
-                assert float((lc - lr).abs().max()) <= ATOL
+                assert float((lc - lr).abs().max()) <= ATOL, i
                 t_c, t_r = lc.argmax(-1, keepdim=True), lr.argmax(-1, keepdim=True)
     finally:
         torch._dynamo.config.error_on_recompile = False
     cache.compress_now()
-    assert cache.get_seq_length() == n0 + 3 and cache.stored_tokens() == ref.stored_tokens()
+    assert cache.get_seq_length() == n0 + steps and cache.stored_tokens() == ref.stored_tokens()
+    return cache, ref
+
+
+def test_decode_loop_compiles_fullgraph(lm):
+    """torch.compile(fullgraph=True) of the decode step (CPU: the aot_eager backend, which functionalises the
+    cache's in-place writes like inductor does): no recompile as the fill index and the positions move,
+    logits equal to the eager loop's, host counters right after ``compress_now``."""
+    _compiled_loop_matches_eager(*lm, steps=3, backend="aot_eager")
 
 
 @pytest.mark.gpu
@@ -330,25 +338,8 @@ def test_compiled_decode_loop_cuda():
     after the first step, logits equal to the eager loop."""
     from tritonkv.integrations.model import load_smollm2
 
-    model, tok = load_smollm2(device="cuda")
-    n0, cache, logits = _decode_setup(model, tok)
-    _, ref, ref_logits = _decode_setup(model, tok)
+    from torch._dynamo.utils import counters
 
-    def step(t, p):
-        return model(input_ids=t, position_ids=p, past_key_values=cache, use_cache=True).logits[:, -1]
-
-    torch._dynamo.reset()
-    cstep = torch.compile(step, fullgraph=True, mode="reduce-overhead")
-    t_c = t_r = logits.argmax(-1, keepdim=True)
-    with tt.use_tritonkv(model), torch.no_grad():
-        for i in range(8):
-            p = torch.tensor([[n0 + i]], device="cuda")
-            if i == 1:
-                torch._dynamo.config.error_on_recompile = True
-            lc = cstep(t_c, p).clone()
-            lr = model(input_ids=t_r, position_ids=p, past_key_values=ref, use_cache=True).logits[:, -1]
-            assert float((lc - lr).abs().max()) <= ATOL
-            t_c, t_r = lc.argmax(-1, keepdim=True), lr.argmax(-1, keepdim=True)
-    torch._dynamo.config.error_on_recompile = False
-    cache.compress_now()
-    assert cache.get_seq_length() == n0 + 8
+    counters.clear()
+    _compiled_loop_matches_eager(*load_smollm2(device="cuda"), steps=8, mode="reduce-overhead")
+    assert counters["inductor"]["cudagraph_skips"] == 0  # it really ran as CUDA graphs

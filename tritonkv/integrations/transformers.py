@@ -150,6 +150,9 @@ class TritonKVLayer(CacheLayerMixin):
         values[:, :, : self.n] = self.values[:, :, : self.n]
         pos[:, :, : self.n] = self.pos[:, :, : self.n]
         self.keys, self.values, self.pos = keys, values, pos
+        if not _compiling():  # fixed data pointers: a compiled step (CUDA graphs) mutates them in place
+            for t in (self.keys, self.values, self.pos, self.fill, self.seen_dev):
+                torch._dynamo.mark_static_address(t)
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
