@@ -45,6 +45,9 @@ from tritonkv.kernels.decode_attention import decode_attention, decode_attention
 CASES = [(1, 8, 4, 128, 1024), (1, 8, 4, 128, 8192), (1, 8, 4, 128, 32768), (8, 8, 4, 128, 4096),
          (1, 3, 3, 64, 1024)]  # the last: SmolLM2-135M's attention shape
 SMOKE_CASES = [(1, 3, 2, 16, 24)]
+#: the Markdown table's columns
+COLUMNS = ["B", "H_kv", "G", "D", "mean", "max", "ragged_us", "padded_us", "dense_us", "sdpa_us", "x_sdpa", "floor_us",
+           "pct_copy_bw", "append_us", "recopy_us", "mem_ragged_MB", "mem_padded_MB", "mem_saved_pct", "ok"]
 
 
 def bench(fn, cuda: bool, graph: bool = False) -> float:
@@ -56,18 +59,21 @@ def bench(fn, cuda: bool, graph: bool = False) -> float:
         return (time.perf_counter() - t) * 1e6
     import triton.testing
 
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+    return triton.testing.do_bench(cuda_graph(fn) if graph else fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def cuda_graph(fn):
+    """``fn`` captured in a CUDA graph (after two warm-up calls on a side stream); returns its ``replay``."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
 
 
 def adakv_budgets(B: int, H: int, mean: int) -> torch.Tensor:
@@ -245,8 +251,7 @@ def write(result, out_dir):
     base = os.path.join(out_dir, f"{tag}-decode_attention")
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    cols = ["B", "H_kv", "G", "D", "mean", "max", "ragged_us", "padded_us", "dense_us", "sdpa_us", "x_sdpa", "floor_us",
-            "pct_copy_bw", "append_us", "recopy_us", "mem_ragged_MB", "mem_padded_MB", "mem_saved_pct", "ok"]
+    cols = COLUMNS
     lines = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}; commit "
              f"{result['commit']}; {result['date']}; copy {result['copy_GBps']} GB/s", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

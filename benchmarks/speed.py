@@ -1,24 +1,55 @@
-"""Kernel-level speed benchmark: every policy's full compress (score + select + compact) on a GPU.
+"""Kernel-level speed benchmark on a GPU: every policy, every allocator, decode attention, and scaling in N.
 
-For each policy at B=1, H_kv=8 (32 query heads), D=128, bf16, keep 25%, N in {4K, 32K, 128K}:
+One command measures everything (about 6 minutes on an H100; see "Duration" below)::
 
-- ``tritonkv_us``: ``tritonkv.compress`` (replayed from a CUDA graph when capture works; the eager
-  time is ``tritonkv_eager_us``);
-- ``floor_us``: the bytes that must move (read what the score needs — K, or K and V — then read and
-  write the kept K+V) divided by the copy bandwidth of ``K.clone()`` measured in the same run;
-- ``kvpress_us``: kvpress 0.5.5's matching press on the same tensors (``pip install --no-deps
-  kvpress==0.5.5``; null where it has none or it is not installed);
-- ``torch_compile_us``: a ``torch.compile``d PyTorch pipeline (score, topk, sort, gather; null where
-  none is written);
-- ``same_kept``: tritonkv's kept set equals the one from kvpress's scores under the same selection
-  rule (null without kvpress). Settings are aligned with kvpress where they differ from the papers.
+    python benchmarks/speed.py --out $OUT                   # on the GPU machine: all four parts
+    python benchmarks/speed.py --scaling                    # one part only (also --compress/--allocation/--decode)
+    TRITON_INTERPRET=1 python benchmarks/speed.py --smoke   # CPU check of the program (writes nothing)
 
-Writes ``benchmarks/results/<device>-speed.json`` (device, torch, triton, commit, date, copy_GBps,
-rows), a Markdown table and a PNG plot. ``--smoke`` runs tiny shapes on the CPU (Triton interpreter)
-to check the program itself.
+Shapes: B=1, H_kv=8 (H_q=32), D=128, bf16, keep 25%, random K/V/queries drawn on the device. Every row
+has a ``kind``:
 
-    python benchmarks/speed.py                 # on the GPU machine
-    TRITON_INTERPRET=1 python benchmarks/speed.py --smoke --out /tmp/speed
+- ``compress``: ``tritonkv.compress`` of each registered policy at N in {4K, 32K, 128K}.
+  ``tritonkv_us`` is replayed from a CUDA graph when capture works (``timing``), the eager time is
+  ``tritonkv_eager_us``; ``kvpress_us`` is kvpress 0.5.5's matching press on the same tensors (``pip
+  install --no-deps kvpress==0.5.5``; null where it has none or it is absent) and ``same_kept`` whether
+  tritonkv keeps the tokens that kvpress's scores select under tritonkv's rule; ``torch_compile_us`` a
+  ``torch.compile``d PyTorch pipeline (score, topk, sort, gather; measured last, see below).
+- ``allocation``: ``compress(..., "snapkv", 0.25, allocation=a)`` for every allocator ``a`` at the same
+  N, as layer 15 of 30 (SmolLM2-135M's depth). Inputs a user would pass: the shipped SmolLM2 INF profile
+  with its 3 KV heads tiled to 8 (headkv, surfacelogic, and fixed's precomputed HeadKV budgets), random
+  unit ``head_means [30, 1, 32, N]`` (score), a random ``layer_preference [30]`` (cake). The result is a
+  ``RaggedKV`` whose storage is sized by one host read-back of (total, max): eager time by design.
+- ``decode_attention``: ``benchmarks/decode_attention.py``'s cases (split-K GQA attention over a
+  ``RaggedKV`` vs padded, dense and SDPA; ``tritonkv_us`` = ``ragged_us``), its columns kept.
+- ``scaling``: knorm, keydiff, snapkv and lagkv at N = 4K, 8K, ..., 512K: time, ``ns_per_token`` and the
+  floor; ``scaling_fit`` holds per policy the least-squares line time = intercept + slope·N (slope in ns
+  per token, R²) and the log-log exponent over N >= 64K (1 = linear).
+
+Floors (``floor_us``): the bytes that must move — read what scoring reads (K; K and V for lagkv and
+criticalkv; nothing for streaming_llm; plus the ``head_means`` for the score allocator), then read and
+write the kept K+V — over the bandwidth of ``keys.clone()`` at the same N in the same run
+(``copy_GBps``). ``x_floor`` = time / floor, ``pct_copy_bw`` = floor / time.
+
+Timing (``/work/.library/device/METHOD.md``): ``triton.testing.do_bench`` (CUDA events, L2 flushed
+before every run, ~100 ms of repeats, at least 20) after a warm-up call; the median is reported with the
+20th/80th percentiles (``p20_us``/``p80_us``) and the repeat count. Every timed result is checked first:
+kept indices ascending and in range, kept K/V equal to the input at those positions (``ok``).
+
+Duration (estimated, not yet measured on the device): ~10 s start-up; compress 30 cases ~90 s (Triton
+compiles each kernel once per N, since chunk sizes are constexprs, ~0.5-1 s each; eager + graph timing
+~0.6 s a case); allocation 24 eager cases ~25 s; decode attention 5 cases ~30 s; scaling 32 cases ~80 s
+(compiles per N again); ``torch.compile`` of 7 pipelines x 3 N, one full inductor compile each, ~120 s:
+about 6 minutes. ``phase_s`` records the real split. The ``torch.compile`` part runs last, and no part
+starts a new case once ``--time-budget`` (default 500 s) has passed, so the run fits a 10-minute command;
+skipped cases are listed (``skipped``, and under the Markdown tables).
+
+Output: ``<out>/<device>-speed.json`` (device, torch, triton, commit, date, copy_GBps, phase_s,
+scaling_fit, rows), ``.md`` (the tables ``benchmarks/report.py`` puts in the README), ``.png`` (time /
+floor vs N) and ``-scaling.png`` (log-log time vs N with the floors). ``--out`` defaults to
+``benchmarks/results``; a run of some parts only writes ``<device>-speed-only-<parts>.*``; results are
+rewritten after every part, so a run cut short keeps what it measured. ``--smoke`` runs tiny shapes on
+the CPU (Triton interpreter) through every path and writes only when ``--out`` is given.
 """
 from __future__ import annotations
 
@@ -27,65 +58,125 @@ import datetime
 import json
 import math
 import os
-import subprocess
+import statistics
 import sys
 import time
 import types
 
-import torch
+if "--smoke" in sys.argv[1:]:  # run as a script: the interpreter must be on before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import tritonkv
-from tritonkv import POLICIES
+import torch  # noqa: E402
 
+import tritonkv  # noqa: E402
+from tritonkv import POLICIES  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import decode_attention as da  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KV_POLICIES = {"lagkv", "criticalkv"}  # scores read V too
+PARTS = ("compress", "allocation", "decode", "scaling")
+
+# (B, H_kv, G, D, W): W window queries
+SHAPE, SMOKE_SHAPE = (1, 8, 4, 128, 32), (1, 2, 2, 16, 4)
+NS, SMOKE_NS = [4096, 32768, 131072], [160]
+SCALING_NS, SMOKE_SCALING_NS = [4096 << i for i in range(8)], [128, 192, 256]  # 4K .. 512K
+SCALING_POLICIES = ["knorm", "keydiff", "snapkv", "lagkv"]
+ALLOCATIONS = ["uniform", "pyramid", "adakv", "headkv", "score", "surfacelogic", "cake", "fixed"]
+ALLOC_POLICY, LAYER, NUM_LAYERS = "snapkv", 15, 30
+PROFILE = "smollm2-135m-instruct-infsc"
+MIN_REPS = 20
 
 
 # ---------------------------------------------------------------------------------------------
 # timing
 
 
-def bench(fn, cuda: bool, graph: bool = False) -> float:
-    """Median microseconds of ``fn()``."""
-    if not cuda:
+def measure(fn, cuda: bool, graph: bool = False) -> dict:
+    """``{us, p20_us, p80_us, reps}`` of ``fn()`` (already called once): do_bench's per-run CUDA-event
+    times (L2 flushed before each) over ~100 ms and at least ``MIN_REPS`` runs; on the CPU one timed call."""
+    if not cuda:  # the smoke run checks the program, not the speed
+        t = time.perf_counter()
         fn()
-        ts = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        return sorted(ts)[1] * 1e6
+        us = (time.perf_counter() - t) * 1e6
+        return dict(us=round(us, 2), p20_us=round(us, 2), p80_us=round(us, 2), reps=1)
     import triton.testing
 
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return triton.testing.do_bench(g.replay, warmup=25, rep=100) * 1e3
-    return triton.testing.do_bench(fn, warmup=25, rep=100) * 1e3
+    f = da.cuda_graph(fn) if graph else fn
+    ts = list(triton.testing.do_bench(f, warmup=25, rep=100, return_mode="all"))
+    if len(ts) < MIN_REPS:  # slow calls: repeat long enough for a median
+        ts = list(triton.testing.do_bench(f, warmup=25, rep=int(1.2 * MIN_REPS * statistics.median(ts)) + 1,
+                                          return_mode="all"))
+    q = statistics.quantiles(ts, n=5) if len(ts) > 1 else [ts[0]] * 4
+    return dict(us=round(statistics.median(ts) * 1e3, 2), p20_us=round(q[0] * 1e3, 2), p80_us=round(q[3] * 1e3, 2),
+                reps=len(ts))
+
+
+def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
+    """``(measure(...), "graph")`` from a CUDA graph replay, or the eager time when capture fails."""
+    if not cuda:
+        return measure(fn, cuda), "eager"
+    try:
+        return measure(fn, cuda, graph=True), "graph"
+    except Exception as e:  # a host sync inside: report the eager time, say so
+        print(f"{what}: CUDA graph capture failed ({type(e).__name__}: {e}); eager time reported", file=sys.stderr)
+        torch.cuda.synchronize()
+        return measure(fn, cuda), "eager"
+
+
+def copy_GBps(keys, cuda: bool) -> float:
+    """GB/s (bytes read + written) of ``keys.clone()``: the bandwidth floors are taken at."""
+    us = measure(lambda: keys.clone(), cuda)["us"]
+    return 2 * keys.numel() * keys.element_size() / max(us, 1e-3) / 1e3
 
 
 # ---------------------------------------------------------------------------------------------
-# inputs
+# inputs and checks
 
 
 def make_case(N, B, H, G, D, W, dtype, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    keys = torch.randn(B, H, N, D, generator=g).to(device=device, dtype=dtype)
-    values = torch.randn(B, H, N, D, generator=g).to(device=device, dtype=dtype)
-    queries = torch.randn(B, H * G, W, D, generator=g).to(device=device, dtype=dtype)
-    o_proj = (torch.randn(H * G * D, H * G * D, generator=g) / math.sqrt(H * G * D)).to(device=device, dtype=dtype)
-    hd = (torch.rand(H, generator=g) + 0.1).to(device)
+    """Random K/V ``[B, H, N, D]``, window queries ``[B, H·G, W, D]``, W_O and SCORE's ``hd``, on ``device``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=device, dtype=torch.float32)  # noqa: E731
+    keys, values = rnd(B, H, N, D).to(dtype), rnd(B, H, N, D).to(dtype)
+    queries = rnd(B, H * G, W, D).to(dtype)
+    o_proj = (rnd(H * G * D, H * G * D) / math.sqrt(H * G * D)).to(dtype)
+    hd = torch.rand(H, generator=g, device=device) + 0.1
     return keys, values, {"queries": queries, "o_proj": o_proj, "hd": hd}
 
 
 def policy_inputs(pol, pool):
     return {n: pool[n] for n in pol.needs}
+
+
+def check_kept(keys, values, out) -> bool:
+    """The kept tokens of a ``Compressed`` or ``RaggedKV`` are the input's at their ascending positions."""
+    if isinstance(out, tritonkv.RaggedKV):
+        K, V, lens, idx = out.to_padded(with_positions=True)
+    else:
+        K, V, idx = out
+        lens = torch.full(idx.shape[:2], idx.shape[2], device=idx.device)
+    valid = torch.arange(idx.shape[2], device=idx.device) < lens[..., None]
+    N = keys.shape[2]
+    g = idx.clamp(0, N - 1)[..., None].expand(-1, -1, -1, keys.shape[3])
+    inc = (idx[..., 1:] > idx[..., :-1]) | ~valid[..., 1:]
+    return bool(((idx >= 0) & (idx < N) | ~valid).all() and inc.all()
+                and (torch.where(valid[..., None], keys.gather(2, g) == K, True)).all()
+                and (torch.where(valid[..., None], values.gather(2, g) == V, True)).all())
+
+
+def floor_row(reads: int, kept_tokens: int, keys, gbps: float, us: float) -> dict:
+    """Floor columns: read ``reads`` bytes, then read and write the kept K+V, at ``gbps``."""
+    fb = reads + 2 * 2 * kept_tokens * keys.shape[-1] * keys.element_size()
+    floor_us = fb / (gbps * 1e3)
+    return dict(floor_bytes=fb, floor_us=round(floor_us, 2), x_floor=round(us / floor_us, 2),
+                achieved_TBps=round(fb / us / 1e6, 3), pct_copy_bw=round(100 * floor_us / us, 1))
+
+
+def score_reads(name, keys) -> int:
+    """Bytes the policy's scoring must read: K (K and V for lagkv/criticalkv; none for streaming_llm)."""
+    return 0 if name == "streaming_llm" else keys.numel() * keys.element_size() * (2 if name in KV_POLICIES else 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,135 +285,463 @@ def torch_pipeline(name, keys, values, queries, k, W):
 
 
 # ---------------------------------------------------------------------------------------------
+# the parts
 
 
-def floor_bytes(name, keys, k):
-    row = keys.shape[-1] * keys.element_size()
-    kept = 2 * keys.shape[0] * keys.shape[1] * k * row  # kept K + V
-    read = 0 if name == "streaming_llm" else keys.numel() * keys.element_size() * (2 if name in KV_POLICIES else 1)
-    return read + 2 * kept  # read the score inputs, re-read the kept K+V, write them
+class Ctx:
+    """Settings shared by the parts, the wall-clock budget, and the copy bandwidth per N."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cuda = torch.cuda.is_available() and not args.smoke
+        self.device = "cuda" if self.cuda else "cpu"
+        self.dtype = torch.bfloat16
+        self.B, self.H, self.G, self.D, self.W = SMOKE_SHAPE if args.smoke else SHAPE
+        self.t0 = time.perf_counter()
+        self.skipped = []
+        self.copy = {}
+
+    def case(self, N, seed=0):
+        keys, values, pool = make_case(N, self.B, self.H, self.G, self.D, self.W, self.dtype, self.device, seed)
+        self.copy[N] = copy_GBps(keys, self.cuda)
+        return keys, values, pool
+
+    def base(self, N, keep) -> dict:
+        return dict(B=self.B, H_kv=self.H, H_q=self.H * self.G, D=self.D, N=N,
+                    dtype=str(self.dtype).replace("torch.", ""), keep=keep)
+
+    def over_budget(self, what: str) -> bool:
+        """True (and ``what`` recorded as skipped) once ``--time-budget`` seconds have passed."""
+        if time.perf_counter() - self.t0 > self.args.time_budget:
+            self.skipped.append(what)
+            print(f"skipped (time budget {self.args.time_budget:.0f} s): {what}", file=sys.stderr)
+            return True
+        return False
+
+    def free(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
 
-def run(args):
-    cuda = torch.cuda.is_available() and not args.smoke
-    device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16
-    B, H, G, D, W = (1, 8, 4, 128, 32) if not args.smoke else (1, 2, 2, 16, 4)
-    Ns = args.n or ([4096, 32768, 131072] if not args.smoke else [96])
-    names = args.policies or sorted(POLICIES)
-    kvpress = None if (args.no_kvpress or args.smoke) else import_kvpress()
-    rows, copy = [], {}
-    for N in Ns:
-        keys, values, pool = make_case(N, B, H, G, D, W, dtype, device)
-        copy_us = bench(lambda: keys.clone(), cuda)
-        copy[N] = 2 * keys.numel() * keys.element_size() / copy_us / 1e3  # GB/s
-        k = max(1, math.floor(args.keep * N + 1e-6))
+def keep_k(keep: float, N: int) -> int:
+    return max(1, math.floor(keep * N + 1e-6))
+
+
+def error_row(kind, name, N, e, **extra):
+    print(f"{kind} {name} N={N}: {type(e).__name__}: {e}", file=sys.stderr)
+    return dict(kind=kind, policy=name, N=N, error=f"{type(e).__name__}: {e}", **extra)
+
+
+def emit(rows, row):
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def run_compress(ctx: Ctx, rows: list) -> None:
+    """Every policy's dense compress at each N (kind ``compress``)."""
+    a = ctx.args
+    names = a.policies or sorted(POLICIES)
+    kvpress = None if (a.no_kvpress or a.smoke) else import_kvpress()
+    for N in a.n or (SMOKE_NS if a.smoke else NS):
+        if ctx.over_budget(f"compress N={N}"):
+            continue
+        keys, values, pool = ctx.case(N)
+        k = keep_k(a.keep, N)
         for name in names:
             pol = POLICIES[name]()
             inputs = policy_inputs(pol, pool)
-            kv_ref = kvpress_case(kvpress, name, keys, values, pool["queries"], args.keep, W) if kvpress else None
+            kv_ref = kvpress_case(kvpress, name, keys, values, pool["queries"], a.keep, ctx.W) if kvpress else None
             fn = lambda: tritonkv.compress((keys, values), pol, k, **inputs)  # noqa: E731
             try:
                 out = fn()
             except Exception as e:  # a policy that cannot run at this shape is reported, not hidden
-                print(f"{name} N={N}: {type(e).__name__}: {e}", file=sys.stderr)
-                rows.append(dict(policy=name, N=N, error=f"{type(e).__name__}: {e}"))
+                emit(rows, error_row("compress", name, N, e, allocation=None))
                 continue
-            eager = bench(fn, cuda)
-            try:
-                t_us = bench(fn, cuda, graph=True) if cuda else eager
-            except Exception as e:
-                print(f"{name}: CUDA graph capture failed ({e}); eager time reported", file=sys.stderr)
-                t_us = eager
-            fb = floor_bytes(name, keys, k)
-            floor_us = fb / (copy[N] * 1e3)
+            ok = check_kept(keys, values, out)
+            eager = measure(fn, ctx.cuda)
+            t, timing = measure_graph(fn, ctx.cuda, f"compress {name} N={N}") if ctx.cuda else (eager, "eager")
             kv_us = same = None
             if kv_ref is not None:
                 press_fn, scores_fn, _ = kv_ref
-                kv_us = bench(press_fn, cuda)
+                press_fn()
+                kv_us = measure(press_fn, ctx.cuda)["us"]
                 s_kv = scores_fn().float()
                 sink, window = pol.protected(N, k)
                 from tritonkv.kernels.select import select_indices
 
                 ref_idx, _ = select_indices(s_kv, k, k, sink=sink, window=window)
                 same = bool(torch.equal(ref_idx, out.indices))
-            tc_us = None
-            pipe = torch_pipeline(name, keys, values, pool["queries"], k, W) if not args.no_compile else None
-            if pipe is not None and cuda:
+            row = dict(kind="compress", policy=name, allocation=None, **ctx.base(N, a.keep),
+                       kept_tokens=ctx.B * ctx.H * k,
+                       tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
+                       tritonkv_eager_us=eager["us"],
+                       **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy[N], t["us"]),
+                       kvpress_us=kv_us, torch_compile_us=None, same_kept=same, ok=ok)
+            emit(rows, row)
+        del keys, values, pool
+        ctx.free()
+
+
+def allocation_case(name, N, k, pol, keys, ctx):
+    """``(allocation, inputs, extra bytes read, description)``: what a user passes with allocator ``name``."""
+    from tritonkv.allocation import Fixed, headkv_budgets
+    from tritonkv.allocation.profiler import load_profile
+
+    dev, H = keys.device, keys.shape[1]
+    prof = load_profile(PROFILE)  # [30, 3] INF scores of SmolLM2-135M's KV heads
+    prof = prof[:, [h % prof.shape[1] for h in range(H)]].to(dev)
+    layer = dict(layer=LAYER, num_layers=NUM_LAYERS)
+    if name == "headkv" or name == "surfacelogic":
+        return name, dict(profile=prof, **layer), 0, f"{PROFILE} profile, heads tiled to {H}"
+    if name == "fixed":
+        sink, window = pol.protected(N, k)
+        avail = N - sink - window
+        return (Fixed(budgets=headkv_budgets(prof, k - sink - window, avail)), layer, 0,
+                f"HeadKV budgets from the {PROFILE} profile, precomputed")
+    g = torch.Generator(device=dev).manual_seed(1)
+    if name == "score":
+        m = torch.rand(NUM_LAYERS, keys.shape[0], H * ctx.G, N, generator=g, device=dev)
+        m = m / m.norm(dim=-1, keepdim=True)
+        desc = f"random unit head_means {list(m.shape)}"
+        return name, dict(head_means=m, **layer), m.numel() * m.element_size(), desc
+    if name == "cake":
+        pref = torch.rand(NUM_LAYERS, generator=g, device=dev) + 0.5
+        return name, dict(layer_preference=pref, **layer), 0, f"random layer_preference [{NUM_LAYERS}]"
+    return name, layer, 0, "shapes and layer only" if name in ("uniform", "pyramid") else "the policy's scores"
+
+
+def run_allocation(ctx: Ctx, rows: list) -> None:
+    """snapkv compress with every allocator (kind ``allocation``): a RaggedKV with per-head budgets."""
+    a = ctx.args
+    for N in a.n or (SMOKE_NS if a.smoke else NS):
+        if ctx.over_budget(f"allocation N={N}"):
+            continue
+        keys, values, pool = ctx.case(N, seed=1)
+        k = keep_k(a.keep, N)
+        pol = POLICIES[ALLOC_POLICY]()
+        inputs = policy_inputs(pol, pool)
+        for name in a.allocations or ALLOCATIONS:
+            try:
+                alloc, extra, extra_bytes, desc = allocation_case(name, N, k, pol, keys, ctx)
+                fn = lambda: tritonkv.compress((keys, values), pol, k, allocation=alloc,  # noqa: E731
+                                               **inputs, **extra)
+                out = fn()
+            except Exception as e:
+                emit(rows, error_row("allocation", ALLOC_POLICY, N, e, allocation=name))
+                continue
+            ok = check_kept(keys, values, out)
+            kept, k_max = (int(x) for x in torch.stack([out.length.sum(), out.length.max()]).tolist())
+            t = measure(fn, ctx.cuda)  # eager: compress reads (total, max) back to size the storage
+            row = dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N, a.keep), layer=LAYER,
+                       num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, tritonkv_us=t["us"], p20_us=t["p20_us"],
+                       p80_us=t["p80_us"], reps=t["reps"], timing="eager",
+                       **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy[N], t["us"]),
+                       inputs=desc, ok=ok)
+            del out
+            emit(rows, row)
+        del keys, values, pool
+        ctx.free()
+
+
+def run_decode(ctx: Ctx, rows: list) -> None:
+    """``decode_attention.py``'s cases (kind ``decode_attention``)."""
+    gbps = da.copy_bandwidth(ctx.cuda, (1 << 30) if ctx.cuda else (1 << 20))
+    for case in da.SMOKE_CASES if ctx.args.smoke else da.CASES:
+        if ctx.over_budget(f"decode_attention {case}"):
+            continue
+        try:
+            row = da.run_case(*case, cuda=ctx.cuda, copy_GBps=gbps)
+        except Exception as e:
+            emit(rows, error_row("decode_attention", None, None, e, case=list(case)))
+            continue
+        emit(rows, dict(kind="decode_attention", policy=None, allocation=None, tritonkv_us=row["ragged_us"],
+                        timing="graph" if ctx.cuda else "eager", copy_GBps=round(gbps, 1), **row))
+        ctx.free()
+
+
+def run_scaling(ctx: Ctx, rows: list) -> dict:
+    """Time vs N for a few policies (kind ``scaling``); returns the per-policy fits."""
+    a = ctx.args
+    names = a.scaling_policies or SCALING_POLICIES
+    for N in a.scaling_n or (SMOKE_SCALING_NS if a.smoke else SCALING_NS):
+        if ctx.over_budget(f"scaling N={N}"):
+            continue
+        keys, values, pool = ctx.case(N, seed=2)
+        k = keep_k(a.keep, N)
+        for name in names:
+            pol = POLICIES[name]()
+            inputs = policy_inputs(pol, pool)
+            fn = lambda: tritonkv.compress((keys, values), pol, k, **inputs)  # noqa: E731
+            try:
+                out = fn()
+            except Exception as e:
+                emit(rows, error_row("scaling", name, N, e, allocation=None))
+                continue
+            ok = check_kept(keys, values, out)
+            del out
+            t, timing = measure_graph(fn, ctx.cuda, f"scaling {name} N={N}")
+            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N, a.keep),
+                            tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
+                            ns_per_token=round(t["us"] * 1e3 / N, 4), copy_GBps=round(ctx.copy[N], 1),
+                            **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy[N], t["us"]),
+                            ok=ok))
+        del keys, values, pool
+        ctx.free()
+    return {name: fit([(r["N"], r["tritonkv_us"]) for r in rows if r.get("kind") == "scaling"
+                       and r["policy"] == name and "tritonkv_us" in r]) for name in names}
+
+
+def fit(points) -> dict:
+    """Least squares time_us = intercept_us + slope·N (slope in ns/token), R², and the log-log exponent
+    over N >= 64K (over the upper half of the points when fewer than two are that large)."""
+    pts = sorted(points)
+    out = dict(points=len(pts), slope_ns_per_token=None, intercept_us=None, r2=None, exponent=None,
+               exponent_from_N=None)
+    if len(pts) < 2:
+        return out
+    xs, ys = [float(x) for x, _ in pts], [float(y) for _, y in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    icpt = my - slope * mx
+    sst = sum((y - my) ** 2 for y in ys)
+    sse = sum((y - icpt - slope * x) ** 2 for x, y in zip(xs, ys))
+    big = [(x, y) for x, y in zip(xs, ys) if x >= 65536]
+    if len(big) < 2:
+        big = list(zip(xs, ys))[len(xs) // 2 - (len(xs) == 2):]
+    lx, ly = [math.log(x) for x, _ in big], [math.log(max(y, 1e-9)) for _, y in big]
+    mlx, mly = statistics.fmean(lx), statistics.fmean(ly)
+    expo = sum((x - mlx) * (y - mly) for x, y in zip(lx, ly)) / sum((x - mlx) ** 2 for x in lx)
+    out.update(slope_ns_per_token=round(slope * 1e3, 5), intercept_us=round(icpt, 2),
+               r2=round(1 - sse / sst, 5) if sst > 0 else 1.0, exponent=round(expo, 3), exponent_from_N=int(big[0][0]))
+    return out
+
+
+def run_torch_compile(ctx: Ctx, rows: list) -> None:
+    """Fill ``torch_compile_us`` of the compress rows (last: each (policy, N) is a full inductor compile)."""
+    if not ctx.cuda or ctx.args.no_compile:
+        return
+    import torch._dynamo
+    for N in sorted({r["N"] for r in rows if r.get("kind") == "compress" and "tritonkv_us" in r}):
+        todo = [r for r in rows if r.get("kind") == "compress" and r["N"] == N and "tritonkv_us" in r]
+        keys, values, pool = make_case(N, ctx.B, ctx.H, ctx.G, ctx.D, ctx.W, ctx.dtype, ctx.device)
+        for r in todo:
+            pipe = torch_pipeline(r["policy"], keys, values, pool["queries"], keep_k(r["keep"], N), ctx.W)
+            if pipe is None or ctx.over_budget(f"torch.compile {r['policy']} N={N}"):
+                continue
+            try:
+                torch._dynamo.reset()  # one code object serves every (policy, N): avoid its recompile limit
                 compiled = torch.compile(pipe)
                 compiled()
-                tc_us = bench(compiled, cuda)
-            row = dict(policy=name, B=B, H_kv=H, D=D, N=N, dtype=str(dtype).replace("torch.", ""), keep=args.keep,
-                       tritonkv_us=round(t_us, 2), tritonkv_eager_us=round(eager, 2), floor_us=round(floor_us, 2),
-                       floor_bytes=fb, x_floor=round(t_us / floor_us, 2),
-                       achieved_TBps=round(fb / t_us / 1e6, 3), pct_copy_bw=round(100 * floor_us / t_us, 1),
-                       kvpress_us=None if kv_us is None else round(kv_us, 2),
-                       torch_compile_us=None if tc_us is None else round(tc_us, 2), same_kept=same)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return dict(device=torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)", torch=torch.__version__,
-                triton=__import__("triton").__version__, commit=_commit(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                copy_GBps={str(n): round(v, 1) for n, v in copy.items()}, command=" ".join(sys.argv), rows=rows)
+                r["torch_compile_us"] = measure(compiled, ctx.cuda)["us"]
+                print(json.dumps({"torch_compile": r["policy"], "N": N, "us": r["torch_compile_us"]}), flush=True)
+            except Exception as e:
+                print(f"torch.compile {r['policy']} N={N}: {type(e).__name__}: {e}", file=sys.stderr)
+        del keys, values, pool
+        ctx.free()
 
 
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except OSError:
-        return None
+def run(args):
+    ctx = Ctx(args)
+    parts = [p for p in PARTS if getattr(args, p)] or list(PARTS)
+    res = dict(device=torch.cuda.get_device_name() if ctx.cuda else "cpu (Triton interpreter)", torch=torch.__version__,
+               triton=__import__("triton").__version__, commit=da._commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join(sys.argv), parts=parts,
+               settings=dict(B=ctx.B, H_kv=ctx.H, H_q=ctx.H * ctx.G, D=ctx.D, W=ctx.W, dtype="bfloat16", keep=args.keep,
+                             allocation_policy=ALLOC_POLICY, layer=LAYER, num_layers=NUM_LAYERS,
+                             time_budget_s=args.time_budget),
+               copy_GBps={}, phase_s={}, scaling_fit={}, skipped=ctx.skipped, complete=False, rows=[])
+    rows = res["rows"]
+    steps = [(p, {"compress": run_compress, "allocation": run_allocation, "decode": run_decode,
+                  "scaling": run_scaling}[p]) for p in parts]
+    if "compress" in parts:
+        steps.append(("torch_compile", run_torch_compile))
+    for name, step in steps:
+        t = time.perf_counter()
+        out = step(ctx, rows)
+        if name == "scaling":
+            res["scaling_fit"] = out
+        res["phase_s"][name] = round(time.perf_counter() - t, 1)
+        res["copy_GBps"] = {str(n): round(v, 1) for n, v in sorted(ctx.copy.items())}
+        res["wall_s"] = round(time.perf_counter() - ctx.t0, 1)
+        print(f"== {name}: {res['phase_s'][name]} s (total {res['wall_s']} s)", flush=True)
+        _dense_ratio(rows)
+        if args.out and name != "torch_compile":  # a run cut short keeps the parts it finished
+            write(res, args.out)
+    res["complete"] = True
+    return res
+
+
+def _dense_ratio(rows):
+    """``x_dense_eager`` of allocation rows: their time over the dense snapkv compress (eager) at that N."""
+    dense = {r["N"]: r["tritonkv_eager_us"] for r in rows
+             if r.get("kind") == "compress" and r["policy"] == ALLOC_POLICY and "tritonkv_eager_us" in r}
+    for r in rows:
+        if r.get("kind") == "allocation" and "tritonkv_us" in r and r["N"] in dense:
+            r["x_dense_eager"] = round(r["tritonkv_us"] / dense[r["N"]], 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+
+
+def _cell(v):
+    return "–" if v is None else str(v)
+
+
+def table(rows, cols, head=None) -> list:
+    lines = ["| " + " | ".join(head or cols) + " |", "|" + "---|" * len(cols)]
+    return lines + ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+
+
+def markdown(result) -> str:
+    """The Markdown tables (one per kind, bold titles so the README's headings stay as they are)."""
+    s = result.get("settings", {})
+    rows = result["rows"]
+    of = lambda kind: [r for r in rows if r.get("kind") == kind and "error" not in r]  # noqa: E731
+    out = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}; commit "
+           f"{result['commit']}; {result['date']}; copy GB/s by N {result['copy_GBps']}; run {result.get('wall_s')} s",
+           ""]
+    shape = (f"B={s.get('B')}, H_kv={s.get('H_kv')}, H_q={s.get('H_q')}, D={s.get('D')}, {s.get('dtype')}, "
+             f"keep {s.get('keep')}")
+    if of("compress"):
+        out += [f"**Compress** (one layer's `tritonkv.compress`, {shape}; µs, median; floor = bytes that must move "
+                "over the copy bandwidth)", ""]
+        out += table(of("compress"), ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "pct_copy_bw",
+                                      "kvpress_us", "torch_compile_us", "same_kept", "ok"]) + [""]
+    if of("allocation"):
+        out += [f"**Allocation** (`compress(..., \"{s.get('allocation_policy')}\", allocation=...)` as layer "
+                f"{s.get('layer')} of {s.get('num_layers')}, RaggedKV output, eager; the score allocator's floor "
+                "also reads its head_means; x_dense_eager = time over the dense compress, eager)", ""]
+        out += table(of("allocation"), ["allocation", "N", "kept_tokens", "k_max", "tritonkv_us", "floor_us",
+                                        "x_floor", "pct_copy_bw", "x_dense_eager", "ok"]) + [""]
+    if of("decode_attention"):
+        out += ["**Decode attention** (one query per head over a RaggedKV with AdaKV-like budgets; µs, CUDA graph; "
+                "see `benchmarks/decode_attention.py`)", ""]
+        out += table(of("decode_attention"), da.COLUMNS) + [""]
+    sc = of("scaling")
+    if sc:
+        names = list(dict.fromkeys(r["policy"] for r in sc))
+        floors = {}  # floor per N for K-only and K+V scoring
+        for r in sc:
+            floors.setdefault("K+V" if r["policy"] in KV_POLICIES else "K", {})[r["N"]] = r["floor_us"]
+        by = {(r["policy"], r["N"]): r for r in sc}
+        prow = []
+        for N in sorted({r["N"] for r in sc}):
+            d = {"N": N}
+            for n in names:
+                r = by.get((n, N))
+                d[n] = None if r is None else f"{r['tritonkv_us']} ({r['ns_per_token']})"
+            for f, v in floors.items():
+                d["floor " + f] = v.get(N)
+            prow.append(d)
+        fl = ["floor " + f for f in floors]
+        out += [f"**Scaling in N** ({shape}; µs (ns per token); floor µs reads K or K+V, then copies the kept "
+                "K+V)", ""]
+        out += table(prow, ["N"] + names + fl,
+                     ["N"] + [f"{n} µs (ns/token)" for n in names] + [f + " µs" for f in fl])
+        out += ["", "Least-squares fit time = intercept + slope·N; exponent = log-log slope over the larger N "
+                "(1 = linear)", ""]
+        frows = [dict(policy=n, **result.get("scaling_fit", {}).get(n, {})) for n in names]
+        out += table(frows, ["policy", "slope_ns_per_token", "intercept_us", "r2", "exponent", "exponent_from_N",
+                             "points"]) + [""]
+    errs = [r for r in rows if "error" in r]
+    if errs or result.get("skipped"):
+        out += ["Not measured: " + "; ".join([f"{r['kind']} {r.get('policy') or ''} {r.get('allocation') or ''} "
+                                              f"N={r.get('N')}: {r['error']}" for r in errs] + list(result["skipped"]))]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def base_name(result) -> str:
+    tag = result["device"].split(" (")[0].replace(" ", "-").lower()
+    parts = result.get("parts") or list(PARTS)
+    return f"{tag}-speed" if set(parts) == set(PARTS) else f"{tag}-speed-only-{'-'.join(parts)}"
 
 
 def write(result, out_dir):
+    """JSON, Markdown and the two plots; returns the path stem."""
     os.makedirs(out_dir, exist_ok=True)
-    tag = result["device"].split(" (")[0].replace(" ", "-").lower()
-    base = os.path.join(out_dir, f"{tag}-speed")
+    base = os.path.join(out_dir, base_name(result))
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=1)
-    cols = ["policy", "N", "tritonkv_us", "floor_us", "x_floor", "pct_copy_bw", "kvpress_us", "torch_compile_us",
-            "same_kept"]
-    lines = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}; commit "
-             f"{result['commit']}; {result['date']}; copy GB/s {result['copy_GBps']}", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in result["rows"]:
-        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
     with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(markdown(result))
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
+    except ImportError:
+        return base
+    rows = [r for r in result["rows"] if "error" not in r]
+    comp = [r for r in rows if r.get("kind") == "compress"]
+    if comp:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for name in sorted({r["policy"] for r in result["rows"] if "tritonkv_us" in r}):
-            rs = [r for r in result["rows"] if r["policy"] == name and "x_floor" in r]
+        for name in sorted({r["policy"] for r in comp}):
+            rs = sorted((r for r in comp if r["policy"] == name), key=lambda r: r["N"])
             ax.plot([r["N"] for r in rs], [r["x_floor"] for r in rs], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N (tokens)")
         ax.set_ylabel("time / HBM floor")
-        ax.set_title(result["device"])
+        ax.set_title(f"compress, {result['device']}")
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(base + ".png", dpi=120)
-    except ImportError:
-        pass
+        plt.close(fig)
+    sc = [r for r in rows if r.get("kind") == "scaling"]
+    if sc:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in dict.fromkeys(r["policy"] for r in sc):
+            rs = sorted((r for r in sc if r["policy"] == name), key=lambda r: r["N"])
+            ax.plot([r["N"] for r in rs], [r["tritonkv_us"] for r in rs], marker="o", label=name)
+        for kv, style in ((False, "--"), (True, ":")):
+            fr = {r["N"]: r["floor_us"] for r in sc if (r["policy"] in KV_POLICIES) == kv}
+            if fr:
+                ns = sorted(fr)
+                ax.plot(ns, [fr[n] for n in ns], style, color="grey",
+                        label="copy floor (read K+V)" if kv else "copy floor (read K)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("N (tokens)")
+        ax.set_ylabel("µs (median)")
+        ax.set_title(f"compress time vs N, {result['device']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(base + "-scaling.png", dpi=120)
+        plt.close(fig)
     return base
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, nargs="*", help="sequence lengths (default 4096 32768 131072)")
-    p.add_argument("--policies", nargs="*", help="policy names (default: all registered)")
+    for part in PARTS:
+        p.add_argument(f"--{part}", action="store_true", help=f"run the {part} part (no part flag: all of them)")
+    p.add_argument("--n", type=int, nargs="*", help="compress/allocation lengths (default 4096 32768 131072)")
+    p.add_argument("--policies", nargs="*", help="compress policies (default: all registered)")
+    p.add_argument("--allocations", nargs="*", help=f"allocators (default {' '.join(ALLOCATIONS)})")
+    p.add_argument("--scaling-n", type=int, nargs="*", help="scaling lengths (default 4K, 8K, ..., 512K)")
+    p.add_argument("--scaling-policies", nargs="*", help=f"scaling policies (default {' '.join(SCALING_POLICIES)})")
     p.add_argument("--keep", type=float, default=0.25, help="fraction of tokens kept")
     p.add_argument("--no-kvpress", action="store_true")
-    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile pipelines")
+    p.add_argument("--time-budget", type=float, default=500.0,
+                   help="seconds after which no new case starts (the rest are listed as skipped)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to check the program")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    a = p.parse_args(argv)
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: write nothing)")
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    if a.out is None and not a.smoke:
+        a.out = RESULTS
     res = run(a)
-    print("wrote", write(res, a.out))
+    if a.out:
+        print("wrote", write(res, a.out))
+    else:
+        print(markdown(res))
     return res
 
 
