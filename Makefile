@@ -22,11 +22,14 @@ endif
 	$(PY) -m pip install -q -e ".[hf,test,bench]"
 	touch $(STAMP)
 
-# The whole suite; on a CPU-only machine the kernels run under TRITON_INTERPRET=1.
+# The whole suite; on a CPU-only machine the kernels run under TRITON_INTERPRET=1. The interpreter is
+# single-threaded Python, so the tests are spread over one worker per core (pytest-xdist), one torch
+# thread each; TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
 	$(PY) -m tritonkv.integrations.model --fetch
-	$(if $(HAS_GPU),,TRITON_INTERPRET=1) TRITON_DEFAULT_FP_FUSION=1 HF_HUB_OFFLINE=1 \
-		$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+	$(if $(HAS_GPU),,TRITON_INTERPRET=1) TRITON_DEFAULT_FP_FUSION=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 \
+		$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS) tests
 
 # Everything but the real-model tests.
 test-fast: $(STAMP)

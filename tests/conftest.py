@@ -22,10 +22,30 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
                derandomize=True, print_blob=True)
 settings.register_profile("ci", max_examples=25, **_common)
 settings.register_profile("dev", max_examples=10, **_common)
-settings.register_profile("deep", max_examples=2000, **{**_common, "derandomize": False})
+# deep: thousands of random examples (HYPOTHESIS_MAX_EXAMPLES overrides the count, e.g. to fit a time budget)
+settings.register_profile("deep", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", "2000")),
+                          **{**_common, "derandomize": False})
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_collection_modifyitems(items):
+    """Deep profile only: a test that caps its examples for the CI time budget (``@settings(
+    max_examples=n)``, n below the profile's count) gets the deep count scaled by n / 25, its share
+    of the "ci" profile's 25 examples, so every property test runs deeper, not only the uncapped ones."""
+    deep = settings.get_profile("deep").max_examples
+    if settings.default.max_examples != deep or os.environ.get("HYPOTHESIS_PROFILE") != "deep":
+        return
+    done = set()
+    for item in items:
+        fn = getattr(item, "obj", None)
+        s = getattr(fn, "_hypothesis_internal_use_settings", None)
+        if s is None or id(fn) in done or s.max_examples >= deep:
+            continue
+        done.add(id(fn))
+        fn._hypothesis_internal_use_settings = settings(s, max_examples=max(s.max_examples,
+                                                                            round(deep * s.max_examples / 25)))
 
 
 @pytest.fixture

@@ -24,9 +24,12 @@ TOL = 2e-6
 # shared with test_knorm.py: kept indices against the oracle, exact unless the oracle's cut is a near-tie
 
 
-def ambiguous_cut(s, k, sink, window, tol) -> bool:
+def ambiguous_cut(s, k, sink, window, tol, keys=None) -> bool:
     """True when oracle scores ``s`` (one row) put a near-tie (within ``tol``, not an exact tie) at
-    the selection cut, so fp32 rounding may legitimately pick the other token."""
+    the selection cut, so fp32 rounding may legitimately pick the other token. With the row's
+    ``keys`` [n, D], an exact tie between tokens whose keys differ is a near-tie too: the scores are
+    equal only mathematically (e.g. KeyDiff's two tokens of a row of 2), and rounding may split them;
+    ties between identical keys stay exact (the lower index must win)."""
     n = len(s)
     prot = np.zeros(n, bool)
     prot[:sink] = True
@@ -39,19 +42,24 @@ def ambiguous_cut(s, k, sink, window, tol) -> bool:
     a, b = v[m - 1], v[m]
     if a != b:
         return a - b <= tol
+    if keys is not None:
+        tied = keys[(s == a) & ~prot]
+        if not (tied == tied[:1]).all():
+            return True
     near = np.abs(v - a)
     return bool(((near > 0) & (near <= tol)).any())
 
 
-def assert_kept_matches(idx, lengths, oracle, k, sink, window, tol):
+def assert_kept_matches(idx, lengths, oracle, k, sink, window, tol, keys=None):
     """``idx`` int64 [R, k_max] and ``lengths`` [R] from the kernel path; ``oracle`` float64 [R, N]
     scores on the same (rounded) inputs. Kept indices must equal the oracle's selection exactly;
-    at a near-tie, the multiset of kept oracle scores must (and the protected tokens are kept)."""
+    at a near-tie, the multiset of kept oracle scores must (and the protected tokens are kept).
+    ``keys`` [R, N, D] (optional) tell mathematical ties of distinct keys from exact duplicates."""
     n = oracle.shape[1]
     for r in range(oracle.shape[0]):
         got = np.asarray(idx[r, : int(lengths[r])])
         want = ref_select(oracle[r], k, sink, window)
-        if not ambiguous_cut(oracle[r], k, sink, window, tol):
+        if not ambiguous_cut(oracle[r], k, sink, window, tol, None if keys is None else keys[r]):
             np.testing.assert_array_equal(got, want, err_msg=f"row {r}")
             continue
         assert len(got) == len(want) and (np.diff(got) > 0).all()
@@ -189,7 +197,8 @@ def test_kept_matches_oracle(keys, data):
     out = tritonkv.compress((keys, values), pol, k)
     assert out.keys.shape == (B, H, k, D) and out.indices.dtype == torch.int64
     idx = out.indices.reshape(B * H, k).numpy()
-    assert_kept_matches(idx, [k] * (B * H), oracle(keys, pol.anchor).reshape(B * H, N), k, sink, window, TOL)
+    assert_kept_matches(idx, [k] * (B * H), oracle(keys, pol.anchor).reshape(B * H, N), k, sink, window, TOL,
+                        keys.double().numpy().reshape(B * H, N, D))
     g = out.indices[..., None].expand(-1, -1, -1, D)
     assert torch.equal(out.keys, keys.gather(2, g)) and torch.equal(out.values, values.gather(2, g))
 

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .kernels._common import check_kv_tensor
+from .kernels._common import FLOAT_DTYPES, check_kv_tensor
 from .policies import get_policy
 
 
@@ -75,8 +75,15 @@ def _check_inputs(keys, inputs: dict) -> None:
             raise ValueError(f"queries must be on the device of keys ({keys.device}), got {q.device}")
     w = inputs.get("o_proj")
     if w is not None:
+        w = getattr(w, "weight", w)  # an nn.Linear or its weight
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
             raise ValueError("o_proj must be the output projection weight W_O [D_model, H_q * D] (nn.Linear layout)")
+        if w.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"o_proj must be float32, float16 or bfloat16, got {w.dtype}")
+        width = None if q is None else q.shape[1] * D
+        if (width is not None and w.shape[1] != width) or w.shape[1] == 0 or w.shape[1] % (H * D):
+            want = f"H_q * D = {width}" if width is not None else f"a multiple of H_kv * D = {H * D}"
+            raise ValueError(f"o_proj must be W_O [D_model, H_q * D] with {want} columns, got {tuple(w.shape)}")
         if w.device != keys.device:
             raise ValueError(f"o_proj must be on the device of keys ({keys.device}), got {w.device}")
 

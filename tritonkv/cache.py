@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .kernels import select as _select
-from .kernels._common import FLOAT_DTYPES, check_kv_tensor, launch, next_pow2, triton_op
+from .kernels._common import FLOAT_DTYPES, check_device, check_kv_tensor, launch, next_pow2, triton_op
 
 
 @triton.jit
@@ -95,6 +95,22 @@ class RaggedKV:
 
     def __init__(self, keys, values, positions, row_start, length, next_position, *, batch: int, num_heads: int,
                  max_capacity: int, slack: int = 16, align: int = 16, free: int = 0):
+        R = _check_int("batch", batch, 1) * _check_int("num_heads", num_heads, 1)
+        _check_int("max_capacity", max_capacity)
+        check_kv_tensor("keys", keys, ndim=2)
+        check_kv_tensor("values", values, ndim=2)
+        if values.shape != keys.shape or values.dtype != keys.dtype:
+            raise ValueError(f"values must have the shape and dtype of keys {tuple(keys.shape)} {keys.dtype}, "
+                             f"got {tuple(values.shape)} {values.dtype}")
+        check_device("values", values, keys.device, "keys")
+        T = keys.shape[0]
+        for name, t, dtype, n in (("positions", positions, torch.int64, T),
+                                  ("row_start", row_start, torch.int64, R + 1), ("length", length, torch.int32, R),
+                                  ("next_position", next_position, torch.int64, R)):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != (n,):
+                raise ValueError(f"{name} must be a {dtype} tensor of shape ({n},), got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            check_device(name, t, keys.device, "keys")
         self.keys, self.values = keys, values
         self._positions = positions
         self.row_start, self.length = row_start, length
@@ -146,6 +162,9 @@ class RaggedKV:
             return _select.select_kv(scores, eff, keys, values, k_max, sink=sink, window=window, forced=forced,
                                      out=out)
 
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4:
+            n = keys.shape[2]
+            _select.check_protected(budgets, n, n if k_max is None else k_max, sink, window)
         return cls._build(select, budgets, keys, values, slack, total, k_max, align)
 
     @classmethod
@@ -166,6 +185,7 @@ class RaggedKV:
         if values.shape != keys.shape or values.dtype != keys.dtype:
             raise ValueError(f"values must have the shape and dtype of keys {tuple(keys.shape)} {keys.dtype}, "
                              f"got {tuple(values.shape)} {values.dtype}")
+        check_device("values", values, keys.device, "keys")
         slack, align = _check_int("slack", slack), _check_int("align", align, 1)
         B, H, N, D = keys.shape
         R = B * H
@@ -237,6 +257,7 @@ class RaggedKV:
                                  f"got {tuple(t.shape)}")
             if t.dtype != self.dtype:
                 raise TypeError(f"{name} must have the cache's dtype {self.dtype}, got {t.dtype}")
+            check_device(name, t, self.device, "the cache")
         if self._free <= 0:
             self._free = int((self.capacity - self.lengths).amin()) if self.length.numel() else 1
             if self._free <= 0:

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from ..kernels.select import select_mask
-from .base import Allocator, check_mode, check_positive, floor_eps, register_allocator
+from .base import Allocator, check_int, check_mode, check_positive, check_tensor, floor_eps, register_allocator
 
 MODES = ("exact", "paper")
 
@@ -31,6 +31,8 @@ def adakv_budgets(scores: torch.Tensor, b: int, *, alpha: float = 0.2, mode: str
     """
     if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
         raise ValueError("scores must be a [B, H_kv, avail] tensor of the selectable tokens")
+    check_tensor("scores", scores)
+    check_int("b", b)
     check_positive("alpha", alpha, 0.0, strict=False)
     if alpha > 1:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")

@@ -57,6 +57,25 @@ def check_int(name: str, v, lo: int = 0) -> int:
     return v
 
 
+def check_tensor(name: str, t, ndim=None, *, floating: bool = True) -> torch.Tensor:
+    """A TypeError naming ``name`` unless ``t`` is a real (float, or with ``floating=False`` also
+    integer) tensor; a ValueError unless it has ``ndim`` dimensions (an int or a tuple of ints)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype == torch.bool or t.dtype.is_complex or (floating and not t.dtype.is_floating_point):
+        raise TypeError(f"{name} must be a {'float' if floating else 'real'} tensor, got {t.dtype}")
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if dims is not None and t.dim() not in dims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got shape {tuple(t.shape)}")
+    return t
+
+
+def check_budget(b, avail) -> None:
+    """The selectable budget ``b`` and the selectable row length ``avail`` of a budget function: ints >= 0."""
+    check_int("b", b)
+    check_int("avail", avail)
+
+
 def check_mode(mode: str, modes: tuple[str, ...]) -> str:
     if mode not in modes:
         raise ValueError(f"mode must be one of {modes}, got {mode!r}")

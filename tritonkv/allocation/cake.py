@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from .base import Allocator, check_mode, check_positive, register_allocator
+from .base import Allocator, check_budget, check_mode, check_positive, check_tensor, register_allocator
 from .rounding import adjust_budgets, largest_remainder
 
 MODES = ("exact", "paper")
@@ -26,6 +26,7 @@ def cake_preference(attn: torch.Tensor, *, tau1: float = 1.0, tau2: float = 1.0)
     """float64 ``[B]`` preference ``P_l`` of one layer from its window attention ``[B, H, W, n]``."""
     if not isinstance(attn, torch.Tensor) or attn.dim() != 4:
         raise ValueError("attn must be the window attention [B, H, W, n]")
+    check_tensor("attn", attn)
     check_positive("tau1", tau1)
     check_positive("tau2", tau2)
     a = attn.to(torch.float64)
@@ -36,6 +37,8 @@ def cake_preference(attn: torch.Tensor, *, tau1: float = 1.0, tau2: float = 1.0)
 
 def cake_budgets(preference: torch.Tensor, b: int, avail: int, *, mode: str = "exact") -> torch.Tensor:
     """int32 ``[B, L]`` per-head budget of each layer from ``preference`` ``[L]`` or ``[L, B]``."""
+    check_tensor("preference", preference, (1, 2), floating=False)
+    check_budget(b, avail)
     check_mode(mode, MODES)
     p = preference.to(torch.float64)
     p = (p[:, None] if p.dim() == 1 else p).transpose(0, 1).clamp_min(0.0)  # [B, L]
@@ -67,7 +70,12 @@ class Cake(Allocator):
     def allocate(self, scores, ctx, layer_preference=None, **inputs):
         if layer_preference is None:
             raise ValueError("layer_preference: cake needs every layer's preference P_l ([L] or [L, B])")
-        p = torch.as_tensor(layer_preference).to(ctx["device"])
+        try:
+            p = torch.as_tensor(layer_preference)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"layer_preference must be a tensor [L] or [L, B] of every layer's preference, got "
+                            f"{type(layer_preference).__name__}") from None
+        p = check_tensor("layer_preference", p, floating=False).to(ctx["device"])
         if p.dim() not in (1, 2) or (p.dim() == 2 and p.shape[1] not in (1, ctx["B"])):
             raise ValueError(f"layer_preference must be [L] or [L, B={ctx['B']}], got {tuple(p.shape)}")
         layer = self.need_layer(ctx, p.shape[0])
@@ -91,7 +99,11 @@ class Fixed(Allocator):
 
     def allocate(self, scores, ctx, **inputs):
         layer = self.need_layer(ctx, self.budgets.shape[0])
-        return self.budgets[layer].to(ctx["device"]).clamp(0, ctx["avail"])
+        row = self.budgets[layer]
+        if tuple(row.shape) not in ((ctx["H"],), (ctx["B"], ctx["H"]), (1, ctx["H"])):
+            raise ValueError(f"budgets must be [L, H_kv] or [L, B, H_kv] with H_kv = {ctx['H']} and B = {ctx['B']}, "
+                             f"got {tuple(self.budgets.shape)}")
+        return row.to(ctx["device"]).clamp(0, ctx["avail"])
 
 
 register_allocator(Fixed)

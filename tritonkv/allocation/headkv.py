@@ -16,7 +16,8 @@ from typing import Optional
 
 import torch
 
-from .base import (Allocator, check_mode, check_nonnegative, check_positive, check_profile, floor_eps,
+from ..kernels._common import on_host
+from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile, floor_eps,
                    register_allocator)
 from .rounding import largest_remainder
 
@@ -46,6 +47,7 @@ def profile_budgets(share: torch.Tensor, b: int, avail: int, ratio: float, mode:
 def headkv_budgets(profile: torch.Tensor, b: int, avail: int, *, beta: float = 1.5, tau: float = 1.0,
                    mode: str = "exact") -> torch.Tensor:
     """int32 ``[L, H]`` selectable budgets of every (layer, head), on the profile's device."""
+    check_budget(b, avail)
     check_positive("beta", beta, 1.0, strict=False)
     check_positive("tau", tau)
     check_mode(mode, MODES)
@@ -85,6 +87,9 @@ class HeadKV(Allocator):
         profile = self.profile if profile is None else profile
         if profile is None:
             raise ValueError("profile: headkv needs an offline head profile [L, H] (field or input profile=)")
-        p = check_profile("profile", profile, ctx["H"]).to(ctx["device"])
+        p = check_profile("profile", profile, ctx["H"])
+        if on_host(p):  # an input profile is checked where it already is (no device read)
+            check_nonnegative("profile", p)
+        p = p.to(ctx["device"])
         layer = self.need_layer(ctx, p.shape[0])
         return headkv_budgets(p, ctx["b"], ctx["avail"], beta=self.beta, tau=self.tau, mode=self.mode)[layer]

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from .base import Allocator, check_int, check_mode, check_positive, floor_eps, register_allocator
+from .base import Allocator, check_budget, check_int, check_mode, check_positive, floor_eps, register_allocator
 from .rounding import largest_remainder
 
 MODES = ("exact", "paper")
@@ -29,6 +29,7 @@ def pyramid_budgets(num_layers: int, b: int, avail: int, *, beta: float = 20.0, 
                     device="cpu") -> torch.Tensor:
     """int32 ``[L]`` selectable budget of each layer (shared by the layer's heads)."""
     L = check_int("num_layers", num_layers, 1)
+    check_budget(b, avail)
     check_positive("beta", beta)
     check_mode(mode, MODES)
     if b >= avail:

@@ -61,6 +61,7 @@ def largest_remainder(x: torch.Tensor, total, cap=None, weights=None) -> torch.T
     Returns int32 ``[..., M]`` with each row summing to ``min(total, Σ cap)``, every entry within
     ``[floor(y), floor(y) + 1]`` of its water-filled share ``y`` and at most its cap.
     """
+    _check_shares(x, total, cap)
     x = x.to(torch.float64).clamp_min(0.0)
     lead, dev = x.shape[:-1], x.device
     if x.numel() == 0:
@@ -81,6 +82,17 @@ def largest_remainder(x: torch.Tensor, total, cap=None, weights=None) -> torch.T
     return (fl + add.to(torch.float64)).to(torch.int32)
 
 
+def _check_shares(x, total, cap) -> None:
+    """``x`` a real tensor with at least one dimension; ``total`` and ``cap``, when plain numbers, >= 0."""
+    if not isinstance(x, torch.Tensor) or x.dtype == torch.bool or x.dtype.is_complex:
+        raise TypeError(f"x must be a real tensor [..., M] of shares, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() < 1:
+        raise ValueError(f"x must have at least one dimension [..., M], got shape {tuple(x.shape)}")
+    for name, v in (("total", total), ("cap", cap)):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v >= 0:
+            raise ValueError(f"{name} must be >= 0, got {v!r}")
+
+
 def _rank(key: torch.Tensor) -> torch.Tensor:
     """Position of each entry in the order (key desc, index asc), by counting the entries before it."""
     idx = torch.arange(key.shape[-1], device=key.device)
@@ -96,6 +108,7 @@ def adjust_budgets(x: torch.Tensor, total, cap) -> torch.Tensor:
     (remainders to the lowest indices); then spread the shortfall to ``total`` the same way. A
     final clamp to ``[0, cap]`` (CAKE has none) can only lower a total the single pass overfilled.
     """
+    _check_shares(x, total, cap)
     x = x.to(torch.float64).clamp_min(0.0)
     dev = x.device
     total = torch.as_tensor(total, dtype=torch.int64, device=dev).expand(x.shape[:-1])

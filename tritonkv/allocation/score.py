@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.select import select_mask
-from .base import Allocator, check_int, check_mode, check_positive, register_allocator
+from .base import Allocator, check_budget, check_int, check_mode, check_positive, check_tensor, register_allocator
 from .rounding import adjust_budgets, largest_remainder
 
 MODES = ("exact", "paper")
@@ -38,6 +38,9 @@ HD_MIN = 1e-6
 def sample_positions(n: int, k: int = 200, window: int = 32, seed: int = 0) -> torch.Tensor:
     """``k`` query positions drawn uniformly without replacement from ``[window, n − window)`` with a
     seeded generator (all of them when fewer exist; empty when none). int64 CPU tensor."""
+    check_int("n", n)
+    check_int("k", k)
+    check_int("window", window)
     lo, hi = window, n - window
     if hi <= lo:
         return torch.empty(0, dtype=torch.int64)
@@ -47,6 +50,8 @@ def sample_positions(n: int, k: int = 200, window: int = 32, seed: int = 0) -> t
 
 def head_means(rows: torch.Tensor) -> torch.Tensor:
     """``m = mean_s a^(s)/‖a^(s)‖₂`` from attention rows ``[..., K, n]`` (zero rows count as zero)."""
+    if check_tensor("rows", rows, floating=False).dim() < 2:
+        raise ValueError(f"rows must be attention rows [..., K, n], got shape {tuple(rows.shape)}")
     a = rows.to(torch.float32)
     norm = torch.linalg.vector_norm(a, dim=-1, keepdim=True)
     return (a / torch.where(norm > 0, norm, 1.0)).mean(-2)
@@ -57,8 +62,10 @@ def head_means_from_queries(queries: torch.Tensor, keys: torch.Tensor, positions
     """Per query head ``m`` ``[B, H_q, N]`` from the queries at ``positions`` (``[B, H_q, K, D]``,
     RoPE applied) and the layer's keys ``[B, H_kv, N, D]``: causal softmax rows (zero beyond each
     position), normalised and averaged. Query head q reads KV head q // G (no repeat_kv)."""
-    B, Hq, K, D = queries.shape
-    H, N = keys.shape[1], keys.shape[2]
+    B, Hq, K, D = check_tensor("queries", queries, 4).shape
+    H, N = check_tensor("keys", keys, 4).shape[1:3]
+    if keys.shape[0] != B or keys.shape[3] != D:
+        raise ValueError(f"keys must be [B={B}, H_kv, N, D={D}] like the queries, got {tuple(keys.shape)}")
     if Hq % H:
         raise ValueError(f"queries must have a multiple of H_kv = {H} heads, got {Hq}")
     if positions.numel() != K:
@@ -132,7 +139,11 @@ def score_layer_budgets(ir: torch.Tensor, td: torch.Tensor, b: int, num_heads: i
                         lambda1: float = 1.0, lambda2: float = 1.0, mode: str = "exact") -> torch.Tensor:
     """int32 ``[B, L]`` layer totals ``B_l`` (summed over the layer's heads), each <= H·avail."""
     check_mode(mode, MODES)
-    B, L = ir.shape
+    check_budget(b, avail)
+    check_int("num_heads", num_heads, 1)
+    B, L = check_tensor("ir", ir, 2).shape
+    if check_tensor("td", td, 2).shape != ir.shape:
+        raise ValueError(f"td must have the shape of ir {tuple(ir.shape)}, got {tuple(td.shape)}")
     total = L * num_heads * b
     n = lambda1 * ir.to(torch.float64) + lambda2 * td.to(torch.float64)
     s = n.sum(-1, keepdim=True)
@@ -146,7 +157,12 @@ def score_layer_budgets(ir: torch.Tensor, td: torch.Tensor, b: int, num_heads: i
 def score_head_budgets(scores: torch.Tensor, layer_budget: torch.Tensor, hd: torch.Tensor) -> torch.Tensor:
     """int32 ``[B, H]`` head budgets of one layer from its selectable scores ``[B, H, avail]``, its
     total ``layer_budget`` (int ``[B]``, <= H·avail) and KV-head distances ``hd [B, H]``."""
-    B, H, M = scores.shape
+    B, H, M = check_tensor("scores", scores, 3).shape
+    if check_tensor("layer_budget", layer_budget, floating=False).numel() != B:
+        raise ValueError(f"layer_budget must hold one total per batch row (B = {B}), "
+                         f"got shape {tuple(layer_budget.shape)}")
+    if tuple(check_tensor("hd", hd).shape) != (B, H):
+        raise ValueError(f"hd must be [B, H_kv] = [{B}, {H}], got {tuple(hd.shape)}")
     layer_budget = layer_budget.to(torch.int32).reshape(B).contiguous()  # the kernel reads it as flat memory
     won = select_mask(scores.to(torch.float32).reshape(B, H * M), layer_budget)
     t = won.view(B, H, M).sum(-1).to(torch.float64)
@@ -165,6 +181,7 @@ def score_budgets(head_means, layer_scores, b: int, avail: int, *, gamma: float 
     could be sampled (then layers are uniform and HD = 1). ``layer_scores``: each layer's scores of
     the selectable tokens, ``[L, B, H, avail]`` or a list of ``[B, H, avail]``.
     """
+    check_budget(b, avail)
     a = _stack(layer_scores, "layer_scores", 4)
     L, B, H, M = a.shape
     if M != avail:

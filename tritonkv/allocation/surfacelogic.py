@@ -21,7 +21,9 @@ from typing import Optional
 
 import torch
 
-from .base import (Allocator, check_mode, check_nonnegative, check_positive, check_profile, register_allocator)
+from ..kernels._common import on_host
+from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile,
+                   register_allocator)
 from .headkv import profile_budgets
 
 MODES = ("strict", "paper")
@@ -44,6 +46,7 @@ def surfacelogic_shares(inf: torch.Tensor, *, floor: float = 0.01, mode: str = "
 def surfacelogic_budgets(inf: torch.Tensor, b: int, avail: int, *, rho: float = 1.351, floor: float = 0.01,
                          mode: str = "strict") -> torch.Tensor:
     """int32 ``[L, H]`` selectable budgets of every (layer, head), on the profile's device."""
+    check_budget(b, avail)
     check_positive("rho", rho, 1.0, strict=False)
     check_positive("floor", floor, 0.0, strict=False)
     check_mode(mode, MODES)
@@ -95,6 +98,9 @@ class SurfaceLogic(Allocator):
         profile = self.profile if profile is None else profile
         if profile is None:
             profile = _shipped(self.profile_name)
-        p = check_profile("profile", profile, ctx["H"]).to(ctx["device"])
+        p = check_profile("profile", profile, ctx["H"])
+        if on_host(p):  # an input profile is checked where it already is (no device read)
+            check_nonnegative("profile", p)
+        p = p.to(ctx["device"])
         layer = self.need_layer(ctx, p.shape[0])
         return surfacelogic_budgets(p, ctx["b"], ctx["avail"], rho=self.rho, floor=self.floor, mode=self.mode)[layer]

@@ -5,11 +5,12 @@ import dataclasses
 
 import torch
 
-from .base import Allocator, register_allocator
+from .base import Allocator, check_budget, register_allocator
 
 
 def uniform_budgets(b: int, avail: int, shape=(1,), device="cpu") -> torch.Tensor:
     """int32 budgets of ``shape``, all ``min(b, avail)`` (and >= 0)."""
+    check_budget(b, avail)
     return torch.full(tuple(shape), max(min(b, avail), 0), dtype=torch.int32, device=device)
 
 

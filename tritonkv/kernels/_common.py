@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -39,6 +40,30 @@ def check_kv_tensor(name: str, t, *, ndim: int = 4) -> None:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def check_int(name: str, v, lo: int = 0) -> int:
+    """``v`` as an int: a TypeError naming ``name`` unless it is an integer (bools are not), a
+    ValueError when it is below ``lo``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v}")
+    return int(v)
+
+
+def check_device(name: str, t: torch.Tensor, device, of: str, *, cpu_ok: bool = False) -> None:
+    """A ValueError naming ``name`` unless ``t`` is on ``device`` (the device of ``of``). With
+    ``cpu_ok`` a CPU tensor is accepted too (the caller copies it over)."""
+    device = torch.device(device)
+    if t.device != device and not (cpu_ok and t.device.type == "cpu"):
+        raise ValueError(f"{name} must be on the device of {of} ({device}), got {t.device}")
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """True when ``t``'s values can be checked without a device read-back: a plain CPU tensor
+    outside torch.compile/export tracing (elsewhere launchers never read values)."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def row_major(t: torch.Tensor) -> torch.Tensor:

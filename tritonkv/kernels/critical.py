@@ -49,7 +49,8 @@ def _value_norm_kernel(v_ptr, w_ptr, out_ptr, H, G, N, D, DM, svb, svh, svn, swm
                 p = tl.dot(v, w)
             else:
                 p = tl.dot(v, w.to(tl.float32), input_precision="ieee")
-            acc += tl.sum(tl.abs(p), 1)
+            # padded W_O rows are zeros: an infinite value times 0 is NaN there, so mask them out
+            acc += tl.sum(tl.where((rows < DM)[None, :], tl.abs(p), 0.0), 1)
     tl.store(out_ptr + r * N + offs, acc / G, mask=nmask)
 
 

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, triton_op
+from ._common import INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, on_host, triton_op
 
 LOG2E = 1.4426950408889634
 
@@ -219,6 +219,11 @@ def _lengths_tensor(lengths, B: int, H: int, cap: int, device) -> torch.Tensor:
         lengths = lengths.reshape(B, 1).expand(B, H)
     elif lengths.numel() != B * H:
         raise ValueError(f"lengths must have shape [B]={B}, [B, H_kv]=({B}, {H}) or [B*H_kv], got {tuple(lengths.shape)}")
+    check_device("lengths", lengths, device, "q", cpu_ok=True)
+    if on_host(lengths) and lengths.numel() and not bool(((lengths >= 0) & (lengths <= cap)).all()):
+        raise ValueError(f"lengths must lie in [0, cap = {cap}], got min {int(lengths.min())}, "
+                         f"max {int(lengths.max())}")
+    # values on the device are never read back: they are clamped to [0, cap]
     return lengths.reshape(B * H).to(device=device, dtype=torch.int32).clamp(0, cap).contiguous()
 
 
@@ -238,9 +243,9 @@ def decode_attention(q: torch.Tensor, kv, lengths: Optional[torch.Tensor] = None
 
     Returns ``out [B, H_q, 1, D]`` in q's dtype (zeros for rows of length 0), and the LSE if asked.
     """
-    if hasattr(kv, "row_start"):  # RaggedKV
-        return decode_attention_ragged(q, kv.keys, kv.values, kv.row_start, kv.length, kv.num_heads,
-                                       kv.max_capacity, scale=scale, split_tokens=split_tokens, return_lse=return_lse)
+    if hasattr(kv, "row_start"):  # RaggedKV: it keeps its layout invariants (RaggedKV.check) itself
+        return _ragged(q, kv.keys, kv.values, kv.row_start, kv.length, kv.num_heads, kv.max_capacity, scale,
+                       split_tokens, return_lse, clamp=False)
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise TypeError("kv must be a RaggedKV or a (keys, values) pair of [B, H_kv, cap, D] tensors")
     keys, values = kv
@@ -264,7 +269,20 @@ def decode_attention_ragged(q, keys, values, row_start, lengths, num_kv_heads: i
                             return_lse: bool = False):
     """Decode attention over flat ragged rows: ``keys/values [T, D]``, row ``r = b·H_kv + h`` at
     ``[row_start[r], row_start[r] + lengths[r])``. ``max_capacity`` (static int) must bound every
-    row's length: it fixes the split count without reading ``lengths``."""
+    row's length: it fixes the split count without reading ``lengths``.
+
+    Memory safety: ``row_start``/``lengths`` are checked on the host when they are there
+    (``0 <= lengths <= max_capacity``, rows inside ``keys``); on the device they are clamped (rows
+    start in ``[0, T]``, lengths in ``[0, min(max_capacity, T - start)]``), so no value makes the
+    kernel read outside ``keys``/``values``."""
+    return _ragged(q, keys, values, row_start, lengths, num_kv_heads, max_capacity, scale, split_tokens, return_lse,
+                   clamp=True)
+
+
+def _ragged(q, keys, values, row_start, lengths, num_kv_heads, max_capacity, scale, split_tokens, return_lse, *,
+            clamp: bool):
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
+    max_capacity = check_int("max_capacity", max_capacity)
     check_kv_tensor("keys", keys, ndim=2)
     check_kv_tensor("values", values, ndim=2)
     if values.shape != keys.shape:
@@ -273,14 +291,28 @@ def decode_attention_ragged(q, keys, values, row_start, lengths, num_kv_heads: i
     _check_q(q, D, num_kv_heads, None)
     _check_dtypes(q, keys, values)
     R = q.shape[0] * num_kv_heads
-    if row_start.dtype != torch.int64 or row_start.numel() < R:
+    if not isinstance(row_start, torch.Tensor) or row_start.dtype != torch.int64 or row_start.numel() < R:
         raise ValueError(f"row_start must be an int64 tensor with at least R = B*H_kv = {R} entries")
-    if lengths.numel() != R or lengths.dtype != torch.int32:
+    if not isinstance(lengths, torch.Tensor) or lengths.numel() != R or lengths.dtype != torch.int32:
         raise ValueError(f"lengths must be an int32 tensor of R = B*H_kv = {R} entries, got "
-                         f"{lengths.dtype} {tuple(lengths.shape)}")
-    split, block_n, S = plan(int(max_capacity), keys.shape[0], split_tokens, D)
-    out, lse = decode_attention_op(_unit_stride(q), _unit_stride(keys), _unit_stride(values), row_start.contiguous(),
-                                   lengths.reshape(R).contiguous(), _scale(scale, D), num_kv_heads, S, split, block_n)
+                         f"{getattr(lengths, 'dtype', type(lengths).__name__)} {tuple(getattr(lengths, 'shape', ()))}")
+    check_device("row_start", row_start, q.device, "q")
+    check_device("lengths", lengths, q.device, "q")
+    T = keys.shape[0]
+    start, lengths = row_start.reshape(-1)[:R], lengths.reshape(R)
+    if clamp:
+        if on_host(lengths) and on_host(row_start) and R:
+            if not bool(((lengths >= 0) & (lengths <= max_capacity)).all()):
+                raise ValueError(f"lengths must lie in [0, max_capacity = {max_capacity}], got min "
+                                 f"{int(lengths.min())}, max {int(lengths.max())}")
+            if not bool(((start >= 0) & (start + lengths <= T)).all()):
+                raise ValueError(f"row_start: every row [row_start, row_start + length) must lie inside the "
+                                 f"{T} stored tokens")
+        start = start.clamp(0, T)
+        lengths = torch.minimum(lengths.to(torch.int64).clamp(0, max_capacity), T - start).to(torch.int32)
+    split, block_n, S = plan(max_capacity, T, split_tokens, D)
+    out, lse = decode_attention_op(_unit_stride(q), _unit_stride(keys), _unit_stride(values), start.contiguous(),
+                                   lengths.contiguous(), _scale(scale, D), num_kv_heads, S, split, block_n)
     return (out, lse) if return_lse else out
 
 
@@ -296,6 +328,8 @@ def _scale(scale, D: int) -> float:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if not 0 < scale < math.inf:
+        raise ValueError(f"scale must be a positive finite float (the softmax scale), got {scale!r}")
     return float(scale)
 
 

@@ -65,7 +65,8 @@ def _keydiff_score_kernel(k_ptr, part_ptr, out_ptr, H, skb, skh, skn, N, D, C,
         dot = tl.sum(k * a[None, :], 1)
         k_norm = tl.sqrt_rn(tl.sum(k * k, 1))
         s = 0.0 - dot / tl.maximum(a_norm * k_norm, 1e-8)  # 0.0 - x: a zero key scores +0
-        s = tl.minimum(tl.maximum(s, -1.0), 1.0)
+        s = tl.minimum(tl.maximum(s, -1.0, propagate_nan=tl.PropagateNan.ALL), 1.0,
+                       propagate_nan=tl.PropagateNan.ALL)  # a NaN score stays NaN
         tl.store(out_ptr + r * N + offs, s, mask=mask)
 
 

@@ -58,8 +58,9 @@ def _lagkv_score_kernel(k_ptr, v_ptr, out_ptr, tmp_ptr, H, skb, skh, skn, svb, s
         m = m2[:, :, None]
         zz = tl.join(tl.load(krow + pos * skn + d2, mask=m2, other=0.0).to(tl.float32),
                      tl.load(vrow + pos * svn + d2, mask=m2, other=0.0).to(tl.float32))
-        lo = tl.minimum(lo, tl.min(tl.where(m, zz, float("inf")), 0))
-        hi = tl.maximum(hi, tl.max(tl.where(m, zz, float("-inf")), 0))
+        nan = tl.sum(tl.where(m & (zz != zz), zz, 0.0), 0)  # NaN where a channel holds one
+        lo = tl.minimum(lo, tl.min(tl.where(m, zz, float("inf")), 0) + nan, propagate_nan=tl.PropagateNan.ALL)
+        hi = tl.maximum(hi, tl.max(tl.where(m, zz, float("-inf")), 0) + nan, propagate_nan=tl.PropagateNan.ALL)
 
     for q in range(j_lo, j_hi):
         start = sink + (j_hi - 1 - (q - j_lo)) * lag  # the run is walked from its last partition down
@@ -79,8 +80,9 @@ def _lagkv_score_kernel(k_ptr, v_ptr, out_ptr, tmp_ptr, H, skb, skh, skn, svb, s
             dev = tl.where(m, zn - (tl.sum(zn, 1) / D)[:, None, :], 0.0)
             sd = tl.sqrt(tl.sum(dev * dev, 1) / (D - 1))  # [BLOCK_T, 2]
             tl.store(sd_row + start + t0 + t2, sd, mask=((t0 + t2) < lag) & (z2 < 2))
-            lo = tl.minimum(lo, tl.min(tl.where(m, zz, float("inf")), 0))
-            hi = tl.maximum(hi, tl.max(tl.where(m, zz, float("-inf")), 0))
+            nan = tl.sum(tl.where(m & (zz != zz), zz, 0.0), 0)
+            lo = tl.minimum(lo, tl.min(tl.where(m, zz, float("inf")), 0) + nan, propagate_nan=tl.PropagateNan.ALL)
+            hi = tl.maximum(hi, tl.max(tl.where(m, zz, float("-inf")), 0) + nan, propagate_nan=tl.PropagateNan.ALL)
         tl.debug_barrier()
         # Eqs. 8-9: softmax over the partition's tokens of each std, then K score + V score
         sd = tl.load(sd_row + start + ll[:, None], mask=lmask[:, None] & (z2 < 2), other=float("-inf"))
@@ -89,6 +91,7 @@ def _lagkv_score_kernel(k_ptr, v_ptr, out_ptr, tmp_ptr, H, skb, skh, skn, svb, s
         tl.debug_barrier()
         if RANK:
             # rank rho_i = #{j: s_j < s_i} + #{j > i: s_j == s_i}
+            s = tl.where(s != s, float("-inf"), s)  # NaN ranks lowest (ties: the lower index ranks higher)
             tl.store(trow + start + ll, s, mask=lmask)
             tl.debug_barrier()
             rank = tl.zeros([BLOCK_L], dtype=tl.int32)

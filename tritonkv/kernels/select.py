@@ -21,13 +21,14 @@ split over many programs:
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, launch, next_pow2, triton_op
+from ._common import INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, triton_op
 
 NB = 2048  # bins per radix pass (digits of 11, 11 and 10 bits)
 
@@ -237,30 +238,61 @@ class Out(NamedTuple):
 
 
 def budget_tensor(budget, rows: int, device) -> torch.Tensor:
-    """An int32 ``[rows]`` device tensor from an int or a tensor of ``rows`` entries."""
+    """An int32 ``[rows]`` device tensor from an int >= 0 or an integer tensor of ``rows`` entries
+    (on ``device``, or on the CPU: then it is copied over). Tensor values are never read: negative
+    budgets keep nothing."""
     if isinstance(budget, torch.Tensor):
         if budget.numel() != rows:
             raise ValueError(f"budgets must have {rows} entries (one per batch row and KV head), got shape {tuple(budget.shape)}")
-        if budget.dtype.is_floating_point or budget.dtype == torch.bool:
+        if budget.dtype.is_floating_point or budget.dtype.is_complex or budget.dtype == torch.bool:
             raise TypeError(f"budgets must be an integer tensor, got {budget.dtype}")
+        check_device("budgets", budget, device, "scores", cpu_ok=True)
         return budget.reshape(rows).to(device=device, dtype=torch.int32).contiguous()
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise TypeError(f"budget must be an int or an int tensor, got {type(budget).__name__}")
+    check_int("budget", budget)
     return torch.full((rows,), budget, dtype=torch.int32, device=device)
+
+
+def check_protected(budget, n: int, k_max: int, sink: int, window: int) -> None:
+    """Static check that an int ``budget`` holds the protected tokens (the first ``sink`` and the last
+    ``window`` of a row of ``n``). Tensor budgets are never read on the host: a row whose budget is
+    below its protected count keeps its first ``budget`` protected tokens."""
+    check_int("sink", sink)
+    check_int("window", window)
+    check_int("k_max", k_max)
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        if min(sink + window, n) > min(check_int("budget", budget), n, k_max):
+            raise ValueError(f"budget {budget} (k_max {k_max}) is smaller than the protected tokens "
+                             f"(sink {sink} + window {window}) of a row of {n}")
 
 
 def _scores_2d(scores: torch.Tensor) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor) or scores.dim() not in (2, 3):
         raise ValueError("scores must be a [R, N] or [B, H, N] tensor")
-    return scores.reshape(-1, scores.shape[-1]).to(torch.float32).contiguous()
+    if not scores.dtype.is_floating_point:
+        raise TypeError(f"scores must be a float tensor (higher = keep), got {scores.dtype}")
+    rows = scores.numel() // scores.shape[-1] if scores.shape[-1] else math.prod(scores.shape[:-1])  # N = 0 too
+    return scores.reshape(rows, scores.shape[-1]).to(torch.float32).contiguous()
 
 
 def _forced_2d(forced, shape, device) -> torch.Tensor:
     if forced is None:
         return torch.empty(0, dtype=torch.uint8, device=device)
+    if not isinstance(forced, torch.Tensor) or forced.dtype.is_floating_point or forced.dtype.is_complex:
+        raise TypeError(f"forced must be a bool (or integer) tensor shaped like scores, got "
+                        f"{getattr(forced, 'dtype', type(forced).__name__)}")
     if forced.numel() != shape[0] * shape[1]:
         raise ValueError(f"forced must have the shape of scores {tuple(shape)}, got {tuple(forced.shape)}")
-    return forced.reshape(shape).to(torch.uint8).contiguous()
+    check_device("forced", forced, device, "scores", cpu_ok=True)
+    return forced.reshape(shape).to(device=device, dtype=torch.uint8).contiguous()
+
+
+def _static_args(k_max, chunk) -> int:
+    """Checked ``k_max`` (int >= 0) and ``chunk`` (None or an int >= 0; 0 = automatic)."""
+    if chunk is not None:
+        check_int("chunk", chunk)
+    return check_int("k_max", k_max)
 
 
 def _empty(device, dtype=torch.float32):
@@ -274,7 +306,8 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
     s = _scores_2d(scores)
     R, N = s.shape
     dev = s.device
-    k_max = max(int(k_max), 0)
+    k_max = _static_args(k_max, chunk)
+    check_protected(budgets, N, k_max, sink, window)
     b = budget_tensor(budgets, R, dev)
     idx = torch.full((R * k_max,), -1, dtype=torch.int64, device=dev)
     lengths = torch.empty(R, dtype=torch.int32, device=dev)
@@ -308,15 +341,23 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
     int32 [B,H])``; rows kept shorter than ``k_max`` are zero-padded (indices -1). With ``out``:
     writes row r at ``out.start[r]`` of the flattened ``out`` tensors and returns ``out``.
     """
+    check_kv_tensor("keys", keys)
+    check_kv_tensor("values", values)
     B, H, N, D = keys.shape
     if values.shape != keys.shape:
         raise ValueError(f"values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
+    if values.dtype != keys.dtype:
+        raise TypeError(f"values must have the dtype of keys ({keys.dtype}), got {values.dtype}")
+    dev = keys.device
+    check_device("values", values, dev, "keys")
     s = _scores_2d(scores)
     R = B * H
     if s.shape != (R, N):
         raise ValueError(f"scores must be [B, H_kv, N] = {(B, H, N)}, got {tuple(scores.shape)}")
-    dev = keys.device
-    k_max = max(min(int(k_max), N), 0)
+    check_device("scores", scores, dev, "keys")
+    k_max = _static_args(k_max, chunk)
+    check_protected(budgets, N, k_max, sink, window)
+    k_max = min(k_max, N)
     b = budget_tensor(budgets, R, dev)
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()

@@ -114,7 +114,9 @@ def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb
                 safe = tl.where(new == float("-inf"), 0.0, new)
                 tot = tot * tl.exp(mx - safe) + tl.sum(tl.exp(s - safe[:, None]), 1)
                 mx = new
-            part = tl.where(tot > 0, mx + tl.log(tl.where(tot > 0, tot, 1.0)), float("-inf"))
+            # no visible key: -inf; a NaN logit (or +inf, giving inf - inf) makes tot and the LSE NaN
+            part = tl.where(tot > 0, mx + tl.log(tl.where(tot > 0, tot, 1.0)),
+                            tl.where(tot == tot, float("-inf"), tot))
             tl.store(part_ptr + ((r * C + c) * G + g) * W + i, part, mask=(g < G) & (i < W))
 
 
@@ -152,8 +154,10 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                 vis = valid[:, None] & (j[None, :] <= pos[:, None])
                 p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))
                 hs += tl.sum(tl.reshape(p, [GB, BW, BLOCK_N]), 1)
-            if GROUP_MAX:
-                acc = tl.maximum(acc, tl.max(hs, 0))  # padded heads add zeros; u >= 0
+            if GROUP_MAX:  # padded heads add zeros; u >= 0. tl.max skips NaN: a NaN head makes the max NaN
+                hsum = tl.sum(hs, 0)
+                acc = tl.maximum(acc, tl.where(hsum == hsum, tl.max(hs, 0), hsum),
+                                 propagate_nan=tl.PropagateNan.ALL)
             else:
                 acc += tl.sum(hs, 0)
         tl.store(u_ptr + r * N + j, acc * out_scale, mask=j < N)
@@ -190,7 +194,7 @@ def _window_pool_kernel(u_ptr, out_ptr, H, N, n_pool, KSIZE: tl.constexpr, POOL_
             m = (jj >= 0) & (jj < n_pool)
             v = _head_value(u_ptr, r, jj, m, H, N, LAYER)
             if POOL_MAX:
-                acc = tl.maximum(acc, tl.where(m, v, float("-inf")))
+                acc = tl.maximum(acc, tl.where(m, v, float("-inf")), propagate_nan=tl.PropagateNan.ALL)
             else:
                 acc += v  # padding counts as zero
         if not POOL_MAX:

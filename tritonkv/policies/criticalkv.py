@@ -69,6 +69,10 @@ class CriticalKV(Policy):
 
     Needs the base's inputs plus ``o_proj`` (W_O ``[D_model, H_q·d]``, nn.Linear layout, or the
     module). Protected tokens are the base's (``sink``/``window`` mirror it and are not settable).
+
+    Non-finite inputs: base scores behave as the base policy's (NaN ranks lowest in both stages);
+    ‖v W_O‖₁ is NaN for a value holding NaN (the token ranks lowest in stage 2) and +inf for one
+    holding ±inf (stage 2 takes it first, unless its base score is NaN).
     """
 
     name: ClassVar[str] = "criticalkv"

@@ -23,6 +23,10 @@ class KeyDiff(Policy):
       ⌊window_share·k⌋ tokens of a budget of k (the paper uses 0.1 and 0.2), or ``window`` protects
       a fixed number; set at most one of them. ``sink`` (default 0) protects the first tokens.
       Protection changes only the selection: the anchor still spans every token.
+
+    Non-finite keys: the anchor is a mean over the row, so a NaN or ±inf in any key of a row makes
+    every score of that row NaN (kernel and oracle alike). All of them then rank equally lowest:
+    the row keeps its protected tokens and then its first tokens by index. Other rows are unaffected.
     """
 
     name: ClassVar[str] = "keydiff"

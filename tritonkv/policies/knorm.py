@@ -17,7 +17,10 @@ class Knorm(Policy):
     """Knorm: score ``−‖k_i‖₂`` (fp32). No sink and no window by default; both are accepted.
 
     Devoto et al. leave the first two layers uncompressed; that is a per-layer decision for the
-    caller (compress only the layers you want), not a setting of the score."""
+    caller (compress only the layers you want), not a setting of the score.
+
+    Non-finite keys: a key holding NaN scores NaN, one holding ±inf scores −inf; both rank lowest
+    (evicted first; among equal scores the lower index is kept). Values are copied, never read."""
 
     name: ClassVar[str] = "knorm"
 

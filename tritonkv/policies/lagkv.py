@@ -31,7 +31,15 @@ from .base import Policy, register_policy
 @register_policy
 @dataclasses.dataclass
 class LagKV(Policy):
-    """LagKV: sink S, lag L, keep ratio r (paper mode), raw cross-partition scores with ``cross_scoring``."""
+    """LagKV: sink S, lag L, keep ratio r (paper mode), raw cross-partition scores with ``cross_scoring``.
+
+    Non-finite keys/values follow IEEE arithmetic through Eqs. 5–9 exactly as the NumPy oracle does
+    (the min/max propagate NaN): a NaN or ±inf in a token usually makes the scores of its whole
+    partition NaN (the softmax normaliser) and can do so for the previous partition (it is that
+    partition's min/max reference). NaN scores rank lowest *within their partition* (the lower
+    index first among equals), so budget mode still takes every scored partition's quota and a
+    partition of NaN scores keeps its first tokens; sinks and tail are kept whatever they hold.
+    """
 
     name: ClassVar[str] = "lagkv"
 

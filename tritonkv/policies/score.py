@@ -29,6 +29,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels import select as _select
+from ..kernels._common import check_device
 from .base import Policy, register_policy
 from .criticalkv import _check_fraction, check_base, row_budgets
 
@@ -58,6 +59,7 @@ def head_distinctness(hd, batch: int, heads: int, device) -> torch.Tensor:
             raise TypeError(f"hd must be a float tensor [H_kv] or [B, H_kv], got {type(hd).__name__}") from None
     if hd.dtype == torch.bool or hd.is_complex():
         raise TypeError(f"hd must be a real float tensor, got {hd.dtype}")
+    check_device("hd", hd, device, "keys", cpu_ok=True)
     if tuple(hd.shape) not in ((heads,), (batch, heads)):
         raise ValueError(f"hd must have shape [H_kv] = [{heads}] or [B, H_kv] = [{batch}, {heads}], "
                          f"got {tuple(hd.shape)}")
@@ -84,6 +86,7 @@ class ScoreSelect(Policy):
     ``alpha`` is the penalty strength α (≥ 0), ``mode`` ``"parallel"`` (r counts the other heads'
     unpenalised picks) or ``"sequential"`` (greedy in descending HD). Needs the base's inputs plus
     ``hd``. Protected tokens are the base's (``sink``/``window`` mirror it and are not settable).
+    Non-finite base scores stay as they are under the penalty (a factor in (0, 1]): NaN ranks lowest.
     """
 
     name: ClassVar[str] = "score"

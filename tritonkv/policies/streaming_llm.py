@@ -16,7 +16,8 @@ from .base import Policy, register_policy
 @dataclasses.dataclass
 class StreamingLLM(Policy):
     """StreamingLLM: ``sink`` first tokens (default 4) plus a recent window of ``budget − sink``.
-    The window follows the budget, so ``window`` must stay 0."""
+    The window follows the budget, so ``window`` must stay 0. Nothing is read but the shapes, so
+    non-finite keys/values change nothing (they are copied as they are)."""
 
     name: ClassVar[str] = "streaming_llm"
 
