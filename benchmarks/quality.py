@@ -481,7 +481,7 @@ def claims(data: dict) -> List[dict]:
                           "(same base policy)",
                     status=("reproduced" if ok else "not reproduced") if measured else "not measured",
                     evidence="; ".join(ev) + ("" if any("surfacelogic" in e for e in ev) else
-                                              "; SurfaceLogicKV: not measured (no shipped INF profile)")))
+                                              "; SurfaceLogicKV: not in this run")))
     return out
 
 
