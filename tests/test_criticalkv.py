@@ -1,6 +1,4 @@
 """CriticalKV: projected-value norm kernel and two-stage selection, against the NumPy oracle."""
-import dataclasses
-from typing import ClassVar, Optional
 
 import numpy as np
 import pytest
@@ -12,28 +10,11 @@ from aot import assert_compiles
 from reference import criticalkv as ref
 from tritonkv.kernels import select as ksel
 from tritonkv.kernels.critical import value_norms
-from tritonkv.policies.base import Policy
 from tritonkv.policies.criticalkv import CriticalKV
+from helpers import GivenScores, SignedScores  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REL = 1e-5  # fp32 norms differ from the float64 oracle by ~1e-6 (reduction order)
-
-
-@dataclasses.dataclass
-class GivenScores(Policy):
-    """Test-only base (not registered): returns the scores it holds."""
-
-    name: ClassVar[str] = "test_given_scores"
-    nonnegative: ClassVar[bool] = True
-    scores: Optional[torch.Tensor] = None
-
-    def score(self, keys, values, **inputs):
-        return self.scores
-
-
-@dataclasses.dataclass
-class SignedScores(GivenScores):
-    nonnegative: ClassVar[bool] = False
 
 
 @st.composite

@@ -1,6 +1,4 @@
 """SCORE redundancy-penalised selection (parallel and sequential) against the NumPy oracle."""
-import dataclasses
-from typing import ClassVar, Optional
 
 import numpy as np
 import pytest
@@ -10,28 +8,11 @@ from hypothesis import given, settings, strategies as st
 import tritonkv
 from reference import score as ref
 from tritonkv.kernels import select as ksel
-from tritonkv.policies.base import Policy
 from tritonkv.policies.score import ScoreSelect, _sequential_order
+from helpers import GivenScores, SignedScores  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REL = 1e-5  # Ã in fp32 vs the float64 oracle
-
-
-@dataclasses.dataclass
-class GivenScores(Policy):
-    """Test-only base (not registered): returns the scores it holds."""
-
-    name: ClassVar[str] = "test_given_scores"
-    nonnegative: ClassVar[bool] = True
-    scores: Optional[torch.Tensor] = None
-
-    def score(self, keys, values, **inputs):
-        return self.scores
-
-
-@dataclasses.dataclass
-class SignedScores(GivenScores):
-    nonnegative: ClassVar[bool] = False
 
 
 @st.composite
