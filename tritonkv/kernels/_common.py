@@ -6,10 +6,18 @@
 * ``triton_op`` / ``launch``: every launcher is registered with ``torch.library.triton_op`` and
   calls its kernels through ``wrap_triton`` so ``torch.compile(fullgraph=True)`` and
   ``torch.export`` see through it (``shared/notes/kernels.md`` §6).
+* ``use_triton`` / ``cpu_kernels``: one op, two devices. Every op body starts with
+  ``if not use_triton(x): return <vectorised PyTorch body>``: CUDA tensors run the Triton kernels,
+  CPU tensors the PyTorch body — unless the Triton interpreter is on (``TRITON_INTERPRET=1``), where
+  CPU tensors run the Triton kernels (that is how the kernel tests check them). The branch sits in
+  the op body itself, so torch.compile (which decomposes a ``triton_op`` into its body) and
+  torch.export see one op on either device. ``cpu_kernels("torch"|"triton")`` overrides the choice
+  for the CPU (a context manager; ``TRITONKV_CPU_KERNELS`` sets the default).
 * ``TORCH_TO_TL``: the pointer type names used by ahead-of-time compile tests.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import os
 
@@ -18,6 +26,40 @@ import triton
 from torch.library import triton_op, wrap_triton  # noqa: F401  (re-exported)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_CPU_CHOICES = ("torch", "triton")
+_cpu = [os.environ.get("TRITONKV_CPU_KERNELS") or ("triton" if INTERPRET else "torch")]
+if _cpu[0] not in _CPU_CHOICES:
+    raise ValueError(f"TRITONKV_CPU_KERNELS must be one of {_CPU_CHOICES}, got {_cpu[0]!r}")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op on ``t``'s device runs its Triton kernels (True) or its PyTorch body (False).
+
+    CUDA: Triton. CPU (and meta): the PyTorch body, or the Triton kernels under the interpreter (see
+    ``cpu_kernels``). Any other device: a ValueError naming it."""
+    kind = t.device.type
+    if kind == "cuda":
+        return True
+    if kind in ("cpu", "meta"):
+        return _cpu[0] == "triton" and kind == "cpu"
+    raise ValueError(f"tritonkv runs on CUDA devices (Triton kernels) and on the CPU (PyTorch); "
+                     f"got a tensor on {t.device}. Move the cache to 'cuda' or 'cpu'.")
+
+
+@contextlib.contextmanager
+def cpu_kernels(kind: str):
+    """Run CPU tensors through the PyTorch bodies (``"torch"``) or the Triton kernels (``"triton"``,
+    which needs ``TRITON_INTERPRET=1`` set before tritonkv is imported) inside the block."""
+    if kind not in _CPU_CHOICES:
+        raise ValueError(f"kind must be one of {_CPU_CHOICES}, got {kind!r}")
+    if kind == "triton" and not INTERPRET:
+        raise ValueError("cpu_kernels('triton') needs TRITON_INTERPRET=1 set before tritonkv is imported")
+    old, _cpu[0] = _cpu[0], kind
+    try:
+        yield
+    finally:
+        _cpu[0] = old
 
 TORCH_TO_TL = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 FLOAT_DTYPES = tuple(TORCH_TO_TL)
