@@ -71,12 +71,15 @@ class Policy:
         raise NotImplementedError
 
     # -- selection -----------------------------------------------------------------------------
-    def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None, **inputs):
-        """Kept K/V through the shared kernel. ``budgets`` int32 ``[B*H_kv]`` on the device.
+    def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None, forced=None,
+               **inputs):
+        """Kept K/V through the shared kernel. ``budgets`` int32 ``[B*H_kv]`` on the device; ``forced``
+        (optional bool ``[B, H_kv, N]``) marks more tokens kept like protected ones (inside the budget).
 
         Returns ``select.select_kv``'s tuple, or writes into ``out`` (a ``select.Out``) when given.
         """
-        return _select.select_kv(scores, budgets, keys, values, k_max, sink=sink, window=window, out=out)
+        return _select.select_kv(scores, budgets, keys, values, k_max, sink=sink, window=window, forced=forced,
+                                 out=out)
 
     def missing(self, inputs: dict) -> list[str]:
         return [n for n in self.needs if inputs.get(n) is None]

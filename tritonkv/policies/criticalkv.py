@@ -109,13 +109,15 @@ class CriticalKV(Policy):
         return (protected + torch.floor(sel * self.alpha + 1e-6)).to(torch.int32)
 
     def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None,
-               o_proj=None, **inputs):
+               forced=None, o_proj=None, **inputs):
         """Two-stage selection through the shared kernel (see the module docstring)."""
         if o_proj is None:
             raise ValueError("criticalkv needs the input o_proj: the output projection weight W_O "
                              "[D_model, H_q * D] (nn.Linear layout)")
         b = row_budgets(budgets, scores, k_max)
         s = scores.to(torch.float32)
-        stage1 = _select.select_mask(s, self.stage1_budgets(b, sink + window), sink=sink, window=window)
+        # ``forced`` tokens count as protected in both stages
+        stage1 = _select.select_mask(s, self.stage1_budgets(b, sink + window), sink=sink, window=window,
+                                     forced=forced)
         s2 = (s + self.eps) * value_norms(values, o_proj)
         return _select.select_kv(s2, budgets, keys, values, k_max, sink=sink, window=window, forced=stage1, out=out)

@@ -138,9 +138,11 @@ class ScoreSelect(Policy):
             taken += _select.select_mask(row, b.gather(1, h)[:, 0], sink=sink, window=window).to(torch.float32)
         return out
 
-    def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None, hd=None,
-               **inputs):
-        """Penalised selection through the shared kernel (see the module docstring)."""
+    def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None, forced=None,
+               hd=None, **inputs):
+        """Penalised selection through the shared kernel (see the module docstring); ``forced`` tokens are
+        kept like protected ones in the final selection (the penalty does not see them)."""
         B, H, N = keys.shape[:3]
         pen = self.penalised(scores.reshape(B, H, N), budgets, hd, sink=sink, window=window, k_max=k_max)
-        return _select.select_kv(pen, budgets, keys, values, k_max, sink=sink, window=window, out=out)
+        return _select.select_kv(pen, budgets, keys, values, k_max, sink=sink, window=window, forced=forced,
+                                 out=out)
