@@ -14,12 +14,16 @@
   torch.export see one op on either device. ``cpu_kernels("torch"|"triton")`` overrides the choice
   for the CPU (a context manager; ``TRITONKV_CPU_KERNELS`` sets the default).
 * ``TORCH_TO_TL``: the pointer type names used by ahead-of-time compile tests.
+* ``record_launches``: log the kernel launches made through ``launch`` (name, grid, constexprs,
+  launch options, bound arguments), optionally without running them (``benchmarks/kernel_stats.py``).
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import numbers
 import os
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -71,7 +75,72 @@ def next_pow2(n: int) -> int:
 
 def launch(kernel, grid, *args, **kwargs):
     """Launch a ``@triton.jit`` kernel through ``wrap_triton`` (traceable by torch.compile)."""
+    if _recording is not None and not torch.compiler.is_compiling() and _eager(args, kwargs):
+        _recording.append(_launch_record(kernel, grid, args, kwargs))
+        if not _recording.execute:
+            return None
     return wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+def _eager(args, kwargs) -> bool:
+    """No tracing tensor (fake, functional, proxy) among the arguments: a real launch."""
+    return all(type(a) is torch.Tensor for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+
+
+class Launch(NamedTuple):
+    """One logged launch: ``name`` (the kernel's function name), ``grid``, ``constexprs`` (every
+    constexpr parameter's value), ``options`` (launch options such as ``num_warps``), ``kernel``
+    (the ``@triton.jit`` object) and ``args`` (the other parameters by name: tensors, ints, floats)."""
+
+    name: str
+    grid: tuple
+    constexprs: dict
+    options: dict
+    kernel: object
+    args: dict
+
+
+class _Recording(list):
+    execute = True
+
+
+_recording: Optional[_Recording] = None  # the active log of record_launches(); None: not recording
+
+
+def _launch_record(kernel, grid, args, kwargs) -> Launch:
+    fn = getattr(kernel, "fn", kernel)
+    sig = inspect.signature(fn)
+    params = sig.parameters
+    bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+    bound.apply_defaults()
+    const = {p.name for p in getattr(kernel, "params", ()) if p.is_constexpr} or \
+        {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+    return Launch(fn.__name__, tuple(grid) if not callable(grid) else grid,
+                  {n: v for n, v in bound.arguments.items() if n in const},
+                  {k: v for k, v in kwargs.items() if k not in params}, kernel,
+                  {n: v for n, v in bound.arguments.items() if n not in const})
+
+
+@contextlib.contextmanager
+def record_launches(execute: bool = True):
+    """Log every launch made through ``launch`` inside the block; yields the list of ``Launch``es.
+
+    With ``execute=False`` the kernels are not run (a dry run: outputs stay unwritten, so only code
+    whose control flow and shapes do not depend on kernel outputs gives the launches of a real
+    run). Off (the default) it costs one global check per launch. Launches traced by
+    ``torch.compile``/``torch.export`` (``torch.compiler.is_compiling()``, or fake/functional
+    tensor arguments) are neither logged nor skipped. The log holds references to
+    the argument tensors until it is dropped. Not thread-safe; blocks do not nest."""
+    global _recording
+    if _recording is not None:
+        raise RuntimeError("record_launches() blocks do not nest")
+    log = _Recording()
+    log.execute = bool(execute)
+    _recording = log
+    try:
+        yield log
+    finally:
+        _recording = None
 
 
 def check_kv_tensor(name: str, t, *, ndim: int = 4) -> None:
