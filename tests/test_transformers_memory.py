@@ -1,0 +1,133 @@
+"""Memory inside a model (tritonkv/integrations/transformers): no attention call on the prompt path builds an
+``H·T·S`` tensor, a layer holds what it keeps (kept tokens + the stated slack, uniform and per-head budgets
+alike), per-head budgets stay ragged through decoding, and float budgets are a fraction of the tokens seen.
+On a small random Llama (2 layers, 8 query / 2 KV heads, head_dim 32); no download."""
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tritonkv.integrations import transformers as tt
+
+H_KV, D = 2, 32
+
+
+def _model(layers=2):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=H_KV, head_dim=D, max_position_embeddings=40000)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+def _ids(n, seed=0, batch=1):
+    return torch.randint(0, 256, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest allocation (in elements of its dtype) that any aten op makes: the storage of an output
+    that is not a view of an input."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                n = t.untyped_storage().nbytes() // t.element_size()
+                if n > self.largest:
+                    self.largest, self.op = n, str(func)
+        return out
+
+
+@pytest.mark.parametrize("mode,padded", [("after_prefill", False), ("after_prefill", True), ("blockwise", False),
+                                         ("blockwise", True)])
+def test_prompt_path_builds_no_HTS_tensor(model, mode, padded):
+    """A 2048-token prompt (T = S = 2048 in one forward, or blocks of 512 over the kept prefix), with and without a
+    left-padded row: no op on the prompt path — attention, masks, scoring, selection — allocates H_kv·T·S
+    elements (the old explicit mask alone was B·H_q·T·S)."""
+    T = 2048
+    ids = _ids(T, batch=2 if padded else 1)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :300] = 0
+    cache = tt.make_cache(model, "keydiff", 0.25, mode=mode, block_size=512)
+    with LargestTensor() as spy:
+        tt.prefill(model, ids, cache, attention_mask=mask)
+    assert spy.largest < H_KV * T * T, (spy.largest, spy.op)
+    assert cache.compressions == 2 * (1 if mode == "after_prefill" else T // 512)  # 0.25 of the tokens seen
+
+
+def _kv_bytes(cache):
+    """Bytes of the kept keys and values plus their positions: what the cache must hold."""
+    total = 0
+    for layer in cache.layers:
+        st = layer.store
+        pos_bytes = st.kv.positions.element_size() if st.ragged else st.pos.element_size()
+        total += int(layer.kept_tokens().sum()) * (2 * D * layer.dtype.itemsize + pos_bytes)
+    return total
+
+
+def test_after_prefill_holds_what_it_keeps(model):
+    """after_prefill at 4096 tokens, budget 0.1 (409 per head): each layer holds exactly 409 + slack_for(409) slots
+    (dense), and nbytes is that formula — not the 4096-slot high-water mark."""
+    n, k = 4096, math.floor(0.1 * 4096)
+    cache = tt.make_cache(model, "keydiff", 0.1, mode="after_prefill", prompt_length=n)
+    tt.prefill(model, _ids(n), cache)
+    cap = k + tt.slack_for(k)
+    per_layer = 1 * H_KV * cap * (2 * D * 4 + 4) + 2 * 8  # keys + values fp32, int32 positions, fill + seen
+    assert [layer.store.capacity for layer in cache.layers] == [cap] * 2
+    assert cache.nbytes == 2 * per_layer
+    assert [c.tolist() for c in cache.kept_tokens()] == [[[k] * H_KV]] * 2
+    assert cache.nbytes <= 1.1 * _kv_bytes(cache)
+
+
+def test_per_head_budgets_stay_ragged(model):
+    """AdaKV: a layer stores a RaggedKV whose flat storage is the kept tokens plus at most 31 slots per head (slack
+    16, rows aligned to 16): no padding back to the longest head. Decode steps append in place (the storage's
+    address does not move while slack lasts) and attend through the ragged decode attention, which equals plain
+    attention over the same kept tokens."""
+    n, k = 2048, 200
+    cache = tt.make_cache(model, "keydiff", k, allocation="adakv", mode="after_prefill")
+    logits = tt.prefill(model, _ids(n), cache)[:, -1]
+    kept = cache.kept_tokens()
+    assert all(int(c.sum()) == H_KV * k for c in kept)
+    assert any(len(set(c.flatten().tolist())) > 1 for c in kept)  # genuinely per-head
+    R, T_cap = H_KV, H_KV * k + H_KV * (16 + 15)  # the layer total + worst-case slack and alignment per row
+    for layer in cache.layers:
+        assert layer.store.ragged and layer.store.kv.keys.shape[0] == T_cap
+    # K, V fp32 and int64 positions per flat slot; row_start, length, next_position; fill and seen
+    assert cache.nbytes == 2 * (T_cap * (2 * D * 4 + 8) + (R + 1) * 8 + R * 4 + R * 8 + 2 * 8)
+    ptr = [layer.store.kv.keys.data_ptr() for layer in cache.layers]
+    tt.decode(model, cache, logits, 5)
+    assert [layer.store.kv.keys.data_ptr() for layer in cache.layers] == ptr
+    assert all(int(c.sum()) == H_KV * (k + 4) for c in cache.kept_tokens())
+    # the ragged decode path against masked attention over the padded view of the same rows
+    layer = cache.layers[0]
+    q = torch.randn(1, 8, 1, D, generator=torch.Generator().manual_seed(3))
+    got = layer.attend(q, None, None, D ** -0.5)
+    K, V, pos, _ = (*layer.store.to_dense().view(), None)
+    want = tt.masked_attention(q, K, V, pos, torch.tensor([layer.seen]), D ** -0.5, ordered=False)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["keydiff", "snapkv"])
+def test_blockwise_float_budget_is_a_fraction_of_tokens_seen(policy):
+    """Streaming 32,768 tokens block-wise at 0.1 with no prompt_length keeps floor(0.1 · 32768) = 3276 tokens per
+    head (not 10 % of the first block, compounded), and the layer never holds more than that + one block."""
+    model = _model(layers=1)
+    n, block = 32768, 1024
+    cache = tt.make_cache(model, policy, 0.1, mode="blockwise", block_size=block, record=True)
+    tt.prefill(model, _ids(n, seed=2), cache)
+    assert cache.kept_tokens()[0].tolist() == [[3276] * H_KV]
+    assert max(m for _, m in cache.trace) <= 3276 - 102 + block  # the bound before the last block: 0.1·31744 + block

@@ -1,0 +1,154 @@
+"""The ``"tritonkv"`` attention function: attention over a ``TritonKVCache`` layer in memory linear in T and S.
+
+transformers calls ``cache.update`` (which stores the new keys and remembers the layer in ``_ACTIVE``) and then
+the attention function registered in ``AttentionInterface``. Attention is by *position*, not slot: a query at
+sequence index i sees every stored token with index <= i (every kept token precedes the block being fed; the
+block itself is causal), never a pad or an empty slot. Three paths, none of which builds an ``[H, T, S]``
+tensor:
+
+- the prompt's first forward (no kept prefix, no padding): causal SDPA, ``is_causal=True`` with GQA — exactly
+  what the stock model runs;
+- a decode step over per-head (ragged) rows: the split-K decode kernel (``decode_attention``; Triton on CUDA,
+  its PyTorch body on the CPU); over dense rows on CUDA the same kernel;
+- a later prefill block over a kept prefix with no pads or gaps: ``block_attention``, SDPA over query chunks
+  with a lower-right causal ``[chunk, S]`` mask shared by every head (every kept token precedes the block);
+- padded rows, gaps of per-head rows, compiled steps: ``masked_attention``, the same by sequence position with a
+  per-head mask, its chunks kept under ``MASK_ELEMENTS`` elements;
+- a CPU decode step over a dense layer: SDPA with the G query heads of a KV head packed (``decode_sdpa``).
+
+After attending, the layer compresses when its schedule says so (``TritonKVLayer.after_attention``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .storage import SENTINEL
+
+ATTN_IMPLEMENTATION = "tritonkv"
+MASK_ELEMENTS = 1 << 21  # per query chunk: mask elements (8 MB as fp32)
+
+# (layer, keys returned by its last update): how the attention function finds its layer
+_ACTIVE: list = [None]
+
+
+def _chunk(T: int, per_query: int) -> int:
+    """Queries per chunk so that a chunk's mask holds at most ~``MASK_ELEMENTS`` elements (at least 16 queries)."""
+    return max(1, min(T, max(16, MASK_ELEMENTS // max(1, per_query))))
+
+
+def block_attention(query, key, value, scaling):
+    """Attention of a block of T queries over ``S`` slots that all hold tokens, in position order, the block's own
+    T tokens last (a kept prefix, then the block): slot j is visible to query i iff ``j <= S - T + i``, the same
+    for every head. Chunks of queries with a ``[chunk, S]`` mask shared by all heads. Returns ``[B, T, H_q, D]``."""
+    B, Hq, T, D = query.shape
+    S = key.shape[2]
+    out = query.new_empty(B, T, Hq, value.shape[-1])
+    chunk = _chunk(T, S)
+    for c0 in range(0, T, chunk):
+        c = min(chunk, T - c0)
+        s = S - T + c0 + c  # slots up to the chunk's last query
+        mask = torch.ones(c, s, dtype=torch.bool, device=query.device).tril(s - c)
+        o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, :s], value[:, :, :s], attn_mask=mask,
+                                           scale=scaling, enable_gqa=Hq != key.shape[1])
+        out[:, c0:c0 + c] = o.transpose(1, 2)
+    return out
+
+
+def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = True):
+    """Attention of ``query`` ``[B, H_q, T, D]`` over slots ``key``/``value`` ``[B, H_kv, S, D]`` whose sequence
+    indices are ``pos`` int32 ``[B, H_kv, S]``; the queries are at sequence indices ``qpos`` int ``[T]``. A query
+    sees the slots with ``pos <= qpos`` (``SENTINEL`` slots: none); a query that sees nothing (a pad) gets a
+    finite row. ``ordered``: slots are in ascending position order with the T queries' own tokens last, so a
+    chunk needs only the slots up to its last query. Returns ``[B, T, H_q, D]``.
+
+    The mask is per (batch row, head): chunks of queries keep it under ~``MASK_ELEMENTS`` elements (never
+    ``H·T·S``)."""
+    B, Hq, T, D = query.shape
+    H, S = key.shape[1], key.shape[2]
+    G = Hq // H
+    out = query.new_empty(B, T, Hq, value.shape[-1])
+    chunk = _chunk(T, B * Hq * S)
+    qpos = qpos.to(torch.int32)
+    for c0 in range(0, T, chunk):
+        c = min(chunk, T - c0)
+        s = S - T + c0 + c if ordered else S
+        allowed = pos[:, :, None, :s] <= qpos[c0:c0 + c, None]  # [B, H, c, s]
+        allowed = allowed | ~allowed.any(-1, keepdim=True)
+        q = query[:, :, c0:c0 + c].reshape(B, H, G * c, D)  # query head h*G + g reads KV head h: no repeat_kv
+        mask = allowed[:, :, None].expand(B, H, G, c, s).reshape(B, H, G * c, s)
+        o = F.scaled_dot_product_attention(q, key[:, :, :s], value[:, :, :s], attn_mask=mask, scale=scaling)
+        out[:, c0:c0 + c] = o.view(B, Hq, c, -1).transpose(1, 2)
+    return out
+
+
+def causal_attention(query, key, value, scaling):
+    """Plain causal attention of a block over itself (the prompt's first forward): ``[B, T, H_q, D]``."""
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+def decode_sdpa(query, key, value, scaling):
+    """One query token per head over slots that all precede it (no pads, no gaps): the G query heads of a KV head
+    packed as G rows, as the stock model's SDPA path does. ``[B, 1, H_q, D]``."""
+    B, Hq, _, D = query.shape
+    H = key.shape[1]
+    out = F.scaled_dot_product_attention(query.reshape(B, H, Hq // H, D), key, value, scale=scaling)
+    return out.reshape(B, 1, Hq, -1)
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+    """``AttentionInterface`` entry ``"tritonkv"``. With a ``TritonKVCache`` it attends over the compressed
+    layer and then compresses it when due; with any other cache it is plain causal attention."""
+    active, _ACTIVE[0] = _ACTIVE[0], None
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if active is None or active[1] is not key:
+        return _plain_attention(query, key, value, attention_mask, scaling), None
+    layer = active[0]
+    T = query.shape[2]
+    compiling = torch.compiler.is_compiling()
+    if attention_mask is not None and T > 1 and not compiling:
+        layer.mark_padding(attention_mask[:, -T:].bool())
+    out = layer.attend(query, key, value, scaling)
+    if not compiling:
+        layer.after_attention(query)
+    return out, None
+
+
+def _plain_attention(query, key, value, attention_mask, scaling):
+    """Causal attention for caches other than ours; ``attention_mask`` is the 2D padding mask (or None)."""
+    B, T, S = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is None or bool(attention_mask[:, -S:].all()):
+        return causal_attention(query, key, value, scaling) if T == S else block_attention(query, key, value, scaling)
+    pos = torch.arange(S, device=key.device, dtype=torch.int32).expand(B, key.shape[1], S)
+    if attention_mask is not None:
+        pos = torch.where(attention_mask[:, None, -S:].bool(), pos, SENTINEL)
+    return masked_attention(query, key, value, pos, torch.arange(S - T, S, device=key.device), scaling)
+
+
+def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
+    """``AttentionMaskInterface`` entry: hand the 2D padding mask (or None) to the attention function, which
+    builds its own (chunked) mask from the cache's token positions."""
+    return attention_mask
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)
+
+
+@contextlib.contextmanager
+def use_tritonkv(model):
+    """Run ``model`` with ``attn_implementation="tritonkv"`` inside the block (restored afterwards)."""
+    old = model.config._attn_implementation
+    if old != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        yield model
+    finally:
+        if old != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(old)

@@ -1,0 +1,499 @@
+"""``TritonKVCache``: a transformers ``Cache`` whose layers keep at most a budget of tokens, and the schedule that
+says when a layer compresses.
+
+Per layer (``TritonKVLayer``) the storage is a ``storage.DenseStore`` or, with per-head budgets (an allocator),
+a ``storage.RaggedStore``; ``update`` stores the new tokens, the ``"tritonkv"`` attention function attends
+(``attention.py``), then ``after_attention`` compresses when due:
+
+- after every multi-token forward (the prompt, or each prefill block) when the layer holds more than the budget;
+- in ``"decoding"`` mode also when a layer reaches budget + ``decode_every`` tokens (LagKV instead runs its
+  recursive partitions, ``LagKVLayer``).
+
+Budgets. An int is tokens kept per (batch row, KV head). A float is the fraction of the tokens *seen* by the
+layer at each compression, or of ``prompt_length`` when it is given (``generate`` passes the prompt's length):
+streaming 32K tokens block-wise at 0.1 keeps ~3.3K per head, never a fraction of the first block.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ...api import Compressed, compress, resolve_budget
+from ...kernels.decode_attention import decode_attention
+from ...policies import Policy, get_policy
+from .attention import _ACTIVE, block_attention, causal_attention, decode_sdpa, masked_attention
+from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
+
+MODES = ("after_prefill", "blockwise", "decoding")
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class _MaskedPolicy(Policy):
+    """``base`` restricted to the slots that hold real tokens: other slots score -inf and the sink is not the first
+    slots (the cache forces the first real tokens of each row through the select kernel's ``forced`` mask). Used
+    only while a layer holds pads or ragged gaps; otherwise the cache calls the policy itself."""
+
+    def __init__(self, base: Policy, valid: torch.Tensor):
+        self.base, self.valid = base, valid
+        self.name, self.needs = base.name, base.needs
+
+    def protected(self, n, budget):
+        return 0, self.base.protected(n, budget)[1]
+
+    def score(self, keys, values, **inputs):
+        return torch.where(self.valid, self.base.score(keys, values, **inputs).float(), float("-inf"))
+
+    def select(self, *args, **kwargs):
+        return self.base.select(*args, **kwargs)
+
+
+def _query_window(policy: Policy) -> int:
+    """How many of the most recent queries a policy that ``needs`` them reads (its observation window)."""
+    w = getattr(policy, "q_window", None) or getattr(policy, "window", None)
+    return w if isinstance(w, int) and w > 0 else 32
+
+
+class TritonKVLayer(CacheLayerMixin):
+    """One layer: its ``store`` (dense or ragged), the tokens seen so far and the last queries (window policies).
+
+    ``keys``/``values``/``pos`` are the dense buffers (``pos``: each slot's sequence index, ``SENTINEL`` for pads
+    and empty slots); ``n`` the slots in use (the longest row of a ragged store)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: "TritonKVCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+        self.store = None
+        self.seen = 0  # tokens fed (host), pads included
+        self.since = 0  # tokens fed since the last compression
+        self.allocated = False  # compressed with per-head budgets: every later block is over the layer total
+        self.has_invalid = False  # some slot below n holds no token (a pad, or a gap of a shorter row)
+        self.peak = 0  # most slots ever in use
+        self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies
+
+    # the mixin's attributes, read from the store
+    keys = property(lambda self: None if self.store is None else self._dense().keys, lambda self, v: None)
+    values = property(lambda self: None if self.store is None else self._dense().values, lambda self, v: None)
+    pos = property(lambda self: None if self.store is None else self._dense().pos)
+    n = property(lambda self: 0 if self.store is None else self.store.n)
+
+    def _dense(self) -> DenseStore:
+        return self.store.to_dense() if self.store.ragged else self.store
+
+    # -- storage -----------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        B, H, _, D = key_states.shape
+        self._empty = (key_states.new_zeros(B, H, 0, D), value_states.new_zeros(B, H, 0, value_states.shape[-1]),
+                       torch.full((B, H, 0), SENTINEL, dtype=torch.int32, device=self.device))
+        self.store = DenseStore.wrap(*self._empty)
+        self.fill = torch.zeros((), dtype=torch.int64, device=self.device)  # n, on the device (compiled path)
+        self.seen_dev = torch.zeros((), dtype=torch.int64, device=self.device)  # seen, on the device
+        self.is_initialized = True
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.store is None or self.store.ragged else self.store.capacity
+
+    def reserve(self, capacity: int) -> None:
+        """Static buffers of at least ``capacity`` slots for a compiled decode loop: later compressions write into
+        them in place (their addresses stay fixed for CUDA graphs) instead of shrinking the layer."""
+        if self.store.ragged:
+            raise NotImplementedError("compiled decoding needs one budget for every head (no allocation): "
+                                      "per-head (ragged) layers decode eagerly")
+        if capacity > self.store.capacity:
+            self.store.resize(capacity)
+        self.store.static = True
+        if not _compiling():  # fixed data pointers: a compiled step (CUDA graphs) mutates them in place
+            for t in (self.store.keys, self.store.values, self.store.pos, self.fill, self.seen_dev):
+                torch._dynamo.mark_static_address(t)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        T = key_states.shape[2]
+        if _compiling():  # static shapes, no host state: write at the device fill index, return everything
+            st = self.store
+            slot = self.fill + torch.arange(T, device=self.device)
+            st.keys.index_copy_(2, slot, key_states)
+            st.values.index_copy_(2, slot, value_states)
+            p = (self.seen_dev + torch.arange(T, device=self.device)).to(torch.int32)
+            st.pos.index_copy_(2, slot, p.expand(*st.pos.shape[:2], T))
+            self.fill.add_(T)
+            self.seen_dev.add_(T)
+            _ACTIVE[0] = (self, st.keys)
+            return st.keys, st.values
+        if self.store.ragged and T == 1:  # a decode step over per-head rows: append in place
+            self.store.append(key_states, value_states)
+            out = key_states
+        else:
+            if self.store.ragged:  # a prefill block over per-head rows: a padded working view for this forward
+                self.store = self.store.to_dense()
+                self.has_invalid = True
+            pos = torch.arange(self.seen, self.seen + T, device=self.device, dtype=torch.int32)
+            if self.store.n == 0 and not self.store.static:
+                self.store = DenseStore.wrap(key_states, value_states, pos.expand(*key_states.shape[:2], T).clone())
+            else:
+                self.store.append(key_states, value_states, pos, self._slack(self.store.n + T))
+            out = self.store.view()[0]
+            self.fill.fill_(self.store.n)
+        self.seen += T
+        self.since += T
+        self.seen_dev.fill_(self.seen)
+        self.peak = max(self.peak, self.n)
+        self.cache._record(self.layer_idx, self.n)
+        _ACTIVE[0] = (self, out)
+        return out, (value_states if out is key_states else self.store.view()[1])
+
+    def _slack(self, kept: int) -> int:
+        return slack_for(kept, self.cache.decode_every)
+
+    def get_mask_sizes(self, query_length: int):
+        return self.n + query_length, 0
+
+    def get_seq_length(self):
+        """Tokens seen (pads included), not tokens stored: new tokens get RoPE positions after them."""
+        return self.seen_dev if _compiling() else self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self):
+        if self.is_initialized:
+            if self.store.static:  # keep the reserved buffers (their addresses) for the compiled loop
+                self.store.pos.fill_(SENTINEL)
+                self.store.n = 0
+            else:
+                self.store = DenseStore.wrap(*self._empty)
+            self.fill.zero_()
+            self.seen_dev.zero_()
+        self.seen = self.peak = self.since = 0
+        self.has_invalid, self.allocated, self.queries = False, False, None
+
+    def _index_batch(self, fn):
+        if self.is_initialized:
+            self.store.index_batch(fn)
+            if self.queries is not None:
+                self.queries = fn(self.queries)
+
+    def reorder_cache(self, beam_idx):
+        self._index_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._index_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices):
+        self._index_batch(lambda t: t[indices])
+
+    def crop(self, tokens_to_remove: int):
+        raise NotImplementedError("TritonKVCache cannot crop: evicted tokens are gone")
+
+    # -- attention and compression ---------------------------------------------------------------
+    def mark_padding(self, real: torch.Tensor) -> None:
+        """``real`` bool ``[B, T]``: which of the last ``T`` fed tokens are real (False = padding)."""
+        T = real.shape[1]
+        if bool(real.all()):
+            return
+        st = self.store
+        sl = slice(st.n - T, st.n)
+        st.pos[:, :, sl] = torch.where(real[:, None, :], st.pos[:, :, sl], SENTINEL)
+        keep = real[:, None, :, None].to(st.keys.dtype)  # zero pads: they add nothing to a key mean (KeyDiff)
+        st.keys[:, :, sl] *= keep
+        st.values[:, :, sl] *= keep
+        self.has_invalid = True
+
+    def attend(self, query, key, value, scaling):
+        """Attention of ``query`` ``[B, H_q, T, D]`` over this layer (see ``attention.py``): ``[B, T, H_q, D]``."""
+        B, Hq, T, D = query.shape
+        st = self.store
+        if st.ragged:  # T == 1: the split-K decode kernel over the per-head rows
+            return decode_attention(query, st.kv, scale=scaling).transpose(1, 2).contiguous()
+        if _compiling():  # the whole static capacity, by position
+            qpos = self.seen_dev - T + torch.arange(T, device=query.device)
+            if T == 1 and self.cache._use_kernel(query):
+                lengths = self.fill.to(torch.int32).expand(B, key.shape[1])
+                return decode_attention(query, (key, value), lengths, scale=scaling).transpose(1, 2).contiguous()
+            return masked_attention(query, key, value, st.pos, qpos, scaling, ordered=False)
+        S = key.shape[2]
+        if not self.has_invalid:
+            if S == T:  # the prompt's first forward
+                return causal_attention(query, key, value, scaling)
+            if T == 1:
+                if self.cache._use_kernel(query):
+                    return decode_attention(query, (key, value), scale=scaling).transpose(1, 2).contiguous()
+                return decode_sdpa(query, key, value, scaling)
+            return block_attention(query, key, value, scaling)
+        qpos = torch.arange(self.seen - T, self.seen, device=query.device)
+        return masked_attention(query, key, value, st.view()[2], qpos, scaling)
+
+    def after_attention(self, query) -> None:
+        """Keep the recent queries for window policies; compress when the schedule says so (eager only)."""
+        cache = self.cache
+        T = query.shape[2]
+        if cache._wants_queries:
+            W = cache.q_window
+            self.queries = query[:, :, -W:] if self.queries is None or T >= W else \
+                torch.cat([self.queries, query], dim=2)[:, :, -W:]
+        cache._maybe_compress(self, prefill=T > 1)
+        if cache.mode == "after_prefill" and self.since == 0:  # compressed for good: no later scoring reads them
+            self.queries = None
+
+    def kept_tokens(self) -> torch.Tensor:
+        """int64 ``[B, H_kv]`` tokens held per (batch row, KV head)."""
+        return self.store.kept_tokens()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor this layer holds: keys, values, positions, bookkeeping, the kept queries."""
+        if not self.is_initialized:
+            return 0
+        extra = [self.fill, self.seen_dev] + ([self.queries] if self.queries is not None else [])
+        return self.store.nbytes + sum(t.numel() * t.element_size() for t in extra)
+
+    def compress_to(self, k: int) -> None:
+        """Evict down to ``k`` tokens per head with the cache's policy (and allocator)."""
+        cache = self.cache
+        if self.store.ragged:
+            self.store = self.store.to_dense()
+            self.has_invalid = True
+        keys, values, pos = self.store.view()
+        policy, forced = cache.policy, None
+        if self.has_invalid:
+            valid = pos != SENTINEL
+            sink = policy.protected(pos.shape[2], k)[0]
+            policy = _MaskedPolicy(policy, valid)
+            if sink:  # a padded row's sink is its first real tokens: forced, not +inf scores
+                forced = valid & (valid.to(torch.int32).cumsum(-1) <= sink)
+        inputs = dict(layer=self.layer_idx, positions=pos, **cache.inputs)
+        if forced is not None:
+            inputs["forced"] = forced
+        if cache.num_layers is not None:
+            inputs["num_layers"] = cache.num_layers
+        if cache._wants_queries:
+            inputs["queries"] = self.queries
+        out = compress((keys, values), policy, k, allocation=cache.allocation, **inputs)
+        if isinstance(out, Compressed):
+            idx = out.indices
+            newpos = pos.gather(2, idx)
+            self.store.replace(out.keys, out.values, newpos, self._slack(idx.shape[2]))
+            self.has_invalid = bool((newpos == SENTINEL).any())
+        else:  # a RaggedKV (per-head budgets): stored as it is, no padding back
+            self.store = RaggedStore.from_selection(out, pos, self.seen, self._slack(k))
+            self.has_invalid, self.allocated = False, True
+        self.since = 0
+        self.fill.fill_(self.n)
+        cache._record(self.layer_idx, self.n)
+        cache.compressions += 1
+
+
+class LagKVLayer(TritonKVLayer):
+    """A layer kept by LagKV's recursive partitions (``tritonkv.policies.lagkv.LagKVState``): the state is the
+    storage; each forward attends over its tokens plus the new ones, then appends the new ones to the state,
+    which compresses every partition whose raw successor is complete (the result equals one-shot paper mode
+    on all tokens seen, whatever the chunking). Eager only; batches without padding."""
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.state = self.cache.policy.new_state()
+        self.pending = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if _compiling():
+            raise NotImplementedError("recursive LagKV runs eagerly (its partitions have data-dependent sizes)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, H, T, _ = key_states.shape
+        new_pos = torch.arange(self.seen, self.seen + T, device=self.device, dtype=torch.int32).expand(B, H, T)
+        if len(self.state):
+            keys = torch.cat([self.state.keys, key_states], dim=2)
+            values = torch.cat([self.state.values, value_states], dim=2)
+            pos = torch.cat([self.state.indices.to(torch.int32), new_pos], dim=2)
+        else:
+            keys, values, pos = key_states, value_states, new_pos
+        self.pending = (key_states, value_states)
+        self.store = DenseStore.wrap(keys, values, pos)  # this forward's view; the state is the storage
+        self.seen += T
+        self.fill.fill_(self.n)
+        self.seen_dev.fill_(self.seen)
+        self.peak = max(self.peak, self.n)
+        self.cache._record(self.layer_idx, self.n)
+        _ACTIVE[0] = (self, keys)
+        return keys, values
+
+    def mark_padding(self, real):
+        if not bool(real.all()):
+            raise ValueError("recursive LagKV (mode='decoding') does not support padded batches; "
+                             "use mode='after_prefill' or 'blockwise'")
+
+    def after_attention(self, query):
+        self.state.append(*self.pending)
+        self.pending = None
+        n = self.n
+        self.store = DenseStore.wrap(self.state.keys, self.state.values, self.state.indices.to(torch.int32))
+        if self.n < n:
+            self.cache.compressions += 1
+            self.since = 0
+        self.cache._record(self.layer_idx, self.n)
+
+    @property
+    def nbytes(self) -> int:
+        st = self.state
+        parts = [getattr(st, a) for a in ("c_keys", "c_values", "c_indices", "u_keys", "u_values")]
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def reserve(self, capacity):
+        pass
+
+    def reset(self):
+        super().reset()
+        if self.is_initialized:
+            self.state = self.cache.policy.new_state()
+
+
+class TritonKVCache(Cache):
+    """A transformers ``Cache`` that keeps at most ``budget`` tokens per (batch row, KV head) and layer.
+
+    Args:
+        policy: a tritonkv policy name (``"keydiff"``, ``"snapkv"``, ...) or object.
+        budget: tokens kept per head (int), or the fraction kept (float in (0, 1]) of ``prompt_length`` when given,
+            else of the tokens the layer has seen at each compression.
+        mode: ``"after_prefill"``, ``"blockwise"`` or ``"decoding"`` (see the package docstring). The cache
+            compresses after every multi-token forward in every mode; ``blockwise`` also tells ``generate``
+            and ``prefill`` to feed the prompt in blocks of ``block_size``; ``decoding`` re-compresses every
+            ``decode_every`` generated tokens (default 16) — except for LagKV, which then runs its recursive
+            partitions (``LagKVState``) over prompt and generated tokens alike, keeping ``ratio`` of each
+            partition (a float ``budget`` sets the ratio; an int budget leaves the policy's own).
+        allocation: optional allocator name/object: per-head budgets, stored as ragged rows (``RaggedKV``) that
+            hold each head's kept tokens and no padding.
+        num_layers: the model's layer count (allocators across layers read it).
+        decode_kernel: ``"auto"`` (the Triton split-K decode kernel on CUDA, SDPA on the CPU), True or False.
+        record: keep ``trace``, the (layer, slots in use) after every change.
+        **inputs: extra inputs handed to every ``compress`` call.
+
+    Memory: ``nbytes`` (every tensor held) and ``kept_tokens()`` (per layer and head). After a compression a layer
+    holds its kept tokens plus a small decode slack (``storage.slack_for``), not its high-water mark.
+    """
+
+    def __init__(self, policy, budget, *, mode: str = "after_prefill", allocation=None, block_size: int = 128,
+                 decode_every: Optional[int] = None, prompt_length: Optional[int] = None,
+                 num_layers: Optional[int] = None, decode_kernel="auto", record: bool = False, **inputs):
+        super().__init__(layers=[])
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if decode_every is not None and (isinstance(decode_every, bool) or not isinstance(decode_every, int)
+                                         or decode_every < 1):
+            raise ValueError(f"decode_every must be a positive int or None, got {decode_every!r}")
+        if prompt_length is not None and (isinstance(prompt_length, bool) or not isinstance(prompt_length, int)
+                                          or prompt_length < 1):
+            raise ValueError(f"prompt_length must be a positive int or None, got {prompt_length!r}")
+        self.policy = get_policy(policy)
+        resolve_budget(budget, 1)  # type/range check now
+        self.budget, self.mode, self.allocation = budget, mode, allocation
+        self.block_size = block_size
+        self.decode_every = (decode_every or 16) if mode == "decoding" else None
+        self.prompt_length, self.num_layers = prompt_length, num_layers
+        self.decode_kernel, self.inputs = decode_kernel, inputs
+        self.q_window = _query_window(self.policy)
+        self._wants_queries = "queries" in self.policy.needs
+        self._layer_class = TritonKVLayer
+        if mode == "decoding" and hasattr(self.policy, "new_state"):  # LagKV: its recursive partitions
+            if allocation is not None:
+                raise ValueError("allocation: recursive LagKV (mode='decoding') keeps m tokens per partition in "
+                                 "every head; per-head budgets do not apply")
+            if isinstance(budget, float):
+                self.policy = dataclasses.replace(self.policy, ratio=budget)
+            self._layer_class = LagKVLayer
+        self.compressions = 0
+        self.frozen = False
+        self.record = record
+        self.trace: list[tuple[int, int]] = []  # (layer, slots in use) after every change, when ``record``
+
+    # -- transformers' Cache protocol -------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(self._layer_class(self, len(self.layers)))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    # -- the schedule -----------------------------------------------------------------------------
+    def _record(self, layer_idx: int, n: int) -> None:
+        if self.record:
+            self.trace.append((layer_idx, n))
+
+    def budget_for(self, seen: int) -> int:
+        """Tokens per head kept by a compression after ``seen`` tokens (see the class docstring)."""
+        return resolve_budget(self.budget, self.prompt_length or seen)
+
+    def _maybe_compress(self, layer: TritonKVLayer, *, prefill: bool) -> None:
+        if self.frozen or _compiling():
+            return
+        k = self.budget_for(layer.seen)
+        if prefill:  # over budget; per-head layers are over the layer total after any new token
+            due = layer.n > k or (layer.allocated and layer.since > 0)
+        else:  # decode_every tokens over the budget
+            due = self.decode_every is not None and \
+                (layer.since if layer.allocated else layer.n - k) >= self.decode_every
+        if due:
+            layer.compress_to(k)
+
+    def _use_kernel(self, query) -> bool:
+        return self.decode_kernel is True or (self.decode_kernel == "auto" and query.is_cuda)
+
+    # -- public helpers ---------------------------------------------------------------------------
+    def reserve(self, capacity: int) -> None:
+        """Give every layer static buffers of at least ``capacity`` slots (a compiled decode loop)."""
+        for layer in self.layers:
+            layer.reserve(capacity)
+
+    def freeze(self) -> "TritonKVCache":
+        """Stop compressing (e.g. to score continuations against the cache as the prompt left it: a
+        forward's own logits never depend on the eviction that follows its attention)."""
+        self.frozen = True
+        return self
+
+    def compress_now(self) -> None:
+        """Apply the decoding schedule eagerly (for decode steps that ran compiled)."""
+        for layer in self.layers:
+            n, layer.seen = int(layer.fill), int(layer.seen_dev)
+            layer.since += n - layer.store.n
+            layer.store.n = n
+            layer.peak = max(layer.peak, layer.n)
+            self._maybe_compress(layer, prefill=False)
+
+    def stored_tokens(self) -> list[int]:
+        """Slots in use per layer (the longest row of a per-head layer)."""
+        return [layer.n for layer in self.layers]
+
+    def kept_tokens(self) -> list[torch.Tensor]:
+        """Per layer, int64 ``[B, H_kv]``: tokens held per (batch row, KV head)."""
+        return [layer.kept_tokens() for layer in self.layers]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor the cache holds (keys, values, positions, bookkeeping), summed over layers."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def memory_bytes(self, peak: bool = False) -> int:
+        """Bytes of K+V in the slots in use now (or at their peak), summed over layers."""
+        total = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                st = layer.store
+                B, H, D = (st.kv.batch, st.kv.num_heads, st.kv.head_dim) if st.ragged else \
+                    (st.keys.shape[0], st.keys.shape[1], st.keys.shape[3])
+                total += (layer.peak if peak else layer.n) * B * H * D * 2 * layer.dtype.itemsize
+        return total
+
+    def __repr__(self):
+        return (f"TritonKVCache(policy={self.policy.name!r}, budget={self.budget!r}, mode={self.mode!r}, "
+                f"allocation={self.allocation!r}, slots={self.stored_tokens()})")

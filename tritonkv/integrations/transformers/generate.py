@@ -1,0 +1,99 @@
+"""Entry points: a cache for a model, block-wise prefill, ``generate`` and greedy decoding with a ``TritonKVCache``."""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+
+from .attention import use_tritonkv
+from .cache import TritonKVCache
+
+
+def make_cache(model, policy, budget, *, mode="after_prefill", allocation=None, block_size=128,
+               decode_every=None, prompt_length=None, **kwargs) -> TritonKVCache:
+    """A ``TritonKVCache`` for ``model`` (its layer count filled in)."""
+    return TritonKVCache(policy, budget, mode=mode, allocation=allocation, block_size=block_size,
+                         decode_every=decode_every, prompt_length=prompt_length,
+                         num_layers=model.config.num_hidden_layers, **kwargs)
+
+
+def _positions(attention_mask, start: int, T: int):
+    """RoPE positions of tokens [start, start + T): the number of real tokens before each one."""
+    if attention_mask is None:
+        return torch.arange(start, start + T).unsqueeze(0)
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp(min=0)[:, start:start + T]
+
+
+@torch.no_grad()
+def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, block_size: Optional[int] = None,
+            logits_to_keep: int = 1, progress=None):
+    """Feed ``input_ids`` ``[B, T]`` into ``cache`` (in blocks of ``block_size`` in blockwise mode) with RoPE at
+    the tokens' true positions; returns the logits of the last ``logits_to_keep`` tokens. ``progress``: an
+    optional callable taking the number of tokens fed by each block."""
+    B, T = input_ids.shape
+    if block_size is None:
+        block_size = cache.block_size if cache.mode == "blockwise" else T
+    start0 = cache.get_seq_length()
+    full_mask = attention_mask
+    if attention_mask is not None and attention_mask.shape[1] != start0 + T:
+        raise ValueError(f"attention_mask must cover the tokens already seen plus input_ids "
+                         f"({start0 + T} columns), got {attention_mask.shape[1]}")
+    out = None
+    with use_tritonkv(model):
+        for s in range(0, T, block_size):
+            ids = input_ids[:, s:s + block_size]
+            a, b = start0 + s, start0 + s + ids.shape[1]
+            pos = _positions(full_mask, a, ids.shape[1]).to(input_ids.device)
+            out = model(input_ids=ids, position_ids=pos.expand(B, -1),
+                        attention_mask=None if full_mask is None else full_mask[:, :b],
+                        past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+            if progress is not None:
+                progress(ids.shape[1])
+    return out.logits
+
+
+def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", allocation=None,
+             block_size: int = 128, decode_every: Optional[int] = None, attention_mask=None,
+             cache_kwargs: Optional[dict] = None, return_cache: bool = False, **generate_kwargs):
+    """``model.generate`` with a ``TritonKVCache``: ``policy`` x ``budget`` (float = fraction of the prompt) x
+    ``allocation``, in ``mode`` ``"after_prefill"``, ``"blockwise"`` (true chunked prefill in blocks of
+    ``block_size``) or ``"decoding"``. Other keywords go to ``model.generate`` (greedy or sampling, left-padded
+    batches with ``attention_mask``). Returns the generated ids (and the cache with ``return_cache``)."""
+    cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
+                       decode_every=decode_every, prompt_length=input_ids.shape[1], **(cache_kwargs or {}))
+    if mode == "blockwise":
+        generate_kwargs.setdefault("prefill_chunk_size", block_size)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    with use_tritonkv(model):
+        out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+    return (out, cache) if return_cache else out
+
+
+@torch.no_grad()
+def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eos_token_id=None, progress=None):
+    """Greedy decoding from a prefilled ``cache`` (ours, or any transformers cache) given the last logits
+    ``[B, V]``: returns the new token ids ``[B, <= max_new_tokens]``. RoPE positions continue from the tokens
+    seen; with the prompt's ``attention_mask`` ``[B, T]`` (a left-padded batch) from each row's real tokens."""
+    B = logits.shape[0]
+    real = None if attention_mask is None else attention_mask.long().sum(-1, keepdim=True).to(logits.device)
+    out = []
+    with use_tritonkv(model) if isinstance(cache, TritonKVCache) else contextlib.nullcontext():
+        for i in range(max_new_tokens):
+            nxt = logits.argmax(-1, keepdim=True)
+            out.append(nxt)
+            if progress is not None:
+                progress(1)
+            if i == max_new_tokens - 1 or (eos_token_id is not None and bool((nxt == eos_token_id).all())):
+                break
+            if real is None:
+                pos = torch.full((B, 1), int(cache.get_seq_length()), dtype=torch.long, device=nxt.device)
+            else:
+                pos = real + i
+            if attention_mask is not None:  # caches other than ours read the pads from it
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
+            logits = model(input_ids=nxt, position_ids=pos, attention_mask=attention_mask, past_key_values=cache,
+                           use_cache=True).logits[:, -1]
+    return torch.cat(out, dim=1)

@@ -1,0 +1,156 @@
+"""Storage of one layer of a ``TritonKVCache``: what the cache holds, and nothing more.
+
+Two layouts, chosen per compression:
+
+- ``DenseStore``: ``keys``/``values`` ``[B, H_kv, capacity, D]`` and ``pos`` int32 ``[B, H_kv, capacity]`` (the
+  original sequence index of every slot; ``SENTINEL`` marks a pad or an empty slot). The first ``n`` slots are
+  in use, in ascending position order. Used for uniform budgets, while a prefill block is attended and scored,
+  and for compiled decoding (static capacity, ``reserve``).
+- ``RaggedStore``: a ``tritonkv.RaggedKV`` (flat rows of different lengths, per-head budgets) whose
+  ``positions`` hold sequence indices. Decode steps append in place and attend through the ragged split-K
+  kernel; a prefill block (or a re-compression) turns it into a ``DenseStore`` working view for one forward.
+
+Slack rule (``slack_for``): after a compression a layer holds its kept tokens plus
+``max(16, ceil(kept / 16))`` free slots per head (at most 1/16 ≈ 6 % over the kept bytes once a head keeps
+256 tokens or more), or ``decode_every`` free slots in ``"decoding"`` mode, so that decode steps append in
+place; when they run out the store grows by the same rule (one copy per ~kept/16 steps). A store never keeps
+its high-water capacity after a compression, unless ``reserve``d for a compiled decode loop.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...cache import RaggedKV
+
+SENTINEL = 2**31 - 1  # ``pos`` of a slot that holds no token (empty, or a pad): attended by nobody
+MIN_SLACK = 16
+
+
+def slack_for(kept: int, decode_every: Optional[int] = None) -> int:
+    """Free slots per head kept after a compression of ``kept`` tokens (see the module docstring)."""
+    if decode_every is not None:
+        return decode_every
+    return max(MIN_SLACK, -(-kept // 16))
+
+
+def _nbytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class DenseStore:
+    """Equal-capacity rows ``[B, H_kv, capacity, D]``; see the module docstring."""
+
+    ragged = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, n: int):
+        self.keys, self.values, self.pos, self.n = keys, values, pos, n
+        self.static = False  # reserved for a compiled loop: never reallocated by a compression
+
+    @classmethod
+    def wrap(cls, keys, values, pos) -> "DenseStore":
+        """Hold the given tensors as they are (full: capacity = n)."""
+        return cls(keys, values, pos, keys.shape[2])
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[2]
+
+    def resize(self, capacity: int) -> None:
+        """Move the slots in use into buffers of ``capacity`` slots (>= n)."""
+        B, H, _, D = self.keys.shape
+        keys = self.keys.new_zeros(B, H, capacity, D)
+        values = self.values.new_zeros(B, H, capacity, self.values.shape[-1])
+        pos = self.pos.new_full((B, H, capacity), SENTINEL)
+        n = self.n
+        keys[:, :, :n], values[:, :, :n], pos[:, :, :n] = self.keys[:, :, :n], self.values[:, :, :n], self.pos[:, :, :n]
+        self.keys, self.values, self.pos = keys, values, pos
+
+    def append(self, keys, values, pos, slack: int) -> None:
+        """Write ``T`` new slots after the ``n`` in use, growing to ``n + T + slack`` when they do not fit."""
+        T, n = keys.shape[2], self.n
+        if n + T > self.capacity:
+            if self.static:
+                raise RuntimeError(f"the reserved capacity ({self.capacity} slots) is full: reserve() more for a "
+                                   f"compiled decode loop")
+            self.resize(n + T + slack)
+        self.keys[:, :, n:n + T] = keys
+        self.values[:, :, n:n + T] = values
+        self.pos[:, :, n:n + T] = pos
+        self.n = n + T
+
+    def view(self):
+        """``(keys, values, pos)`` of the slots in use."""
+        n = self.n
+        return self.keys[:, :, :n], self.values[:, :, :n], self.pos[:, :, :n]
+
+    def replace(self, keys, values, pos, slack: int) -> None:
+        """Hold exactly the given slots (the result of a compression) plus ``slack`` free ones; a static store
+        writes them in place instead (its buffers keep their addresses)."""
+        m = keys.shape[2]
+        if self.static:
+            self.keys[:, :, :m], self.values[:, :, :m], self.pos[:, :, :m] = keys, values, pos
+            self.pos[:, :, m:self.n] = SENTINEL
+            self.n = m
+            return
+        self.keys, self.values, self.pos, self.n = keys, values, pos, m
+        if slack:
+            self.resize(m + slack)
+
+    def kept_tokens(self) -> torch.Tensor:
+        """int64 ``[B, H_kv]`` tokens held per (batch row, KV head)."""
+        return (self.view()[2] != SENTINEL).sum(-1)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.keys, self.values, self.pos)
+
+    def index_batch(self, fn) -> None:
+        self.keys, self.values, self.pos = fn(self.keys), fn(self.values), fn(self.pos)
+
+
+class RaggedStore:
+    """Per-head rows of different lengths (a ``RaggedKV`` whose positions are sequence indices)."""
+
+    ragged = True
+    static = False
+
+    def __init__(self, kv: RaggedKV):
+        self.kv = kv
+        self.n = int(kv.length.max())  # the longest row (host), for the width of a padded working view
+
+    @classmethod
+    def from_selection(cls, kv: RaggedKV, pos: torch.Tensor, seen: int, slack: int) -> "RaggedStore":
+        """``kv`` as ``compress`` built it from a working view whose slots had sequence indices ``pos``
+        ``[B, H, N]`` (its ``positions`` index those slots): map them to sequence indices, continue positions at
+        ``seen``, and grow by ``slack`` per row when a row fills up."""
+        R, N = kv.length.numel(), pos.shape[2]
+        t = torch.arange(kv.keys.shape[0], device=kv.keys.device)
+        row = torch.searchsorted(kv.row_start[1:], t, right=True).clamp(max=R - 1)  # the row owning each slot
+        slot = kv.positions
+        seq = pos.reshape(R, N).to(torch.int64)[row, slot.clamp(min=0)]
+        kv._positions = torch.where(slot >= 0, seq, -1)
+        kv.next_position.fill_(seen)
+        kv.slack = slack
+        return cls(kv)
+
+    def append(self, keys, values) -> None:
+        """One new token per row, in place (``RaggedKV.append``)."""
+        self.kv.append(keys, values)
+        self.n += 1
+
+    def to_dense(self) -> DenseStore:
+        """The padded working view (rows padded with ``SENTINEL`` slots) for a prefill block or a re-compression."""
+        K, V, _, p = self.kv.to_padded(with_positions=True)
+        return DenseStore.wrap(K, V, torch.where(p >= 0, p, SENTINEL).to(torch.int32))
+
+    def kept_tokens(self) -> torch.Tensor:
+        return self.kv.lengths.to(torch.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+    def index_batch(self, fn) -> None:
+        raise NotImplementedError("per-head (ragged) budgets do not support beam search / batch reindexing")
