@@ -42,9 +42,10 @@ warps⌋, ⌊2048 / (32·warps)⌋, 32, ⌊smem per SM / (shared + 1 KB reserved
   the library does only for CPU inputs (``on_host()`` guards) shows up here and not on a GPU.
 - bytes, an upper bound: per launch, the sizes of its distinct tensor arguments, as if every byte of
   every argument crossed HBM once (re-reads inside a launch assumed to hit L2; an argument a launch
-  never touches, or touches in part, still counts whole). ``est. MB`` tightens one known gap: a
-  gathering kernel (``GATHER``) reads only the rows it writes, so its sources count at the size of its
-  destinations. Torch-side ops count their outputs (fills) or inputs + outputs (the rest).
+  never touches, or touches in part, still counts whole). ``est. MB`` tightens one known gap: a kernel
+  that gathers rows from a large tensor into a small one, or scatters them the other way
+  (``TOUCHES_AT_MOST``), touches only that many rows of the large one, so it counts at the size of the
+  small one. Torch-side ops count their outputs (fills) or inputs + outputs (the rest).
 
 **Targets** (issue 16, reported, not fixed): no spills in any kernel; no kernel under 25 % occupancy on
 sm_90 without a reason in ``LOW_OCCUPANCY_REASONS``; at most 6 launches per compress for the key-only
@@ -105,8 +106,12 @@ ARCH = {
              smem_per_sm=164 * 1024, smem_reserved_per_cta=1024),
 }
 
-# Kernels that gather: {kernel: {source argument: destination argument}} (``est. MB``).
-GATHER = {"_select_compact_kernel": {"k_ptr": "ko_ptr", "v_ptr": "vo_ptr"}}
+# Kernels that move rows between a large tensor and a small one touch only those rows of the large
+# one: {kernel: {argument: the argument whose size bounds what it touches}} (``est. MB``).
+TOUCHES_AT_MOST = {
+    "_select_compact_kernel": {"k_ptr": "ko_ptr", "v_ptr": "vo_ptr"},  # gathers the kept rows
+    "_ragged_append_kernel": {"ko_ptr": "k_ptr", "vo_ptr": "v_ptr", "pos_ptr": "next_ptr"},  # one row per head
+}
 
 # Kernels allowed under 25 % occupancy on sm_90, and why. Only reasons that hold: a kernel missing
 # here and under the bar is reported as a miss.
@@ -434,11 +439,11 @@ def launch_bytes(rec) -> tuple[int, int]:
     tens = {n: v for n, v in rec.args.items() if isinstance(v, torch.Tensor)}
     bound = _nbytes(tens.values())
     est = bound
-    for src, dst in GATHER.get(rec.name, {}).items():
-        if src in tens and dst in tens:
-            s = tens[src].numel() * tens[src].element_size()
-            d = tens[dst].numel() * tens[dst].element_size()
-            est -= s - min(s, d)
+    for arg, ref in TOUCHES_AT_MOST.get(rec.name, {}).items():
+        if arg in tens and ref in tens:
+            a = tens[arg].numel() * tens[arg].element_size()
+            r = tens[ref].numel() * tens[ref].element_size()
+            est -= a - min(a, r)
     return bound, est
 
 
@@ -546,7 +551,7 @@ def _run(args, N: int, archs, t_start) -> dict:
             rec = configs[bkeys[0]]
             name = lab
             if len(buckets) > 1:
-                name += "{" + ",".join(f"{a}{spec_of[bkeys[0]].get(a) or ':any'}" for a in vary) + "}"
+                name += "{" + ",".join(f"{a}{spec_of[bkeys[0]].get(a) or ''}" for a in vary) + "}"
             for k in bkeys:
                 label_of[k] = name
             used = []
@@ -609,7 +614,8 @@ def _run(args, N: int, archs, t_start) -> dict:
                            "occupancy = CTAs*warps/64"),
         bytes_rule=("per launch: sum of the sizes of its distinct tensor arguments (each byte assumed to cross "
                     "HBM once per launch; untouched or partly touched arguments count whole): an upper bound on "
-                    "compulsory traffic. est: gather sources (GATHER) counted at their destinations' size."),
+                    "compulsory traffic. est: the large side of a gather/scatter (TOUCHES_AT_MOST) counted at the size of "
+                    "the small side."),
         low_occupancy_reasons=LOW_OCCUPANCY_REASONS, kernels=kernels, workloads=rows, targets=targets,
         errors=errors, wall_s=round(time.perf_counter() - args.t0, 1))
     return result
@@ -736,7 +742,11 @@ def markdown(res: dict) -> str:
             mem = f"**{st['membar']}**" if st["membar"] else str(st["membar"])
             out.append(f"| `{k['label']}` | {used} | {grid} | {st['regs']} | {spill} | {st['smem']} | {st['num_warps']} | "
                        f"{st['num_stages']} | {st['ctas_per_sm']} | {occ} | {st['limiter']} | {fen} | {mem} |")
-    out += ["", "Configurations (constexprs and launch options as launched):", ""]
+    out += ["", "Rows split by `{...}` are argument specialisations of one configuration that compile "
+            "differently: `{arg%16}` the argument is divisible by 16 in those launches (Triton specialises "
+            "on it), `{arg=1}` it equals 1 (compiled in), `{arg}` neither. Smem includes the software "
+            "pipeline's buffers (num_stages).", "",
+            "Configurations (constexprs and launch options as launched):", ""]
     for k in res["kernels"]:
         out.append(f"- `{k['label']}`: {k['config']}")
     out += ["", "## Launches and bytes per compress (and per decode step)", "",
