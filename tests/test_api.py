@@ -1,4 +1,5 @@
 """compress(): budgets, the unchanged path, dispatch, and a table of bad inputs."""
+import numpy as np
 import pytest
 import torch
 
@@ -83,3 +84,160 @@ def test_missing_input_is_named():
         tritonkv.compress((k, v), "snapkv", 40)
     with pytest.raises(ValueError, match="o_proj"):
         tritonkv.compress((k, v), "criticalkv", 40, queries=torch.randn(1, 2, 32, 16))
+
+
+# -- issue 17: arguments are never silently dropped ---------------------------------------------------
+
+Q = torch.randn(1, 4, 8, 16, generator=torch.Generator().manual_seed(3))  # H_q = 4: 2 query heads per KV head
+WO = torch.randn(32, 4 * 16, generator=torch.Generator().manual_seed(4))
+UNKNOWN = [
+    # (description, call, words the TypeError must contain)
+    ("misspelt input", lambda: tritonkv.compress((K, V), "snapkv", 40, queris=Q),
+     ["'queris'", "did you mean 'queries'?"]),
+    ("kvpress compression_ratio", lambda: tritonkv.compress((K, V), "keydiff", 0.25, compression_ratio=0.75),
+     ["'compression_ratio'", "fraction removed", "budget = 1 - compression_ratio", "compress(kv, policy, 0.25)"]),
+    ("a setting of other policies", lambda: tritonkv.compress((K, V), "keydiff", 0.25, kernel_size=3),
+     ["'kernel_size'", "setting", "tritonkv.policies.SnapKV(kernel_size=3)", "'keydiff' has no setting"]),
+    ("window: the policy's setting", lambda: tritonkv.compress((K, V), "snapkv", 40, queries=Q, window=8),
+     ["'window'", "a setting of the policy 'snapkv'", "pass tritonkv.policies.SnapKV(window=8)"]),
+    ("sink: the policy's setting", lambda: tritonkv.compress((K, V), "snapkv", 40, queries=Q, sink=4),
+     ["'sink'", "tritonkv.policies.SnapKV(sink=4)"]),
+    ("window of a policy over a base", lambda: tritonkv.compress((K, V), "criticalkv", 40, queries=Q, o_proj=WO,
+                                                                  window=8),
+     ["'window'", "tritonkv.policies.CriticalKV(base=tritonkv.policies.SnapKV(window=8))"]),
+    ("an allocator's setting", lambda: tritonkv.compress((K, V), "knorm", 20, allocation="adakv", alpha=0.2),
+     ["'alpha'", "allocation=tritonkv.allocation.AdaKV(alpha=0.2)"]),
+    ("misspelt allocation", lambda: tritonkv.compress((K, V), "knorm", 20, allocator="adakv"),
+     ["'allocator'", "did you mean 'allocation'?"]),
+    ("unknown even when everything is kept", lambda: tritonkv.compress((K, V), "knorm", 1.0, querys=Q),
+     ["'querys'", "did you mean 'queries'?"]),
+    ("every unknown is named", lambda: tritonkv.compress((K, V), "knorm", 20, foo=1, kernel_size=3),
+     ["'foo'", "'kernel_size'", "keyword arguments"]),
+    ("nothing like it", lambda: tritonkv.compress((K, V), "knorm", 20, zzz=1),
+     ["'zzz'", "The inputs compress() accepts: ", "queries"]),
+]
+
+
+@pytest.mark.parametrize("desc,call,words", UNKNOWN, ids=[u[0] for u in UNKNOWN])
+def test_unknown_keyword_is_a_type_error_naming_it(desc, call, words):
+    assert_raises_naming(call, TypeError, words, desc)
+
+
+def test_every_known_input_is_accepted():
+    """The names in INPUTS (and a policy's own needs/accepts) pass the keyword check."""
+    from tritonkv.api import INPUTS, check_input_names
+
+    check_input_names({n: None for n in INPUTS}, "knorm", "adakv")
+    k, v = _kv()
+    out = tritonkv.compress((k, v), "knorm", 50, layer=0, num_layers=4, positions=torch.arange(50), hd=None)
+    assert out.keys is k
+
+    import dataclasses
+    from typing import ClassVar
+
+    @dataclasses.dataclass
+    class Custom(tritonkv.Policy):  # not registered: its needs/accepts come from the object
+        name: ClassVar[str] = "test_custom_inputs"
+        needs: ClassVar[tuple] = ("bias",)
+        accepts: ClassVar[tuple] = ("temperature",)
+
+        def score(self, keys, values, bias=None, temperature=1.0, **inputs):
+            return -keys.float().norm(dim=-1) + 0 * bias
+
+    check_input_names({"bias": 1, "temperature": 2.0}, Custom())
+    with pytest.raises(TypeError, match="'bias'"):
+        check_input_names({"bias": 1}, "knorm")
+
+
+@pytest.mark.parametrize("np_budget,py_budget", [
+    (np.float32(0.7), 0.7), (np.float32(0.29), 0.29), (np.float16(0.25), 0.25), (np.float64(0.3), 0.3),
+    (np.int64(10), 10), (np.int32(7), 7), (np.uint8(3), 3)])
+def test_numpy_scalar_budget_is_the_python_number(np_budget, py_budget):
+    for n in (10, 50, 100, 1000, 4096, 131072):
+        assert resolve_budget(np_budget, n) == resolve_budget(py_budget, n), (np_budget, n)
+    k, v = _kv()
+    a, b = tritonkv.compress((k, v), "knorm", np_budget), tritonkv.compress((k, v), "knorm", py_budget)
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.keys, b.keys)
+
+
+def test_numpy_float32_fractions_match_python_floats():
+    """float32 cannot hold 0.7 (it holds 0.69999999): the budget is still the fraction written."""
+    for i in range(1, 101):
+        f = i / 100
+        for n in (10, 100, 777, 32768):
+            assert resolve_budget(np.float32(f), n) == resolve_budget(f, n), (f, n)
+
+
+@pytest.mark.parametrize("bad,exc", [(np.float32(1.5), ValueError), (np.float32("nan"), ValueError),
+                                     (np.int64(0), ValueError), (np.bool_(True), TypeError)])
+def test_numpy_scalar_budget_out_of_range(bad, exc):
+    assert_raises_naming(lambda: tritonkv.compress(_kv(), "knorm", bad), exc, ["budget"])
+
+
+NAMES = [
+    # (description, call, words the ValueError must contain)
+    ("policy case", lambda: tritonkv.get_policy("SnapKV"), ["'SnapKV'", "did you mean 'snapkv'?"]),
+    ("policy underscore", lambda: tritonkv.get_policy("streamingllm"), ["did you mean 'streaming_llm'?"]),
+    ("policy class name", lambda: tritonkv.get_policy("CriticalKV"), ["did you mean 'criticalkv'?"]),
+    ("policy typo", lambda: tritonkv.get_policy("keydif"), ["did you mean 'keydiff'?"]),
+    ("an allocator as policy", lambda: tritonkv.get_policy("adakv"), ["'adakv' is an allocator", "allocation='adakv'"]),
+    ("PyramidKV as policy", lambda: tritonkv.get_policy("PyramidKV"), ["'pyramid' is an allocator"]),
+    ("shared name, policy side", lambda: tritonkv.get_policy("SCORE"),
+     ["did you mean 'score'?", "redundancy-penalised selection", "allocation='score'"]),
+    ("allocator case", lambda: tritonkv.get_allocator("AdaKV"), ["'AdaKV'", "did you mean 'adakv'?"]),
+    ("a policy as allocator", lambda: tritonkv.get_allocator("snapkv"), ["'snapkv' is a policy, not an allocator"]),
+    ("shared name, allocator side", lambda: tritonkv.get_allocator("SurfaceLogic"),
+     ["did you mean 'surfacelogic'?", "allocation='surfacelogic'", "INF-profile"]),
+    ("through compress", lambda: tritonkv.compress((K, V), "Knorm", 10), ["policy", "did you mean 'knorm'?"]),
+    ("allocation through compress", lambda: tritonkv.compress((K, V), "knorm", 10, allocation="Pyramid"),
+     ["allocation", "did you mean 'pyramid'?"]),
+    ("no near match", lambda: tritonkv.get_policy("zzzz"), ["unknown name 'zzzz'. known: "]),
+]
+
+
+@pytest.mark.parametrize("desc,call,words", NAMES, ids=[n[0] for n in NAMES])
+def test_unknown_name_suggests_the_near_one(desc, call, words):
+    assert_raises_naming(call, ValueError, words, desc)
+
+
+def test_shared_name_policy_says_which_is_which():
+    """compress(kv, "score", ...) without hd says the allocator of that name is allocation='score'."""
+    assert_raises_naming(lambda: tritonkv.compress((K, V), "score", 40, queries=Q), ValueError,
+                         ["hd", "allocation='score'"])
+    doc = tritonkv.compress.__doc__
+    assert "allocation=\"score\"" in doc and "surfacelogic" in doc
+
+
+# -- issue 17: layout mistakes do not pass silently ---------------------------------------------------
+
+def test_queries_in_token_major_layout_are_an_error():
+    q = Q.transpose(1, 2)[:, :7]  # [B, W=7, H_q=4, D]: W is not a multiple of H_kv = 2
+    assert_raises_naming(lambda: tritonkv.compress((K, V), "snapkv", 40, queries=q), ValueError,
+                         ["queries", "H_q", "multiple", "[B, H_kv, N, D]", "[B, H_q, W, D]", "[B, W, H_q, D]",
+                          "queries.transpose(1, 2)"])
+
+
+def test_queries_in_token_major_layout_with_o_proj_are_named():
+    """W = 8 divides by H_kv = 2, so only W_O's width shows that the heads are in the third dimension."""
+    q = Q.transpose(1, 2)  # [B, W=8, H_q=4, D]
+    assert_raises_naming(lambda: tritonkv.compress((K, V), "criticalkv", 40, queries=q, o_proj=WO), ValueError,
+                         ["o_proj", "[B, W, H_q, D]", "queries.transpose(1, 2)"])
+
+
+def test_keys_with_more_heads_than_tokens_warn():
+    kt, vt = K.transpose(1, 2), V.transpose(1, 2)  # [B, N=50, H=2, D] read as 50 heads of 2 tokens
+    with pytest.warns(UserWarning, match=r"H_kv = 50 > N = 2.*\[B, H_kv, N, D\].*keys\.transpose\(1, 2\)"):
+        out = tritonkv.compress((kt, vt), "knorm", 10)  # budget >= N: returned as is, but still warned
+    assert out.keys is kt
+    with pytest.warns(UserWarning, match="more heads than tokens"), \
+            pytest.raises(ValueError, match=r"keys look like \[B, N, H_kv, D\]"):
+        tritonkv.compress((kt, vt), "snapkv", 1, queries=Q)  # H_q = 4 is not a multiple of "H_kv" = 50
+
+
+def test_plain_layout_does_not_warn():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tritonkv.compress((K, V), "knorm", 50)
+        tritonkv.compress((K[:, :, :2], V[:, :, :2]), "knorm", 2)  # H_kv = N: not more heads than tokens

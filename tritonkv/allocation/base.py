@@ -32,14 +32,23 @@ def register_allocator(cls):
 
 
 def get_allocator(allocation) -> "Allocator":
-    """An allocator object from a name, a class or an object (objects pass through)."""
+    """An allocator object from a name, a class or an object (objects pass through).
+
+    An unknown name is a ValueError with the near match (``'AdaKV'`` → ``'adakv'``) or, for a
+    policy's name (``'snapkv'``), the note that it is a policy. ``'score'`` and ``'surfacelogic'``
+    name an allocator *and* a policy: here they are the allocators (SCORE's layer/head budgets;
+    SurfaceLogicKV's INF-profile budgets), not the policies of the same name.
+    """
     if isinstance(allocation, Allocator):
         return allocation
     if isinstance(allocation, str):
         try:
             return ALLOCATORS[allocation]()
         except KeyError:
-            raise ValueError(f"allocation: unknown name {allocation!r}; known: {sorted(ALLOCATORS)}") from None
+            from .._names import unknown_name
+            from ..policies import POLICIES
+
+            raise ValueError(unknown_name("allocation", allocation, ALLOCATORS, "policy", POLICIES)) from None
     if isinstance(allocation, type) and issubclass(allocation, Allocator):
         return allocation()
     raise TypeError(f"allocation must be a name ({sorted(ALLOCATORS)}) or a tritonkv.allocation.Allocator, "

@@ -27,14 +27,26 @@ def register_policy(cls):
 
 
 def get_policy(policy) -> "Policy":
-    """A policy object from a name or an object (objects pass through)."""
+    """A policy object from a name or an object (objects pass through).
+
+    An unknown name is a ValueError with the near match (``'SnapKV'`` → ``'snapkv'``) or, for an
+    allocator's name (``'adakv'``), the note to pass it as ``allocation=``. ``'score'`` and
+    ``'surfacelogic'`` name a policy *and* an allocator: here they are the policies (SCORE's
+    redundancy-penalised selection; SurfaceLogicKV's window-attention scoring).
+    """
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
         try:
             return POLICIES[policy]()
         except KeyError:
-            raise ValueError(f"policy: unknown name {policy!r}; known: {sorted(POLICIES)}") from None
+            from .._names import unknown_name
+
+            try:
+                from ..allocation import ALLOCATORS
+            except Exception:  # the message must not fail for an unrelated reason
+                ALLOCATORS = {}
+            raise ValueError(unknown_name("policy", policy, POLICIES, "allocation", ALLOCATORS)) from None
     if isinstance(policy, type) and issubclass(policy, Policy):
         return policy()
     raise TypeError(f"policy must be a name or a tritonkv.policies.Policy, got {type(policy).__name__}")
