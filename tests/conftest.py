@@ -2,7 +2,8 @@
 
 TRITON_INTERPRET must be set before any module defining ``@triton.jit`` kernels is imported
 (kernels.md rule 3), so it is decided here, at conftest import time: without a CUDA device the
-kernels run on CPU tensors under the interpreter.
+kernel tests run the Triton kernels on CPU tensors under the interpreter, while the model-level
+tests (``NATIVE_MODULES``) run every op's native PyTorch body on the CPU, as users do.
 """
 import os
 import sys
@@ -46,6 +47,21 @@ def pytest_collection_modifyitems(items):
         done.add(id(fn))
         fn._hypothesis_internal_use_settings = settings(s, max_examples=max(s.max_examples,
                                                                             round(deep * s.max_examples / 25)))
+
+
+NATIVE_MODULES = ("test_transformers", "test_needle", "test_profiler")
+
+
+@pytest.fixture(autouse=True)
+def _native_cpu_path(request):
+    """Model-level tests on the CPU use the ops' PyTorch bodies (the interpreter is for kernel tests)."""
+    if DEVICE == "cpu" and request.module.__name__.startswith(NATIVE_MODULES):
+        from tritonkv.kernels._common import cpu_kernels
+
+        with cpu_kernels("torch"):
+            yield
+    else:
+        yield
 
 
 @pytest.fixture

@@ -72,8 +72,6 @@ def test_each_command_has_its_own_help(helps):
         assert out.startswith("usage: ") and name in out.splitlines()[0], (name, out)
 
 
-@pytest.mark.xfail(strict=True, reason="demo.py builds its parser with description=__doc__.splitlines()[0], the "
-                                       "first line of a sentence; fix there (then remove this marker)")
 def test_demo_help_description_is_whole(helps):
     description = helps["demo"][1].split("\n\n")[1]  # usage, description, options
     assert " ".join(description.split()).endswith("."), description

@@ -48,3 +48,35 @@ def test_blockwise_compressed_is_bounded(model, ids):
     assert out.shape == (1, 75)
     assert max(n for _, n in cache.trace) <= 24 + 16
     assert cache.get_seq_length() == 74 and cache.stored_tokens() == [24 + 4] * 2
+
+
+def test_answer_questions_from_one_compressed_context(model, ids):
+    """kvpress's context/question pattern: with a budget >= N each answer equals the stock model's greedy
+    continuation of context + question; compressed, the context is compressed once (questions are not evicted)."""
+    context, questions = ids[:1, :60], [ids[1:, 60:65], ids[1:, 62:70]]
+    got = tt.answer(model, context, questions, policy="keydiff", budget=10_000, max_new_tokens=5)
+    for q, a in zip(questions, got):
+        ref = model.generate(torch.cat([context, q], 1), attention_mask=torch.ones(1, 60 + q.shape[1], dtype=torch.long),
+                             max_new_tokens=5, do_sample=False)
+        assert torch.equal(a, ref[:, 60 + q.shape[1]:])
+    small = tt.answer(model, context, questions, policy="keydiff", budget=16, max_new_tokens=3)
+    assert [a.shape for a in small] == [(1, 3)] * 2
+
+
+def test_compressing_context_manager(model, ids):
+    """``with compressing(model, ...)``: model.generate gets a fresh TritonKVCache per call (exact at full budget,
+    bounded when compressed); on exit generate and the attention implementation are the model's own again."""
+    attn = model.config._attn_implementation
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw)
+    with tt.compressing(model, "keydiff", 10_000, mode="blockwise", block_size=16):
+        out = model.generate(ids, **kw)
+        assert isinstance(out.past_key_values, tt.TritonKVCache)
+        assert torch.equal(out.sequences, ref.sequences)
+    with tt.compressing(model, "keydiff", 0.25):
+        out = model.generate(ids, **kw)
+        assert out.past_key_values.stored_tokens() == [17 + 3] * 2  # 0.25 of the 70-token prompt, then 3 steps
+    assert "generate" not in vars(model) and model.config._attn_implementation == attn
+    with pytest.raises(TypeError, match="queris"):
+        with tt.compressing(model, "snapkv", 0.25, queris=None):
+            pass

@@ -113,16 +113,18 @@ def run(device: str = "auto", n_tokens: int = 0, budget: float = 0.25, mode: str
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tritonkv demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tritonkv demo", description=__doc__.replace("``", ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--tokens", type=int, default=0, help="prompt length (default 1024 on CPU, 6144 on GPU)")
     p.add_argument("--budget", type=float, default=0.25, help="fraction of the prompt kept per head (default 0.25)")
-    p.add_argument("--mode", default="blockwise", choices=("after_prefill", "blockwise", "decoding"))
-    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--mode", default="blockwise", choices=("after_prefill", "blockwise", "decoding"),
+                   help="when the cache compresses (default blockwise: after every prefill block)")
+    p.add_argument("--block-size", type=int, default=128, help="prefill block in blockwise mode (default 128)")
     p.add_argument("--policies", default=",".join(DEMO_POLICIES), help="comma-separated policy names")
     p.add_argument("--new-tokens", type=int, default=12, help="tokens of the model's answer")
     p.add_argument("--depth", type=float, default=0.5, help="where the needle sits in the haystack (0..1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="which pass key and haystack cut (default 0)")
     a = p.parse_args(argv)
     run(a.device, a.tokens, a.budget, a.mode, a.block_size, [s for s in a.policies.split(",") if s], a.new_tokens,
         a.depth, a.seed)

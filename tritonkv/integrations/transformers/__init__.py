@@ -19,7 +19,9 @@ Where things are:
 - ``cache.py``: ``TritonKVCache`` and its layers — when a layer compresses (after every multi-token forward over
   the budget; in ``"decoding"`` mode every ``decode_every`` tokens), budget semantics, ``nbytes`` and
   ``kept_tokens()``;
-- ``generate.py``: ``make_cache``, ``prefill`` (block-wise), ``generate``, ``decode``.
+- ``generate.py``: ``make_cache``, ``prefill`` (block-wise), ``generate``, ``decode``; for kvpress users the
+  ``compressing(model, policy, budget)`` context manager (``with compressing(...): model.generate(...)``) and
+  ``answer(model, context_ids, questions, ...)`` (compress a context once, answer several questions).
 
 Modes: ``"after_prefill"`` (the prompt in one forward, compressed once), ``"blockwise"`` (the prompt in blocks of
 ``block_size``, compressed after each, KeyDiff Eq. 6: never more than ``budget + block_size`` slots per head),
@@ -36,9 +38,9 @@ eagerly between steps (``TritonKVCache.compress_now``) and writes into the reser
 """
 from .attention import ATTN_IMPLEMENTATION, attention, masked_attention, use_tritonkv
 from .cache import MODES, LagKVLayer, TritonKVCache, TritonKVLayer
-from .generate import decode, generate, make_cache, prefill
+from .generate import answer, compressing, decode, generate, make_cache, prefill
 from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
 
 __all__ = ["TritonKVCache", "TritonKVLayer", "LagKVLayer", "MODES", "SENTINEL", "ATTN_IMPLEMENTATION", "attention",
-           "masked_attention", "use_tritonkv", "make_cache", "prefill", "generate", "decode", "DenseStore",
+           "masked_attention", "use_tritonkv", "make_cache", "prefill", "generate", "decode", "compressing", "answer", "DenseStore",
            "RaggedStore", "slack_for"]

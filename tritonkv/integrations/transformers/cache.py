@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ...api import Compressed, compress, resolve_budget
+from ...api import Compressed, check_input_names, compress, resolve_budget
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
 from .attention import _ACTIVE, block_attention, causal_attention, decode_sdpa, masked_attention
@@ -398,6 +398,7 @@ class TritonKVCache(Cache):
                                           or prompt_length < 1):
             raise ValueError(f"prompt_length must be a positive int or None, got {prompt_length!r}")
         self.policy = get_policy(policy)
+        check_input_names(inputs, self.policy, allocation)  # a wrong keyword fails now, not at the first compression
         resolve_budget(budget, 1)  # type/range check now
         self.budget, self.mode, self.allocation = budget, mode, allocation
         self.block_size = block_size

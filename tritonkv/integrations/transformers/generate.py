@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Optional
 
 import torch
@@ -97,3 +98,57 @@ def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eo
             logits = model(input_ids=nxt, position_ids=pos, attention_mask=attention_mask, past_key_values=cache,
                            use_cache=True).logits[:, -1]
     return torch.cat(out, dim=1)
+
+
+@contextlib.contextmanager
+def compressing(model, policy, budget, *, mode: str = "after_prefill", allocation=None, block_size: int = 128,
+                decode_every: Optional[int] = None, **cache_kwargs):
+    """kvpress's ``with press(model): model.generate(...)``: inside the block, every ``model.generate`` call that
+    passes no ``past_key_values`` gets a fresh ``TritonKVCache`` (``policy``, ``budget`` as a fraction of that
+    call's prompt, ``mode``, ``allocation``) and the ``"tritonkv"`` attention function; blockwise mode also sets
+    ``prefill_chunk_size``. The model's ``generate`` and attention implementation are restored on exit.
+
+        with compressing(model, "snapkv", 0.25, allocation="adakv"):
+            out = model.generate(input_ids, max_new_tokens=64)
+    """
+    make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
+               decode_every=decode_every, **cache_kwargs)  # argument checks now, not at the first call
+    stock = model.generate
+
+    def generate_compressed(input_ids=None, *args, **kwargs):
+        if kwargs.get("past_key_values") is None and input_ids is not None:
+            kwargs["past_key_values"] = make_cache(model, policy, budget, mode=mode, allocation=allocation,
+                                                   block_size=block_size, decode_every=decode_every,
+                                                   prompt_length=input_ids.shape[1], **cache_kwargs)
+            if mode == "blockwise":
+                kwargs.setdefault("prefill_chunk_size", block_size)
+        return stock(input_ids, *args, **kwargs)
+
+    model.generate = generate_compressed
+    try:
+        with use_tritonkv(model):
+            yield model
+    finally:
+        del model.generate  # back to the class's method
+
+
+@torch.no_grad()
+def answer(model, context_ids, questions, *, policy, budget, max_new_tokens: int = 32, allocation=None,
+           mode: str = "after_prefill", block_size: int = 128, eos_token_id=None, **cache_kwargs):
+    """kvpress's context/question pattern: compress a long ``context_ids`` ``[1, N]`` once, without seeing any
+    question, then answer each question (token ids ``[1, T_q]``) greedily from a copy of the compressed cache
+    (the question's tokens are not evicted). ``budget`` is tokens per head (int) or a fraction of the context
+    (float). Returns one tensor of new token ids ``[1, <= max_new_tokens]`` per question. With a budget >= N the
+    answers equal greedy decoding of context + question with the full cache."""
+    if not isinstance(questions, (list, tuple)):
+        questions = [questions]
+    cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
+                       prompt_length=context_ids.shape[1], **cache_kwargs)
+    prefill(model, context_ids, cache)
+    cache.freeze()  # the context is compressed; questions and answers are kept whole
+    answers = []
+    for q in questions:
+        c = copy.deepcopy(cache)
+        logits = prefill(model, q.to(context_ids.device), c, block_size=q.shape[1])[:, -1]
+        answers.append(decode(model, c, logits, max_new_tokens, eos_token_id=eos_token_id))
+    return answers
