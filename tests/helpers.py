@@ -34,3 +34,18 @@ class SignedScores(GivenScores):
     """``GivenScores`` whose scores may be negative."""
 
     nonnegative: ClassVar[bool] = False
+
+
+# CPU op bodies (issue 13): the Triton kernels under the interpreter, or the vectorised PyTorch bodies
+BACKENDS = ("triton", "torch")
+both_backends = pytest.mark.parametrize("backend", BACKENDS)
+
+
+def on_backend(backend: str):
+    """Context in which CPU tensors run ``backend``'s op bodies (``tritonkv.kernels._common.cpu_kernels``);
+    skips ``"triton"`` in a process without the interpreter (CPU tensors cannot run compiled kernels)."""
+    from tritonkv.kernels._common import INTERPRET, cpu_kernels
+
+    if backend == "triton" and not INTERPRET:
+        pytest.skip("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
+    return cpu_kernels(backend)

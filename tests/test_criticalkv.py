@@ -1,4 +1,5 @@
-"""CriticalKV: projected-value norm kernel and two-stage selection, against the NumPy oracle."""
+"""CriticalKV: projected-value norm kernel and CPU PyTorch body, and two-stage selection, against
+the NumPy oracle and each other."""
 
 import numpy as np
 import pytest
@@ -8,10 +9,11 @@ from hypothesis import given, settings, strategies as st
 import tritonkv
 from aot import assert_compiles
 from reference import criticalkv as ref
+from tritonkv.kernels import critical as kcrit
 from tritonkv.kernels import select as ksel
 from tritonkv.kernels.critical import value_norms
 from tritonkv.policies.criticalkv import CriticalKV
-from helpers import GivenScores, SignedScores  # noqa: E402
+from helpers import GivenScores, SignedScores, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REL = 1e-5  # fp32 norms differ from the float64 oracle by ~1e-6 (reduction order)
@@ -68,59 +70,83 @@ def check_row(kept, s, n, budget, sink, window, alpha, eps=1e-4):
         np.testing.assert_allclose(np.sort(s2[got & ~P & ~S1]), np.sort(s2[S2]), rtol=REL)
 
 
+@both_backends
 @given(case=cases(max_n=200))
-def test_value_norms_match_oracle(case):
+def test_value_norms_match_oracle(backend, case):
+    with on_backend(backend):
+        _, values, w, G, *_ = case
+        n = value_norms(values, w)
+        assert n.dtype == torch.float32 and n.shape == values.shape[:3]
+        np.testing.assert_allclose(n.numpy(), oracle_norms(values, w, G), rtol=REL, atol=1e-6)
+
+
+@given(case=cases(max_n=200), block=st.sampled_from([kcrit.TORCH_BLOCK, 1, 24 * 16 * 7]))
+def test_torch_body_matches_kernel(case, block):
+    """The CPU PyTorch body against the Triton kernel (interpreter): norms within fp32 round-off
+    (both multiply in IEEE fp32), whatever the token chunking of the body (one token per chunk,
+    uneven chunks, or one chunk)."""
     _, values, w, G, *_ = case
-    n = value_norms(values, w)
-    assert n.dtype == torch.float32 and n.shape == values.shape[:3]
-    np.testing.assert_allclose(n.numpy(), oracle_norms(values, w, G), rtol=REL, atol=1e-6)
+    with on_backend("triton"):
+        want = value_norms(values, w)
+    orig, kcrit.TORCH_BLOCK = kcrit.TORCH_BLOCK, block
+    try:
+        with on_backend("torch"):
+            got = value_norms(values, w)
+    finally:
+        kcrit.TORCH_BLOCK = orig
+    assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=2 * REL, atol=1e-6)
 
 
+@both_backends
 @settings(max_examples=12)
 @given(case=cases(), alpha=st.sampled_from([0.0, 0.25, 0.5, 0.7, 1.0, 0.3]))
-def test_selection_matches_oracle(case, alpha):
+def test_selection_matches_oracle(backend, case, alpha):
     """Per-head budgets (as from AdaKV), B > 1, G in {1, 3, 4}, every dtype: exact kept indices."""
-    s, values, w, G, sink, window, budgets = case
-    B, H, N = s.shape
-    k_max = int(min(budgets.max(), N))
-    pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window), alpha=alpha)
-    ko, vo, idx, lengths = pol.select(pol.score(values, values), budgets, values, values, sink=sink, window=window,
-                                      k_max=k_max, o_proj=w)
-    n = oracle_norms(values, w, G)
-    for r, kept in enumerate(kept_rows(idx, lengths)):
-        b, h = divmod(r, H)
-        assert len(kept) == min(int(budgets[r]), N)
-        check_row(kept, s[b, h].double().numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
-        assert torch.equal(ko[b, h, :len(kept)], values[b, h, kept])
+    with on_backend(backend):
+        s, values, w, G, sink, window, budgets = case
+        B, H, N = s.shape
+        k_max = int(min(budgets.max(), N))
+        pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window), alpha=alpha)
+        ko, vo, idx, lengths = pol.select(pol.score(values, values), budgets, values, values, sink=sink, window=window,
+                                          k_max=k_max, o_proj=w)
+        n = oracle_norms(values, w, G)
+        for r, kept in enumerate(kept_rows(idx, lengths)):
+            b, h = divmod(r, H)
+            assert len(kept) == min(int(budgets[r]), N)
+            check_row(kept, s[b, h].double().numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
+            assert torch.equal(ko[b, h, :len(kept)], values[b, h, kept])
 
 
+@both_backends
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compress_dense_and_ragged(dtype):
+def test_compress_dense_and_ragged(backend, dtype):
     """compress() with one budget (dense) and RaggedKV.from_policy with per-head budgets (B = 2)."""
-    rng = np.random.default_rng(3)
-    B, H, G, N, D, sink, window = 2, 2, 3, 70, 16, 2, 5
-    s = torch.from_numpy((np.stack([rng.permutation(N) for _ in range(B * H)]) + 1.0) / N).float().view(B, H, N)
-    values = torch.from_numpy(rng.standard_normal((B, H, N, D)) * np.exp(rng.uniform(-1, 1, (B, H, N, 1)))).to(dtype)
-    keys = values.flip(-1)
-    w = torch.from_numpy(rng.standard_normal((24, H * G * D))).to(dtype)
-    n = oracle_norms(values, w, G)
-    pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window))
-    out = tritonkv.compress((keys, values), pol, 0.3, o_proj=w)
-    assert out.indices.shape == (B, H, 21)
-    for b in range(B):
-        for h in range(H):
-            kept = out.indices[b, h].numpy()
-            check_row(kept, s[b, h].double().numpy(), n[b, h], 21, sink, window, 0.5)
-            assert torch.equal(out.keys[b, h], keys[b, h, kept]) and torch.equal(out.values[b, h], values[b, h, kept])
-    budgets = torch.tensor([7, 30, 69, 12], dtype=torch.int32)
-    rag = tritonkv.RaggedKV.from_policy(pol, s, budgets, keys, values, sink=sink, window=window, o_proj=w)
-    K, _, lengths, pos = rag.to_padded(N, with_positions=True)
-    assert lengths.view(-1).tolist() == budgets.tolist()
-    for r in range(B * H):
-        b, h = divmod(r, H)
-        kept = pos[b, h, :budgets[r]].numpy()
-        check_row(kept, s[b, h].double().numpy(), n[b, h], int(budgets[r]), sink, window, 0.5)
-        assert torch.equal(K[b, h, :budgets[r]], keys[b, h, kept])
+    with on_backend(backend):
+        rng = np.random.default_rng(3)
+        B, H, G, N, D, sink, window = 2, 2, 3, 70, 16, 2, 5
+        s = torch.from_numpy((np.stack([rng.permutation(N) for _ in range(B * H)]) + 1.0) / N).float().view(B, H, N)
+        values = torch.from_numpy(rng.standard_normal((B, H, N, D)) * np.exp(rng.uniform(-1, 1, (B, H, N, 1)))).to(dtype)
+        keys = values.flip(-1)
+        w = torch.from_numpy(rng.standard_normal((24, H * G * D))).to(dtype)
+        n = oracle_norms(values, w, G)
+        pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window))
+        out = tritonkv.compress((keys, values), pol, 0.3, o_proj=w)
+        assert out.indices.shape == (B, H, 21)
+        for b in range(B):
+            for h in range(H):
+                kept = out.indices[b, h].numpy()
+                check_row(kept, s[b, h].double().numpy(), n[b, h], 21, sink, window, 0.5)
+                assert torch.equal(out.keys[b, h], keys[b, h, kept]) and torch.equal(out.values[b, h], values[b, h, kept])
+        budgets = torch.tensor([7, 30, 69, 12], dtype=torch.int32)
+        rag = tritonkv.RaggedKV.from_policy(pol, s, budgets, keys, values, sink=sink, window=window, o_proj=w)
+        K, _, lengths, pos = rag.to_padded(N, with_positions=True)
+        assert lengths.view(-1).tolist() == budgets.tolist()
+        for r in range(B * H):
+            b, h = divmod(r, H)
+            kept = pos[b, h, :budgets[r]].numpy()
+            check_row(kept, s[b, h].double().numpy(), n[b, h], int(budgets[r]), sink, window, 0.5)
+            assert torch.equal(K[b, h, :budgets[r]], keys[b, h, kept])
 
 
 def _select_indices(pol, s, budgets, values, w, sink, window):
@@ -129,99 +155,109 @@ def _select_indices(pol, s, budgets, values, w, sink, window):
     return idx, lengths
 
 
+@both_backends
 @settings(max_examples=4)
 @given(case=cases(max_n=120), ties=st.booleans())
-def test_alpha_one_is_base_and_alpha_zero_is_pure(case, ties):
+def test_alpha_one_is_base_and_alpha_zero_is_pure(backend, case, ties):
     """α = 1: the base selection; α = 0: plain selection on (s + ε)·n. Exact, ties included."""
-    s, values, w, G, sink, window, budgets = case
-    if ties:  # few distinct values (zeros included): the tie rule decides
-        s = torch.floor(s * 3) / 3
-    base = GivenScores(scores=s, sink=sink, window=window)
-    N = s.shape[-1]
-    want = ksel.select_indices(s, budgets, N, sink=sink, window=window)
-    got = _select_indices(CriticalKV(base=base, alpha=1.0), s, budgets, values, w, sink, window)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    pure = (s + 1e-4) * value_norms(values, w)
-    want = ksel.select_indices(pure, budgets, N, sink=sink, window=window)
-    got = _select_indices(CriticalKV(base=base, alpha=0.0), s, budgets, values, w, sink, window)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with on_backend(backend):
+        s, values, w, G, sink, window, budgets = case
+        if ties:  # few distinct values (zeros included): the tie rule decides
+            s = torch.floor(s * 3) / 3
+        base = GivenScores(scores=s, sink=sink, window=window)
+        N = s.shape[-1]
+        want = ksel.select_indices(s, budgets, N, sink=sink, window=window)
+        got = _select_indices(CriticalKV(base=base, alpha=1.0), s, budgets, values, w, sink, window)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        pure = (s + 1e-4) * value_norms(values, w)
+        want = ksel.select_indices(pure, budgets, N, sink=sink, window=window)
+        got = _select_indices(CriticalKV(base=base, alpha=0.0), s, budgets, values, w, sink, window)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@both_backends
 @settings(max_examples=4)
 @given(case=cases(max_n=120), alpha=st.sampled_from([0.25, 0.5, 0.7]), data=st.data())
-def test_invariants(case, alpha, data):
+def test_invariants(backend, case, alpha, data):
     """Top ⌊αb⌋ by s always kept; W_O·c (c > 0) and permuting query heads within a group change
     nothing; permuting query heads across groups does (when it changes the norms)."""
-    s, values, w, G, sink, window, budgets = case
-    B, H, N = s.shape
-    pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window), alpha=alpha)
-    idx, lengths = _select_indices(pol, s, budgets, values, w, sink, window)
-    rows = kept_rows(idx, lengths)
-    n = oracle_norms(values, w, G)
-    for r, kept in enumerate(rows):
-        b, h = divmod(r, H)
-        _, S1, _, _ = ref.stages(s[b, h].numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
-        assert set(np.flatnonzero(S1)) <= set(kept.tolist())
-    # scaling W_O by a power of two is exact: identical indices, ties or not
-    c = data.draw(st.sampled_from([0.25, 2.0, 8.0]))
-    scaled = _select_indices(pol, s, budgets, values, w * c, sink, window)
-    assert torch.equal(scaled[0], idx)
-    # permuting the query heads inside each group (W_O column blocks)
-    D = values.shape[-1]
-    perm = np.concatenate([h * G + np.random.default_rng(data.draw(st.integers(0, 99))).permutation(G)
-                           for h in range(H)])
-    cols = torch.from_numpy(np.concatenate([np.arange(q * D, (q + 1) * D) for q in perm]))
-    wp = w[:, cols]
-    torch.testing.assert_close(value_norms(values, wp), value_norms(values, w), rtol=REL, atol=1e-6)
-    perm_idx, perm_len = _select_indices(pol, s, budgets, values, wp, sink, window)
-    for r, kept in enumerate(kept_rows(perm_idx, perm_len)):
-        b, h = divmod(r, H)
-        check_row(kept, s[b, h].numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
+    with on_backend(backend):
+        s, values, w, G, sink, window, budgets = case
+        B, H, N = s.shape
+        pol = CriticalKV(base=GivenScores(scores=s, sink=sink, window=window), alpha=alpha)
+        idx, lengths = _select_indices(pol, s, budgets, values, w, sink, window)
+        rows = kept_rows(idx, lengths)
+        n = oracle_norms(values, w, G)
+        for r, kept in enumerate(rows):
+            b, h = divmod(r, H)
+            _, S1, _, _ = ref.stages(s[b, h].numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
+            assert set(np.flatnonzero(S1)) <= set(kept.tolist())
+        # scaling W_O by a power of two is exact: identical indices, ties or not
+        c = data.draw(st.sampled_from([0.25, 2.0, 8.0]))
+        scaled = _select_indices(pol, s, budgets, values, w * c, sink, window)
+        assert torch.equal(scaled[0], idx)
+        # permuting the query heads inside each group (W_O column blocks)
+        D = values.shape[-1]
+        perm = np.concatenate([h * G + np.random.default_rng(data.draw(st.integers(0, 99))).permutation(G)
+                               for h in range(H)])
+        cols = torch.from_numpy(np.concatenate([np.arange(q * D, (q + 1) * D) for q in perm]))
+        wp = w[:, cols]
+        torch.testing.assert_close(value_norms(values, wp), value_norms(values, w), rtol=REL, atol=1e-6)
+        perm_idx, perm_len = _select_indices(pol, s, budgets, values, wp, sink, window)
+        for r, kept in enumerate(kept_rows(perm_idx, perm_len)):
+            b, h = divmod(r, H)
+            check_row(kept, s[b, h].numpy(), n[b, h], int(budgets[r]), sink, window, alpha)
 
 
-def test_group_order_matters():
+@both_backends
+def test_group_order_matters(backend):
     """The norm of KV head h reads exactly the columns of query heads h·G … h·G + G − 1."""
-    g = torch.Generator().manual_seed(0)
-    values = torch.randn(1, 2, 5, 16, generator=g)
-    w = torch.zeros(8, 2 * 2 * 16)
-    w[:, 2 * 16:3 * 16] = torch.randn(8, 16, generator=g)  # only query head 2 (group of KV head 1)
-    n = value_norms(values, w)
-    assert (n[0, 0] == 0).all() and (n[0, 1] > 0).all()
-    want = (values[0, 1] @ w[:, 32:48].T).abs().sum(-1) / 2
-    torch.testing.assert_close(n[0, 1], want, rtol=1e-6, atol=0)
+    with on_backend(backend):
+        g = torch.Generator().manual_seed(0)
+        values = torch.randn(1, 2, 5, 16, generator=g)
+        w = torch.zeros(8, 2 * 2 * 16)
+        w[:, 2 * 16:3 * 16] = torch.randn(8, 16, generator=g)  # only query head 2 (group of KV head 1)
+        n = value_norms(values, w)
+        assert (n[0, 0] == 0).all() and (n[0, 1] > 0).all()
+        want = (values[0, 1] @ w[:, 32:48].T).abs().sum(-1) / 2
+        torch.testing.assert_close(n[0, 1], want, rtol=1e-6, atol=0)
 
 
-def test_strided_and_module_inputs():
-    g = torch.Generator().manual_seed(1)
-    base = torch.randn(2, 40, 3, 16, generator=g)
-    values = base.permute(0, 2, 1, 3)  # [B, H, N, D] view of [B, N, H, D] storage
-    lin = torch.nn.Linear(3 * 2 * 16, 24, bias=False)
-    want = value_norms(values.contiguous(), lin.weight.detach().contiguous())
-    assert torch.equal(value_norms(values, lin), want)
-    assert torch.equal(value_norms(values, lin.weight.detach().T.contiguous().T), want)
+@both_backends
+def test_strided_and_module_inputs(backend):
+    with on_backend(backend):
+        g = torch.Generator().manual_seed(1)
+        base = torch.randn(2, 40, 3, 16, generator=g)
+        values = base.permute(0, 2, 1, 3)  # [B, H, N, D] view of [B, N, H, D] storage
+        lin = torch.nn.Linear(3 * 2 * 16, 24, bias=False)
+        want = value_norms(values.contiguous(), lin.weight.detach().contiguous())
+        assert torch.equal(value_norms(values, lin), want)
+        assert torch.equal(value_norms(values, lin.weight.detach().T.contiguous().T), want)
 
 
+@both_backends
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_with_snapkv(dtype):
+def test_with_snapkv(backend, dtype):
     """The default base: SnapKV (window 32, max-pool 7) scores from queries."""
-    snap = pytest.importorskip("tritonkv.policies.snapkv")
-    g = torch.Generator().manual_seed(2)
-    B, H, G, N, D = 2, 2, 3, 90, 16
-    keys = torch.randn(B, H, N, D, generator=g).to(dtype)
-    values = (torch.randn(B, H, N, D, generator=g) * torch.rand(B, H, N, 1, generator=g) * 3).to(dtype)
-    queries = torch.randn(B, H * G, 32, D, generator=g).to(dtype)
-    w = (torch.randn(48, H * G * D, generator=g) / 4).to(dtype)
-    pol = tritonkv.get_policy("criticalkv")
-    assert isinstance(pol.base, snap.SnapKV) and (pol.alpha, pol.eps) == (0.5, 1e-4)
-    assert set(pol.needs) == {"queries", "o_proj"} and pol.protected(N, 50) == (0, 32)
-    out = tritonkv.compress((keys, values), pol, 50, queries=queries, o_proj=w)
-    s = snap.SnapKV().score(keys, values, queries=queries)
-    n = oracle_norms(values, w, G)
-    for b in range(B):
-        for h in range(H):
-            check_row(out.indices[b, h].numpy(), s[b, h].double().numpy(), n[b, h], 50, 0, 32, 0.5)
-    with pytest.raises(ValueError, match="o_proj"):
-        tritonkv.compress((keys, values), pol, 50, queries=queries)
+    with on_backend(backend):
+        snap = pytest.importorskip("tritonkv.policies.snapkv")
+        g = torch.Generator().manual_seed(2)
+        B, H, G, N, D = 2, 2, 3, 90, 16
+        keys = torch.randn(B, H, N, D, generator=g).to(dtype)
+        values = (torch.randn(B, H, N, D, generator=g) * torch.rand(B, H, N, 1, generator=g) * 3).to(dtype)
+        queries = torch.randn(B, H * G, 32, D, generator=g).to(dtype)
+        w = (torch.randn(48, H * G * D, generator=g) / 4).to(dtype)
+        pol = tritonkv.get_policy("criticalkv")
+        assert isinstance(pol.base, snap.SnapKV) and (pol.alpha, pol.eps) == (0.5, 1e-4)
+        assert set(pol.needs) == {"queries", "o_proj"} and pol.protected(N, 50) == (0, 32)
+        out = tritonkv.compress((keys, values), pol, 50, queries=queries, o_proj=w)
+        s = snap.SnapKV().score(keys, values, queries=queries)
+        n = oracle_norms(values, w, G)
+        for b in range(B):
+            for h in range(H):
+                check_row(out.indices[b, h].numpy(), s[b, h].double().numpy(), n[b, h], 50, 0, 32, 0.5)
+        with pytest.raises(ValueError, match="o_proj"):
+            tritonkv.compress((keys, values), pol, 50, queries=queries)
 
 
 def test_bad_input():

@@ -1,7 +1,8 @@
-"""KeyDiff (algorithms.md §1.2): the two-launch anchor + score kernel against the NumPy oracle, the
-oracle's two forms (Eq. 7 pairwise, Eq. 8 anchor) against each other, kept indices end to end
-through compress() (the shared select with the policy's protected sizes), the invariants of
-§1.2, the sliding-window protection, bad inputs and the AOT compile."""
+"""KeyDiff (algorithms.md §1.2): the two-launch anchor + score kernel and the CPU PyTorch body
+against the NumPy oracle and each other, the oracle's two forms (Eq. 7 pairwise, Eq. 8 anchor)
+against each other, kept indices end to end through compress() (the shared select with the
+policy's protected sizes), the invariants of §1.2, the sliding-window protection, bad inputs and
+the AOT compile."""
 import numpy as np
 import pytest
 import torch
@@ -14,7 +15,7 @@ from reference.select import select as ref_select
 from tritonkv.kernels import keydiff as kkd
 from tritonkv.kernels.keydiff import keydiff_scores
 from tritonkv.policies import KeyDiff
-from helpers import assert_raises_naming  # noqa: E402
+from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # fp32 cosine against fp64: ~1e-7 measured on scores in [-1, 1] (D ≤ 128, N ≤ 300)
@@ -108,9 +109,11 @@ def oracle(keys, mode="normalized"):
 # kernel against the oracle
 
 
+@both_backends
 @given(keys=keys_case(), mode=st.sampled_from(kkd.ANCHORS), chunk=st.sampled_from([0, 64]))
-def test_scores_match_oracle(keys, mode, chunk):
-    got = keydiff_scores(keys, anchor=mode, chunk=chunk)
+def test_scores_match_oracle(backend, keys, mode, chunk):
+    with on_backend(backend):
+        got = keydiff_scores(keys, anchor=mode, chunk=chunk)
     assert got.dtype == torch.float32 and got.shape == keys.shape[:3] and got.is_contiguous()
     s = got.numpy()
     np.testing.assert_allclose(s, oracle(keys, mode), rtol=0, atol=TOL)
@@ -136,6 +139,29 @@ def test_many_chunks_per_row():
     for mode in kkd.ANCHORS:
         got = keydiff_scores(keys, anchor=mode, chunk=16)
         np.testing.assert_allclose(got.numpy(), oracle(keys, mode), rtol=0, atol=TOL)
+
+
+@given(keys=keys_case(), data=st.data())
+def test_torch_body_matches_kernel(keys, data):
+    """The CPU PyTorch body against the Triton kernel (interpreter) on the same keys: scores within
+    fp32 round-off of each other (the anchor is summed in another order), and compress() keeps the
+    same indices on both (the kernel's scores decide; at a near-tie the multiset of kept scores)."""
+    B, H, N, D = keys.shape
+    pol, k = data.draw(policy_case(N))
+    with on_backend("triton"):
+        want = keydiff_scores(keys, anchor=pol.anchor)
+    with on_backend("torch"):
+        got = keydiff_scores(keys, anchor=pol.anchor)
+    assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous()
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=0, atol=TOL)
+    sink, window = pol.protected(N, k)
+    if k >= N or sink + window > k:
+        return
+    s = want.double().numpy().reshape(B * H, N)
+    for backend in ("triton", "torch"):
+        with on_backend(backend):
+            idx = tritonkv.compress((keys, keys), pol, k).indices.reshape(B * H, k).numpy()
+        assert_kept_matches(idx, [k] * (B * H), s, k, sink, window, 2 * TOL, keys.double().numpy().reshape(B * H, N, D))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,8 +206,14 @@ def policy_case(draw, n):
     return pol, k
 
 
+@both_backends
 @given(keys=keys_case(), data=st.data())
-def test_kept_matches_oracle(keys, data):
+def test_kept_matches_oracle(backend, keys, data):
+    with on_backend(backend):
+        _kept_matches_oracle(keys, data)
+
+
+def _kept_matches_oracle(keys, data):
     B, H, N, D = keys.shape
     pol, k = data.draw(policy_case(N))
     values = torch.randn(keys.shape).to(keys.dtype)
@@ -233,8 +265,14 @@ def _away_from_zero(keys_case_keys):
     return (torch.sign(k) + (k == 0).float()) * (0.5 + k.abs())
 
 
+@both_backends
 @given(keys=keys_case(max_n=150), data=st.data())
-def test_per_key_rescaling_leaves_scores_unchanged(keys, data):
+def test_per_key_rescaling_leaves_scores_unchanged(backend, keys, data):
+    with on_backend(backend):
+        _per_key_rescaling_leaves_scores_unchanged(keys, data)
+
+
+def _per_key_rescaling_leaves_scores_unchanged(keys, data):
     B, H, N, D = keys.shape
     base = _away_from_zero(keys).to(keys.dtype)
     rng = np.random.default_rng(data.draw(st.integers(0, 1000)))
@@ -247,9 +285,15 @@ def test_per_key_rescaling_leaves_scores_unchanged(keys, data):
     np.testing.assert_allclose(keydiff_scores(base.float() * any_c).numpy(), s.numpy(), rtol=0, atol=TOL)
 
 
+@both_backends
 @settings(max_examples=10)
 @given(keys=keys_case(max_n=150, dtypes=[torch.float32], max_rows=(1, 2)), mode=st.sampled_from(kkd.ANCHORS), seed=st.integers(0, 1000))
-def test_rotation_and_permutation(keys, mode, seed):
+def test_rotation_and_permutation(backend, keys, mode, seed):
+    with on_backend(backend):
+        _rotation_and_permutation(keys, mode, seed)
+
+
+def _rotation_and_permutation(keys, mode, seed):
     B, H, N, D = keys.shape
     rng = np.random.default_rng(seed)
     q, _ = np.linalg.qr(rng.standard_normal((D, D)))
@@ -261,10 +305,16 @@ def test_rotation_and_permutation(keys, mode, seed):
                                rtol=0, atol=TOL)
 
 
+@both_backends
 @settings(max_examples=10)
 @given(n=st.integers(1, 200), d=st.sampled_from([16, 64]), mode=st.sampled_from(kkd.ANCHORS),
        dtype=st.sampled_from(DTYPES), seed=st.integers(0, 1000), data=st.data())
-def test_zero_anchor_scores_zero_and_lower_indices_win(n, d, mode, dtype, seed, data):
+def test_zero_anchor_scores_zero_and_lower_indices_win(backend, n, d, mode, dtype, seed, data):
+    with on_backend(backend):
+        _zero_anchor_scores_zero_and_lower_indices_win(n, d, mode, dtype, seed, data)
+
+
+def _zero_anchor_scores_zero_and_lower_indices_win(n, d, mode, dtype, seed, data):
     """Keys in ± pairs (unit norm, entries ±0.5: every sum is exact) and zero keys: a = 0."""
     rng = np.random.default_rng(seed)
     half = rng.integers(0, n // 2 + 1)

@@ -1,6 +1,7 @@
-"""Knorm (algorithms.md §1.1): the kernel against the NumPy oracle, kept indices end to end through
-compress() (the shared select with the policy's protected sizes), the invariants (s ≤ 0, ranking
-unchanged by a common positive scale), bad inputs and the AOT compile."""
+"""Knorm (algorithms.md §1.1): the kernel and the CPU PyTorch body against the NumPy oracle and each
+other, kept indices end to end through compress() (the shared select with the policy's protected
+sizes), the invariants (s ≤ 0, ranking unchanged by a common positive scale), bad inputs and the
+AOT compile."""
 import numpy as np
 import pytest
 import torch
@@ -14,7 +15,7 @@ from test_keydiff import DTYPES, assert_kept_matches
 from tritonkv.kernels.knorm import knorm_scores
 from tritonkv.kernels.select import select_indices
 from tritonkv.policies import Knorm
-from helpers import assert_raises_naming  # noqa: E402
+from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
 
 RTOL = 1e-6  # fp32 sum of squares against fp64: ~1e-7 relative
 
@@ -54,9 +55,11 @@ def tol(s):
     return RTOL * max(1.0, float(np.abs(s).max(initial=0.0)))
 
 
+@both_backends
 @given(keys=keys_case(), chunk=st.sampled_from([0, 64]))
-def test_scores_match_oracle(keys, chunk):
-    got = knorm_scores(keys, chunk=chunk)
+def test_scores_match_oracle(backend, keys, chunk):
+    with on_backend(backend):
+        got = knorm_scores(keys, chunk=chunk)
     assert got.dtype == torch.float32 and got.shape == keys.shape[:3] and got.is_contiguous()
     want = oracle(keys)
     np.testing.assert_allclose(got.numpy(), want, rtol=RTOL, atol=0)
@@ -74,8 +77,9 @@ def budget_case(draw, n):
     return pol, k
 
 
+@both_backends
 @given(keys=keys_case(), data=st.data())
-def test_kept_matches_oracle(keys, data):
+def test_kept_matches_oracle(backend, keys, data):
     B, H, N, D = keys.shape
     pol, k = data.draw(budget_case(N))
     values = torch.randn(keys.shape).to(keys.dtype)
@@ -88,16 +92,23 @@ def test_kept_matches_oracle(keys, data):
         with pytest.raises(ValueError, match="budget"):
             tritonkv.compress((keys, values), pol, k)
         return
-    out = tritonkv.compress((keys, values), pol, k)
+    with on_backend(backend):
+        out = tritonkv.compress((keys, values), pol, k)
     s = oracle(keys).reshape(B * H, N)
     assert_kept_matches(out.indices.reshape(B * H, k).numpy(), [k] * (B * H), s, k, sink, window, tol(s))
     g = out.indices[..., None].expand(-1, -1, -1, D)
     assert torch.equal(out.keys, keys.gather(2, g)) and torch.equal(out.values, values.gather(2, g))
 
 
+@both_backends
 @settings(max_examples=15)
 @given(keys=keys_case(max_n=200), data=st.data())
-def test_common_scale_keeps_the_ranking(keys, data):
+def test_common_scale_keeps_the_ranking(backend, keys, data):
+    with on_backend(backend):
+        _common_scale_keeps_the_ranking(keys, data)
+
+
+def _common_scale_keeps_the_ranking(keys, data):
     B, H, N, D = keys.shape
     k = data.draw(st.integers(1, N))
     base = knorm_scores(keys)
@@ -117,6 +128,29 @@ def test_common_scale_keeps_the_ranking(keys, data):
         assert lengths.reshape(-1)[r] == k and (np.diff(idx[r]) > 0).all()
         want = ref_select(s[r], k)
         np.testing.assert_allclose(np.sort(s[r][idx[r]]), np.sort(s[r][want]), rtol=0, atol=4 * tol(s))
+
+
+@given(keys=keys_case(), data=st.data())
+def test_torch_body_matches_kernel(keys, data):
+    """The CPU PyTorch body against the Triton kernel (interpreter) on the same keys: scores within
+    fp32 round-off (both sum fp32 squares, in different orders), and compress() keeps the same
+    indices on both (the kernel's scores decide; at a near-tie the multiset of kept scores)."""
+    B, H, N, D = keys.shape
+    with on_backend("triton"):
+        want = knorm_scores(keys)
+    with on_backend("torch"):
+        got = knorm_scores(keys)
+    assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous()
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=2 * RTOL, atol=0)
+    pol, k = data.draw(budget_case(N))
+    sink, window = pol.protected(N, k)
+    if k >= N or sink + window > k:
+        return
+    s = want.double().numpy().reshape(B * H, N)
+    for backend in ("triton", "torch"):
+        with on_backend(backend):
+            idx = tritonkv.compress((keys, keys), pol, k).indices.reshape(B * H, k).numpy()
+        assert_kept_matches(idx, [k] * (B * H), s, k, sink, window, 2 * tol(s))
 
 
 @pytest.mark.parametrize("make, exc, words", [

@@ -1,4 +1,5 @@
-"""LagKV: scoring kernel, budget and paper modes, recursive form, against the NumPy oracle."""
+"""LagKV: scoring kernel and CPU PyTorch body, budget and paper modes, recursive form, against the
+NumPy oracle and each other."""
 import numpy as np
 import pytest
 import torch
@@ -11,6 +12,7 @@ from reference.select import select as ref_select
 from tritonkv.kernels import lagkv as klag
 from tritonkv.kernels.lagkv import lagkv_scores
 from tritonkv.policies.lagkv import LagKV, LagKVState
+from helpers import both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -50,19 +52,45 @@ def separated(score, S, L, rel=1e-5):
     return True
 
 
+@both_backends
 @given(case=kv_case())
-def test_scores_and_ranks_match_oracle(case):
+def test_scores_and_ranks_match_oracle(backend, case):
+    with on_backend(backend):
+        keys, values, S, L = case
+        raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)
+        rank = lagkv_scores(keys, values, sink=S, lag=L, rank=True)
+        assert raw.dtype == torch.float32 and raw.shape == keys.shape[:3]
+        for b, h, K, V in rows(keys, values):
+            s = ref.lag_scores(K, V, S, L)[0]
+            sc = ~np.isnan(s)
+            assert np.isinf(raw[b, h].numpy()[~sc]).all() and np.isinf(rank[b, h].numpy()[~sc]).all()
+            np.testing.assert_allclose(raw[b, h].numpy()[sc], s[sc], rtol=1e-5, atol=1e-7)
+            if separated(s, S, L):
+                np.testing.assert_array_equal(rank[b, h].numpy()[sc], ref.ranks(s, S, L)[sc].astype(np.float32))
+
+
+@given(case=kv_case(), data=st.data())
+def test_torch_body_matches_kernel(case, data):
+    """The CPU PyTorch body against the Triton kernel (interpreter): raw scores within fp32 round-off
+    (+inf at the same places), ranks and compress()'s kept indices identical where the kernel's
+    scores are separated within every partition (ranks of near-ties may swap)."""
     keys, values, S, L = case
-    raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)
-    rank = lagkv_scores(keys, values, sink=S, lag=L, rank=True)
-    assert raw.dtype == torch.float32 and raw.shape == keys.shape[:3]
-    for b, h, K, V in rows(keys, values):
-        s = ref.lag_scores(K, V, S, L)[0]
-        sc = ~np.isnan(s)
-        assert np.isinf(raw[b, h].numpy()[~sc]).all() and np.isinf(rank[b, h].numpy()[~sc]).all()
-        np.testing.assert_allclose(raw[b, h].numpy()[sc], s[sc], rtol=1e-5, atol=1e-7)
-        if separated(s, S, L):
-            np.testing.assert_array_equal(rank[b, h].numpy()[sc], ref.ranks(s, S, L)[sc].astype(np.float32))
+    N = keys.shape[2]
+    out = {}
+    for backend in ("triton", "torch"):
+        with on_backend(backend):
+            raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)
+            rank = lagkv_scores(keys, values, sink=S, lag=L, rank=True)
+            k = data.draw(st.integers(S + ref.tail_len(N, S, L), N - 1)) if not out else out["triton"][2]
+            out[backend] = raw, rank, k, tritonkv.compress((keys, values), LagKV(sink=S, lag=L), k).indices
+    (raw_t, rank_t, _, idx_t), (raw_p, rank_p, _, idx_p) = out["triton"], out["torch"]
+    assert raw_p.dtype == torch.float32 and raw_p.shape == raw_t.shape and raw_p.is_contiguous()
+    fin = torch.isfinite(raw_t)
+    assert torch.equal(fin, torch.isfinite(raw_p)) and torch.equal(rank_t[~fin], rank_p[~fin])
+    torch.testing.assert_close(raw_p[fin], raw_t[fin], rtol=1e-5, atol=1e-7)
+    for b, h, _, _ in rows(keys, values):
+        if separated(raw_t[b, h].double().numpy(), S, L):
+            assert torch.equal(rank_p[b, h], rank_t[b, h]) and torch.equal(idx_p[b, h], idx_t[b, h])
 
 
 @settings(max_examples=10)
@@ -88,58 +116,64 @@ def test_grid_and_blocks_do_not_change_scores(case, parts):
     assert torch.equal(lagkv_scores(keys, values, sink=S, lag=L, rank=False), raw_tiled)
 
 
+@both_backends
 @given(case=kv_case(), data=st.data())
-def test_budget_mode_matches_oracle(case, data):
-    keys, values, S, L = case
-    N = keys.shape[2]
-    pol = LagKV(sink=S, lag=L)
-    P, tail = ref.num_partitions(N, S, L), ref.tail_len(N, S, L)
-    assert pol.tail(N) == tail
-    k = data.draw(st.integers(S + tail, N - 1))
-    budget = data.draw(st.sampled_from([k, k / N]))
-    k = tritonkv.resolve_budget(budget, N)
-    assume(k >= S + tail)
-    assert pol.protected(N, k) == (S, tail)
-    out = tritonkv.compress((keys, values), pol, budget)
-    assert out.indices.shape == keys.shape[:2] + (k,)
-    q, rem = divmod(k - S - tail, P - 1)
-    for b, h, K, V in rows(keys, values):
-        idx = out.indices[b, h].numpy()
-        # the quota holds whatever the scores: q per partition, one more in the first rem
-        part = (idx[(idx >= S) & (idx < S + (P - 1) * L)] - S) // L
-        np.testing.assert_array_equal(np.bincount(part, minlength=P - 1), [q + (j < rem) for j in range(P - 1)])
-        if separated(ref.lag_scores(K, V, S, L)[0], S, L):
-            np.testing.assert_array_equal(idx, ref.budget_keep(K, V, S, L, k))
-        assert torch.equal(out.keys[b, h], keys[b, h, idx]) and torch.equal(out.values[b, h], values[b, h, idx])
+def test_budget_mode_matches_oracle(backend, case, data):
+    with on_backend(backend):
+        keys, values, S, L = case
+        N = keys.shape[2]
+        pol = LagKV(sink=S, lag=L)
+        P, tail = ref.num_partitions(N, S, L), ref.tail_len(N, S, L)
+        assert pol.tail(N) == tail
+        k = data.draw(st.integers(S + tail, N - 1))
+        budget = data.draw(st.sampled_from([k, k / N]))
+        k = tritonkv.resolve_budget(budget, N)
+        assume(k >= S + tail)
+        assert pol.protected(N, k) == (S, tail)
+        out = tritonkv.compress((keys, values), pol, budget)
+        assert out.indices.shape == keys.shape[:2] + (k,)
+        q, rem = divmod(k - S - tail, P - 1)
+        for b, h, K, V in rows(keys, values):
+            idx = out.indices[b, h].numpy()
+            # the quota holds whatever the scores: q per partition, one more in the first rem
+            part = (idx[(idx >= S) & (idx < S + (P - 1) * L)] - S) // L
+            np.testing.assert_array_equal(np.bincount(part, minlength=P - 1), [q + (j < rem) for j in range(P - 1)])
+            if separated(ref.lag_scores(K, V, S, L)[0], S, L):
+                np.testing.assert_array_equal(idx, ref.budget_keep(K, V, S, L, k))
+            assert torch.equal(out.keys[b, h], keys[b, h, idx]) and torch.equal(out.values[b, h], values[b, h, idx])
 
 
+@both_backends
 @given(case=kv_case(), data=st.data())
-def test_cross_scoring_selects_top_raw_scores(case, data):
-    keys, values, S, L = case
-    N = keys.shape[2]
-    pol = LagKV(sink=S, lag=L, cross_scoring=True)
-    tail = ref.tail_len(N, S, L)
-    k = data.draw(st.integers(S + tail, N - 1))
-    out = tritonkv.compress((keys, values), pol, k)
-    for b, h, K, V in rows(keys, values):
-        s = ref.lag_scores(K, V, S, L)[0]
-        srt = np.sort(s[~np.isnan(s)])
-        if np.diff(srt).min() > 1e-5 * srt.max():
-            np.testing.assert_array_equal(out.indices[b, h].numpy(), ref_select(np.nan_to_num(s), k, S, tail))
+def test_cross_scoring_selects_top_raw_scores(backend, case, data):
+    with on_backend(backend):
+        keys, values, S, L = case
+        N = keys.shape[2]
+        pol = LagKV(sink=S, lag=L, cross_scoring=True)
+        tail = ref.tail_len(N, S, L)
+        k = data.draw(st.integers(S + tail, N - 1))
+        out = tritonkv.compress((keys, values), pol, k)
+        for b, h, K, V in rows(keys, values):
+            s = ref.lag_scores(K, V, S, L)[0]
+            srt = np.sort(s[~np.isnan(s)])
+            if np.diff(srt).min() > 1e-5 * srt.max():
+                np.testing.assert_array_equal(out.indices[b, h].numpy(), ref_select(np.nan_to_num(s), k, S, tail))
 
 
+@both_backends
 @given(case=kv_case(), ratio=st.sampled_from([0.5, 0.25, 1 / 6, 0.125, 1.0, 0.01]))
-def test_paper_mode_matches_oracle(case, ratio):
-    keys, values, S, L = case
-    N = keys.shape[2]
-    pol = LagKV(sink=S, lag=L, ratio=ratio)
-    ko, vo, idx = pol.paper(keys, values)
-    assert idx.shape[-1] == pol.kept_count(N) == ref.paper_count(N, S, L, ratio)  # Eq. 10
-    for b, h, K, V in rows(keys, values):
-        if separated(ref.lag_scores(K, V, S, L)[0], S, L):
-            np.testing.assert_array_equal(idx[b, h].numpy(), ref.paper_keep(K, V, S, L, ratio))
-        i = idx[b, h]
-        assert torch.equal(ko[b, h], keys[b, h, i]) and torch.equal(vo[b, h], values[b, h, i])
+def test_paper_mode_matches_oracle(backend, case, ratio):
+    with on_backend(backend):
+        keys, values, S, L = case
+        N = keys.shape[2]
+        pol = LagKV(sink=S, lag=L, ratio=ratio)
+        ko, vo, idx = pol.paper(keys, values)
+        assert idx.shape[-1] == pol.kept_count(N) == ref.paper_count(N, S, L, ratio)  # Eq. 10
+        for b, h, K, V in rows(keys, values):
+            if separated(ref.lag_scores(K, V, S, L)[0], S, L):
+                np.testing.assert_array_equal(idx[b, h].numpy(), ref.paper_keep(K, V, S, L, ratio))
+            i = idx[b, h]
+            assert torch.equal(ko[b, h], keys[b, h, i]) and torch.equal(vo[b, h], values[b, h, i])
 
 
 @st.composite
@@ -149,123 +183,137 @@ def chunkings(draw, n):
     return np.diff([0] + cuts + [n]).tolist()
 
 
+@both_backends
 @settings(max_examples=15)
 @given(case=kv_case(), ratio=st.sampled_from([0.5, 0.25, 0.125]), data=st.data())
-def test_recursive_form_equals_one_shot(case, ratio, data):
+def test_recursive_form_equals_one_shot(backend, case, ratio, data):
     """After ANY chunking the recursive state equals paper mode on all tokens; |U| < 2L after every append."""
-    keys, values, S, L = case
-    N = keys.shape[2]
-    chunks = data.draw(chunkings(N))
-    state = LagKV(sink=S, lag=L, ratio=ratio).new_state()
-    t = 0
-    for n in chunks:
-        state.append(keys[:, :, t:t + n], values[:, :, t:t + n])
-        t += n
-        assert state.tail_len < 2 * L and len(state) == state.keys.shape[2] == state.indices.shape[2]
-    ko, vo, idx = LagKV(sink=S, lag=L, ratio=ratio).paper(keys, values)
-    assert torch.equal(state.indices, idx)
-    assert torch.equal(state.keys, ko) and torch.equal(state.values, vo)
-    for b, h, K, V in rows(keys, values):  # an independent NumPy recursive implementation agrees
-        if separated(ref.lag_scores(K, V, S, L)[0], S, L):
-            np.testing.assert_array_equal(idx[b, h].numpy(), ref.recursive_keep(K, V, S, L, ratio, chunks))
+    with on_backend(backend):
+        keys, values, S, L = case
+        N = keys.shape[2]
+        chunks = data.draw(chunkings(N))
+        state = LagKV(sink=S, lag=L, ratio=ratio).new_state()
+        t = 0
+        for n in chunks:
+            state.append(keys[:, :, t:t + n], values[:, :, t:t + n])
+            t += n
+            assert state.tail_len < 2 * L and len(state) == state.keys.shape[2] == state.indices.shape[2]
+        ko, vo, idx = LagKV(sink=S, lag=L, ratio=ratio).paper(keys, values)
+        assert torch.equal(state.indices, idx)
+        assert torch.equal(state.keys, ko) and torch.equal(state.values, vo)
+        for b, h, K, V in rows(keys, values):  # an independent NumPy recursive implementation agrees
+            if separated(ref.lag_scores(K, V, S, L)[0], S, L):
+                np.testing.assert_array_equal(idx[b, h].numpy(), ref.recursive_keep(K, V, S, L, ratio, chunks))
 
 
+@both_backends
 @given(case=kv_case(scored=False), data=st.data())
-def test_short_rows(case, data):
+def test_short_rows(backend, case, data):
     """N < S + 2L: nothing is scored; paper mode keeps everything, budget mode is StreamingLLM."""
-    keys, values, S, L = case
-    N = keys.shape[2]
-    assert torch.isinf(lagkv_scores(keys, values, sink=S, lag=L)).all()
-    pol = LagKV(sink=S, lag=L)
-    ko, vo, idx = pol.paper(keys, values)
-    assert ko is keys and vo is values and torch.equal(idx[0, 0], torch.arange(N))
-    assume(N > max(S, 1))
-    k = data.draw(st.integers(max(S, 1), N - 1))
-    assert pol.protected(N, k) == (S, k - S)
-    out = tritonkv.compress((keys, values), pol, k)
-    for b, h, K, V in rows(keys, values):
-        np.testing.assert_array_equal(out.indices[b, h].numpy(), ref.budget_keep(K, V, S, L, k))
+    with on_backend(backend):
+        keys, values, S, L = case
+        N = keys.shape[2]
+        assert torch.isinf(lagkv_scores(keys, values, sink=S, lag=L)).all()
+        pol = LagKV(sink=S, lag=L)
+        ko, vo, idx = pol.paper(keys, values)
+        assert ko is keys and vo is values and torch.equal(idx[0, 0], torch.arange(N))
+        assume(N > max(S, 1))
+        k = data.draw(st.integers(max(S, 1), N - 1))
+        assert pol.protected(N, k) == (S, k - S)
+        out = tritonkv.compress((keys, values), pol, k)
+        for b, h, K, V in rows(keys, values):
+            np.testing.assert_array_equal(out.indices[b, h].numpy(), ref.budget_keep(K, V, S, L, k))
 
 
+@both_backends
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_constant_channels_give_finite_scores(dtype):
-    g = torch.Generator().manual_seed(1)
-    keys = torch.randn(1, 2, 4 + 5 * 8 + 3, 16, generator=g)
-    values = torch.randn(1, 2, keys.shape[2], 16, generator=g)
-    keys[..., :5] = 0.5  # constant over all tokens
-    values[..., 3] = -2.0
-    values[:, :, 4 + 8: 4 + 16] = 1.0  # a whole constant reference partition (every channel)
-    keys, values = keys.to(dtype), values.to(dtype)
-    for rank in (False, True):
-        s = lagkv_scores(keys, values, sink=4, lag=8, rank=rank)
-        assert torch.isfinite(s[..., 4: 4 + 4 * 8]).all()
-    raw = lagkv_scores(keys, values, sink=4, lag=8, rank=False)
-    for b, h, K, V in rows(keys, values):
-        s = ref.lag_scores(K, V, 4, 8)[0]
-        sc = ~np.isnan(s)
-        np.testing.assert_allclose(raw[b, h].numpy()[sc], s[sc], rtol=1e-5, atol=1e-7)
+def test_constant_channels_give_finite_scores(backend, dtype):
+    with on_backend(backend):
+        g = torch.Generator().manual_seed(1)
+        keys = torch.randn(1, 2, 4 + 5 * 8 + 3, 16, generator=g)
+        values = torch.randn(1, 2, keys.shape[2], 16, generator=g)
+        keys[..., :5] = 0.5  # constant over all tokens
+        values[..., 3] = -2.0
+        values[:, :, 4 + 8: 4 + 16] = 1.0  # a whole constant reference partition (every channel)
+        keys, values = keys.to(dtype), values.to(dtype)
+        for rank in (False, True):
+            s = lagkv_scores(keys, values, sink=4, lag=8, rank=rank)
+            assert torch.isfinite(s[..., 4: 4 + 4 * 8]).all()
+        raw = lagkv_scores(keys, values, sink=4, lag=8, rank=False)
+        for b, h, K, V in rows(keys, values):
+            s = ref.lag_scores(K, V, 4, 8)[0]
+            sc = ~np.isnan(s)
+            np.testing.assert_allclose(raw[b, h].numpy()[sc], s[sc], rtol=1e-5, atol=1e-7)
 
 
+@both_backends
 @settings(max_examples=15)
 @given(case=kv_case(), seed=st.integers(0, 1000))
-def test_per_channel_affine_maps_leave_scores_unchanged(case, seed):
-    keys, values, S, L = case
-    keys, values = keys.float(), values.float()
-    g = torch.Generator().manual_seed(seed)
-    D = keys.shape[-1]
-    a_k, a_v = torch.rand(D, generator=g) * 3 + 0.25, torch.rand(D, generator=g) * 3 + 0.25
-    b_k, b_v = torch.randn(D, generator=g) * 5, torch.randn(D, generator=g) * 5
-    s0 = lagkv_scores(keys, values, sink=S, lag=L, rank=False)
-    s1 = lagkv_scores(keys * a_k + b_k, values * a_v + b_v, sink=S, lag=L, rank=False)
-    fin = torch.isfinite(s0)
-    assert torch.equal(fin, torch.isfinite(s1))
-    torch.testing.assert_close(s1[fin], s0[fin], rtol=1e-4, atol=1e-6)
+def test_per_channel_affine_maps_leave_scores_unchanged(backend, case, seed):
+    with on_backend(backend):
+        keys, values, S, L = case
+        keys, values = keys.float(), values.float()
+        g = torch.Generator().manual_seed(seed)
+        D = keys.shape[-1]
+        a_k, a_v = torch.rand(D, generator=g) * 3 + 0.25, torch.rand(D, generator=g) * 3 + 0.25
+        b_k, b_v = torch.randn(D, generator=g) * 5, torch.randn(D, generator=g) * 5
+        s0 = lagkv_scores(keys, values, sink=S, lag=L, rank=False)
+        s1 = lagkv_scores(keys * a_k + b_k, values * a_v + b_v, sink=S, lag=L, rank=False)
+        fin = torch.isfinite(s0)
+        assert torch.equal(fin, torch.isfinite(s1))
+        torch.testing.assert_close(s1[fin], s0[fin], rtol=1e-4, atol=1e-6)
 
 
+@both_backends
 @given(case=kv_case())
-def test_softmax_sums_to_one_per_partition(case):
+def test_softmax_sums_to_one_per_partition(backend, case):
     """Σ_{t∈π_j} φ_Z[t] = 1: the raw score sums to 2 per partition, and to 2·φ_K when V = K."""
-    keys, values, S, L = case
-    N = keys.shape[2]
-    P = ref.num_partitions(N, S, L)
-    parts = slice(S, S + (P - 1) * L)
-    raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)[..., parts]
-    sums = raw.reshape(*raw.shape[:2], P - 1, L).double().sum(-1)
-    torch.testing.assert_close(sums, torch.full_like(sums, 2.0), rtol=0, atol=1e-5)
-    same = lagkv_scores(keys, keys, sink=S, lag=L, rank=False)[..., parts]
-    for b, h, K, _ in rows(keys, values):
-        np.testing.assert_allclose(same[b, h].numpy(), 2 * ref.lag_scores(K, K, S, L)[1][parts], rtol=1e-5, atol=1e-7)
+    with on_backend(backend):
+        keys, values, S, L = case
+        N = keys.shape[2]
+        P = ref.num_partitions(N, S, L)
+        parts = slice(S, S + (P - 1) * L)
+        raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)[..., parts]
+        sums = raw.reshape(*raw.shape[:2], P - 1, L).double().sum(-1)
+        torch.testing.assert_close(sums, torch.full_like(sums, 2.0), rtol=0, atol=1e-5)
+        same = lagkv_scores(keys, keys, sink=S, lag=L, rank=False)[..., parts]
+        for b, h, K, _ in rows(keys, values):
+            np.testing.assert_allclose(same[b, h].numpy(), 2 * ref.lag_scores(K, K, S, L)[1][parts], rtol=1e-5, atol=1e-7)
 
 
+@both_backends
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_equal_scores_give_lower_index_the_higher_rank(dtype):
-    S, L, D = 2, 8, 16
-    g = torch.Generator().manual_seed(2)
-    keys = torch.randn(1, 1, S + 4 * L, D, generator=g)
-    values = torch.randn(1, 1, S + 4 * L, D, generator=g)
-    p2 = slice(S + 2 * L, S + 3 * L)
-    keys[:, :, p2], values[:, :, p2] = keys[:, :, S + 2 * L: S + 2 * L + 1], values[:, :, S + 2 * L: S + 2 * L + 1]
-    keys[:, :, S + 5], values[:, :, S + 5] = keys[:, :, S + 2], values[:, :, S + 2]  # a duplicate in partition 0
-    keys, values = keys.to(dtype), values.to(dtype)
-    rank = lagkv_scores(keys, values, sink=S, lag=L)[0, 0]
-    raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)[0, 0]
-    assert raw[S + 2] == raw[S + 5] and rank[S + 2] == rank[S + 5] + 1 / L
-    assert sorted((rank[S: S + L] * L).tolist()) == list(range(L))
-    # partition 2: L identical tokens rank L-1, L-2, ..., 0
-    torch.testing.assert_close(rank[p2], torch.arange(L - 1, -1, -1) / L, rtol=0, atol=0)
-    # budget mode, one selectable token per scored partition: partition 2 keeps its first token
-    out = tritonkv.compress((keys, values), LagKV(sink=S, lag=L), S + L + 3)
-    kept = out.indices[0, 0].tolist()
-    assert S + 2 * L in kept and all(i not in kept for i in range(S + 2 * L + 1, S + 3 * L))
+def test_equal_scores_give_lower_index_the_higher_rank(backend, dtype):
+    with on_backend(backend):
+        S, L, D = 2, 8, 16
+        g = torch.Generator().manual_seed(2)
+        keys = torch.randn(1, 1, S + 4 * L, D, generator=g)
+        values = torch.randn(1, 1, S + 4 * L, D, generator=g)
+        p2 = slice(S + 2 * L, S + 3 * L)
+        keys[:, :, p2], values[:, :, p2] = keys[:, :, S + 2 * L: S + 2 * L + 1], values[:, :, S + 2 * L: S + 2 * L + 1]
+        keys[:, :, S + 5], values[:, :, S + 5] = keys[:, :, S + 2], values[:, :, S + 2]  # a duplicate in partition 0
+        keys, values = keys.to(dtype), values.to(dtype)
+        rank = lagkv_scores(keys, values, sink=S, lag=L)[0, 0]
+        raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)[0, 0]
+        assert raw[S + 2] == raw[S + 5] and rank[S + 2] == rank[S + 5] + 1 / L
+        assert sorted((rank[S: S + L] * L).tolist()) == list(range(L))
+        # partition 2: L identical tokens rank L-1, L-2, ..., 0
+        torch.testing.assert_close(rank[p2], torch.arange(L - 1, -1, -1) / L, rtol=0, atol=0)
+        # budget mode, one selectable token per scored partition: partition 2 keeps its first token
+        out = tritonkv.compress((keys, values), LagKV(sink=S, lag=L), S + L + 3)
+        kept = out.indices[0, 0].tolist()
+        assert S + 2 * L in kept and all(i not in kept for i in range(S + 2 * L + 1, S + 3 * L))
 
 
-def test_strided_inputs():
-    g = torch.Generator().manual_seed(3)
-    base = torch.randn(2, 50, 3, 16, generator=g)  # [B, N, H, D] storage
-    keys, values = base.permute(0, 2, 1, 3), (base * 2 + 1).flip(-1).permute(0, 2, 1, 3)
-    a = lagkv_scores(keys, values, sink=3, lag=8)
-    b = lagkv_scores(keys.contiguous(), values.contiguous(), sink=3, lag=8)
-    assert torch.equal(a, b)
+@both_backends
+def test_strided_inputs(backend):
+    with on_backend(backend):
+        g = torch.Generator().manual_seed(3)
+        base = torch.randn(2, 50, 3, 16, generator=g)  # [B, N, H, D] storage
+        keys, values = base.permute(0, 2, 1, 3), (base * 2 + 1).flip(-1).permute(0, 2, 1, 3)
+        a = lagkv_scores(keys, values, sink=3, lag=8)
+        b = lagkv_scores(keys.contiguous(), values.contiguous(), sink=3, lag=8)
+        assert torch.equal(a, b)
 
 
 def test_default_settings_and_registry():

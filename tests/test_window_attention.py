@@ -1,5 +1,8 @@
-"""Window attention (algorithms.md §1.4): the kernel against the NumPy oracle, and the four policies
-built on it (snapkv, tova, h2o, surfacelogic): selection, invariants, protection, bad inputs, AOT."""
+"""Window attention (algorithms.md §1.4): the kernel and the CPU PyTorch body against the NumPy
+oracle and each other, and the four policies built on them (snapkv, tova, h2o, surfacelogic):
+selection, invariants, protection, bad inputs, AOT."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +15,7 @@ from reference.select import select as ref_select
 from tritonkv.kernels import window_attention as kwa
 from tritonkv.kernels.window_attention import window_attention_scores
 from tritonkv.policies import H2O, TOVA, SnapKV, SurfaceLogicKV
-from helpers import assert_raises_naming  # noqa: E402
+from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 POLICY_CLASSES = [SnapKV, TOVA, H2O, SurfaceLogicKV]
@@ -73,23 +76,65 @@ SETTINGS = st.fixed_dictionaries({
 })
 
 
+@both_backends
 @given(case=wa_case(), kw=SETTINGS, lse=st.booleans(), scale=st.sampled_from([None, 0.3]))
-def test_scores_match_oracle(case, kw, lse, scale):
+def test_scores_match_oracle(backend, case, kw, lse, scale):
+    with on_backend(backend):
+        keys, queries = case
+        attn_lse = oracle_lse(keys, queries, scale) if lse else None
+        got = window_attention_scores(keys, queries, attn_lse=attn_lse, scale=scale, **kw)
+        assert got.dtype == torch.float32 and got.shape == keys.shape[:3]
+        want = oracle(keys, queries, scale=scale, **oracle_kw(kw))
+        assert_scores_close(got, want)
+
+
+@given(case=wa_case(), kw=SETTINGS, lse=st.booleans(), block=st.sampled_from([kwa.TORCH_BLOCK, 1, 300]))
+def test_torch_body_matches_kernel(case, kw, lse, block):
+    """The CPU PyTorch body against the Triton kernel (interpreter) on the same inputs: scores within
+    fp32 round-off (the tolerance of the oracle tests: both are fp32 evaluations of one formula),
+    whatever the body's token chunking (one chunk; one key per chunk, partial LSEs combined over N
+    chunks; uneven chunks), with and without ``attn_lse``; and compress() with SnapKV on these
+    settings keeps the same indices on both where the kernel's scores are separated."""
     keys, queries = case
-    attn_lse = oracle_lse(keys, queries, scale) if lse else None
-    got = window_attention_scores(keys, queries, attn_lse=attn_lse, scale=scale, **kw)
-    assert got.dtype == torch.float32 and got.shape == keys.shape[:3]
-    want = oracle(keys, queries, scale=scale, **oracle_kw(kw))
-    assert_scores_close(got, want)
+    attn_lse = oracle_lse(keys, queries) if lse else None
+    with on_backend("triton"):
+        want = window_attention_scores(keys, queries, attn_lse=attn_lse, **kw)
+    orig, kwa.TORCH_BLOCK = kwa.TORCH_BLOCK, block
+    try:
+        with on_backend("torch"):
+            got = window_attention_scores(keys, queries, attn_lse=attn_lse, **kw)
+    finally:
+        kwa.TORCH_BLOCK = orig
+    assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous()
+    assert_scores_close(got, want.double().numpy())
+    B, H, N, _ = keys.shape
+    W = queries.shape[2]
+    if N <= W + 1:
+        return
+    # compress() keeps the same tokens on both wherever the kernel's prefix scores are separated
+    pol = SnapKV(window=W, **kw)
+    k = W + (N - W) // 2
+    inputs = dict(queries=queries, attn_lse=attn_lse)
+    kept = []
+    for backend in ("triton", "torch"):
+        with on_backend(backend):
+            kept.append(tritonkv.compress((keys, keys), pol, k, **inputs).indices)
+    s = want.numpy()
+    for b in range(B):
+        for h in range(H):
+            if separated(s[b, h], 0, N - W):
+                assert torch.equal(kept[0][b, h], kept[1][b, h])
 
 
+@both_backends
 @settings(max_examples=15)
 @given(case=wa_case(), kw=SETTINGS)
-def test_lse_given_equals_lse_computed(case, kw):
-    keys, queries = case
-    computed = window_attention_scores(keys, queries, **kw)
-    given_ = window_attention_scores(keys, queries, attn_lse=oracle_lse(keys, queries), **kw)
-    torch.testing.assert_close(given_, computed, rtol=2e-5, atol=1e-9 * max(1.0, computed.abs().max().item()))
+def test_lse_given_equals_lse_computed(backend, case, kw):
+    with on_backend(backend):
+        keys, queries = case
+        computed = window_attention_scores(keys, queries, **kw)
+        given_ = window_attention_scores(keys, queries, attn_lse=oracle_lse(keys, queries), **kw)
+        torch.testing.assert_close(given_, computed, rtol=2e-5, atol=1e-9 * max(1.0, computed.abs().max().item()))
 
 
 @settings(max_examples=15)
@@ -114,136 +159,182 @@ def test_small_blocks_and_many_chunks(case, kw, chunk, lse):
     assert_scores_close(got, want)
 
 
+@both_backends
 @given(case=wa_case(min_n=20), data=st.data())
-def test_policies_select_oracle_indices(case, data):
+def test_policies_select_oracle_indices(backend, case, data):
     """compress() with each policy keeps exactly the oracle's selection (on separated scores)."""
-    keys, queries = case
-    B, H, N, _ = keys.shape
-    cls = data.draw(st.sampled_from(POLICY_CLASSES))
-    kw = {}
-    if data.draw(st.booleans()):
-        kw = dict(window=data.draw(st.integers(1, 12)), kernel_size=data.draw(st.sampled_from([1, 3, 5])),
-                  pool=data.draw(st.sampled_from(["max", "avg"])), sink=data.draw(st.integers(0, 3)),
-                  head_reduce=data.draw(st.sampled_from(["group", "max", "layer"])))
+    with on_backend(backend):
+        keys, queries = case
+        B, H, N, _ = keys.shape
+        cls = data.draw(st.sampled_from(POLICY_CLASSES))
+        kw = {}
         if data.draw(st.booleans()):
-            kw["q_window"] = data.draw(st.integers(1, 45))
-    pol = cls(**kw)
-    sink, window = pol.protected(N, N)
-    if sink + window >= N:
-        return
-    k = data.draw(st.integers(sink + window, N - 1))
-    inputs = {"queries": queries}
-    if data.draw(st.booleans()):
-        inputs["attn_lse"] = oracle_lse(keys, queries)
-    out = tritonkv.compress((keys, torch.randn_like(keys)), pol, k, **inputs)
-    assert out.indices.shape == (B, H, k)
-    w_q = min(queries.shape[2], pol.q_window or pol.window)
-    q_used = queries[:, :, -w_q:]
-    opts = dict(scale=pol.scale, rows=pol.row_reduce, head_reduce=pol.head_reduce)
-    want = oracle(keys, q_used, kernel_size=pol.kernel_size, pool_mode=pol.pool, **opts)
-    unpooled = oracle(keys, q_used, **opts)
-    for b in range(B):
-        for h in range(H):
-            if separated(want[b, h], sink, N - window) and separated(unpooled[b, h], sink, N - window):
-                np.testing.assert_array_equal(out.indices[b, h].numpy(), ref_select(want[b, h], k, sink, window))
-            i = out.indices[b, h]
-            assert torch.equal(out.keys[b, h], keys[b, h, i])
+            kw = dict(window=data.draw(st.integers(1, 12)), kernel_size=data.draw(st.sampled_from([1, 3, 5])),
+                      pool=data.draw(st.sampled_from(["max", "avg"])), sink=data.draw(st.integers(0, 3)),
+                      head_reduce=data.draw(st.sampled_from(["group", "max", "layer"])))
+            if data.draw(st.booleans()):
+                kw["q_window"] = data.draw(st.integers(1, 45))
+        pol = cls(**kw)
+        sink, window = pol.protected(N, N)
+        if sink + window >= N:
+            return
+        k = data.draw(st.integers(sink + window, N - 1))
+        inputs = {"queries": queries}
+        if data.draw(st.booleans()):
+            inputs["attn_lse"] = oracle_lse(keys, queries)
+        out = tritonkv.compress((keys, torch.randn_like(keys)), pol, k, **inputs)
+        assert out.indices.shape == (B, H, k)
+        w_q = min(queries.shape[2], pol.q_window or pol.window)
+        q_used = queries[:, :, -w_q:]
+        opts = dict(scale=pol.scale, rows=pol.row_reduce, head_reduce=pol.head_reduce)
+        want = oracle(keys, q_used, kernel_size=pol.kernel_size, pool_mode=pol.pool, **opts)
+        unpooled = oracle(keys, q_used, **opts)
+        for b in range(B):
+            for h in range(H):
+                if separated(want[b, h], sink, N - window) and separated(unpooled[b, h], sink, N - window):
+                    np.testing.assert_array_equal(out.indices[b, h].numpy(), ref_select(want[b, h], k, sink, window))
+                i = out.indices[b, h]
+                assert torch.equal(out.keys[b, h], keys[b, h, i])
 
 
+@both_backends
 @settings(max_examples=15)
 @given(case=wa_case(dtypes=[torch.float32]), seed=st.integers(0, 1000), head_reduce=st.sampled_from(["mean", "max"]))
-def test_adding_a_vector_to_every_key_leaves_scores_unchanged(case, seed, head_reduce):
-    keys, queries = case
-    g = torch.Generator().manual_seed(seed)
-    shift = torch.randn(keys.shape[0], keys.shape[1], 1, keys.shape[3], generator=g)
-    s0 = window_attention_scores(keys, queries, kernel_size=3, head_reduce=head_reduce)
-    s1 = window_attention_scores(keys + shift, queries, kernel_size=3, head_reduce=head_reduce)
-    # each row's logits shift by τ·q_i·c; fp32 logits of size ≈10 carry ≈1e-6 absolute error
-    torch.testing.assert_close(s1, s0, rtol=5e-5, atol=1e-9)
+def test_adding_a_vector_to_every_key_leaves_scores_unchanged(backend, case, seed, head_reduce):
+    with on_backend(backend):
+        keys, queries = case
+        g = torch.Generator().manual_seed(seed)
+        shift = torch.randn(keys.shape[0], keys.shape[1], 1, keys.shape[3], generator=g)
+        s0 = window_attention_scores(keys, queries, kernel_size=3, head_reduce=head_reduce)
+        s1 = window_attention_scores(keys + shift, queries, kernel_size=3, head_reduce=head_reduce)
+        # each row's logits shift by τ·q_i·c; fp32 logits of size ≈10 carry ≈1e-6 absolute error
+        torch.testing.assert_close(s1, s0, rtol=5e-5, atol=1e-9)
 
 
+@both_backends
 @settings(max_examples=15)
 @given(case=wa_case(), g=st.sampled_from([2, 3, 4]), kw=SETTINGS)
-def test_identical_query_heads_equal_one_head(case, g, kw):
-    keys, queries = case
-    queries = queries[:, : keys.shape[1]]  # one query head per KV head
-    one = window_attention_scores(keys, queries, **kw)
-    many = window_attention_scores(keys, queries.repeat_interleave(g, dim=1), **kw)
-    torch.testing.assert_close(many, one, rtol=1e-6, atol=1e-12)
+def test_identical_query_heads_equal_one_head(backend, case, g, kw):
+    with on_backend(backend):
+        keys, queries = case
+        queries = queries[:, : keys.shape[1]]  # one query head per KV head
+        one = window_attention_scores(keys, queries, **kw)
+        many = window_attention_scores(keys, queries.repeat_interleave(g, dim=1), **kw)
+    rtol = identical_heads_rtol(keys, queries, g, kw["kernel_size"])
+    torch.testing.assert_close(many, one, rtol=rtol, atol=torch.finfo(torch.float32).tiny)
 
 
+def identical_heads_rtol(keys, queries, g: int, kernel_size: int) -> float:
+    """The relative round-off between the scores of G = g identical query heads and of one head.
+
+    Both calls evaluate the same formula on the same numbers, in different orders: the D-term fp32
+    dot products q·k go through matrix tiles whose shapes follow G (BLAS blocking on the CPU, the
+    kernel's tl.dot tiles), and the kernel's LSE sums the N keys in blocks whose size follows G. An
+    n-term fp32 sum taken in another order moves by about √n·ε·Σ|terms| (ε = 2⁻²⁴; the
+    probabilistic bound of Higham & Mary, 2019, rather than the worst case n·ε), so:
+
+    * the exponent x = τ·q·k − lse moves by ≲ √D·ε·A + (√N + max|lse|)·ε, with A the largest
+      τ·Σ_d |q_d·k_d| over visible pairs. P = exp(x), so that is P's relative error, and every score
+      is a positive combination of P's: it carries the same relative error. Both calls err: ×2;
+    * the sums over the W rows and over the κ pooled neighbours (positive terms): ≲ (√W + √κ)·ε;
+    * the group reduction: g equal fp32 values summed (≤ (g − 1)·ε), and the scale 1/(W·g) rounded
+      to fp32 and applied, against 1/W for one head (≤ 4ε).
+
+    The largest ratio measured to this bound, in a hypothesis search maximising it (1,500 examples
+    on the PyTorch body, 400 on the kernel), was 0.36. atol is fp32's smallest normal number:
+    below it results are subnormal and lose relative precision."""
+    B, H, N, D = keys.shape
+    W = queries.shape[2]
+    q, k = queries.double(), keys.double()
+    visible = torch.arange(N)[None, :] <= (N - W + torch.arange(W))[:, None]  # [W, N]
+    dots = torch.einsum("bhwd,bhnd->bhwn", q.abs(), k.abs()) / math.sqrt(D)
+    A = float(torch.where(visible, dots, 0.0).max()) if N else 0.0
+    lse = oracle_lse(keys, queries)
+    L = float(lse[torch.isfinite(lse)].abs().max()) if torch.isfinite(lse).any() else 0.0
+    eps = 2.0 ** -24
+    return eps * (2 * (math.sqrt(D) * A + math.sqrt(N) + L) + math.sqrt(W) + math.sqrt(kernel_size) + g + 3)
+
+
+@both_backends
 @settings(max_examples=6)
 @given(case=wa_case(), head_reduce=st.sampled_from(["group", "layer"]), data=st.data())
-def test_tova_is_snapkv_with_one_query_and_no_pooling(case, head_reduce, data):
-    keys, queries = case
-    N = keys.shape[2]
-    tova = TOVA(head_reduce=head_reduce)
-    snap = SnapKV(window=1, kernel_size=1, head_reduce=head_reduce)
-    assert tova.protected(N, N) == snap.protected(N, N) == (0, 1)
-    s_t = tova.score(keys, keys, queries=queries)
-    assert torch.equal(s_t, snap.score(keys, keys, queries=queries))
-    assert torch.equal(s_t, window_attention_scores(keys, queries[:, :, -1:], head_reduce=tova.head_reduce))
-    if head_reduce == "layer":  # one ranking shared by every KV head
-        assert torch.equal(s_t, s_t[:, :1].expand_as(s_t))
-    if N > 1:
-        k = data.draw(st.integers(1, N - 1))
-        a = tritonkv.compress((keys, keys), tova, k, queries=queries)
-        b = tritonkv.compress((keys, keys), snap, k, queries=queries)
-        assert torch.equal(a.indices, b.indices) and (a.indices[..., -1] == N - 1).all()
+def test_tova_is_snapkv_with_one_query_and_no_pooling(backend, case, head_reduce, data):
+    with on_backend(backend):
+        keys, queries = case
+        N = keys.shape[2]
+        tova = TOVA(head_reduce=head_reduce)
+        snap = SnapKV(window=1, kernel_size=1, head_reduce=head_reduce)
+        assert tova.protected(N, N) == snap.protected(N, N) == (0, 1)
+        s_t = tova.score(keys, keys, queries=queries)
+        assert torch.equal(s_t, snap.score(keys, keys, queries=queries))
+        assert torch.equal(s_t, window_attention_scores(keys, queries[:, :, -1:], head_reduce=tova.head_reduce))
+        if head_reduce == "layer":  # one ranking shared by every KV head
+            assert torch.equal(s_t, s_t[:, :1].expand_as(s_t))
+        if N > 1:
+            k = data.draw(st.integers(1, N - 1))
+            a = tritonkv.compress((keys, keys), tova, k, queries=queries)
+            b = tritonkv.compress((keys, keys), snap, k, queries=queries)
+            assert torch.equal(a.indices, b.indices) and (a.indices[..., -1] == N - 1).all()
 
 
+@both_backends
 @settings(max_examples=15)
 @given(case=wa_case(), head_reduce=st.sampled_from(["mean", "max", "layer"]))
-def test_mean_scores_are_a_sub_distribution(case, head_reduce):
+def test_mean_scores_are_a_sub_distribution(backend, case, head_reduce):
     """u ≥ 0 and, in mean form, Σ_{j < N−W} u[h, j] ≤ 1 (each row's softmax sums to 1 over ≥ that range)."""
-    keys, queries = case
-    W = queries.shape[2]
-    s = window_attention_scores(keys, queries, head_reduce=head_reduce)
-    assert (s >= 0).all()
-    if head_reduce != "max":
-        assert (s[..., : max(keys.shape[2] - W, 0)].double().sum(-1) <= 1 + 1e-5).all()
-    h2o = window_attention_scores(keys, queries, row_reduce="sum", head_reduce=head_reduce)
-    torch.testing.assert_close(h2o, s * W, rtol=1e-5, atol=1e-12)
+    with on_backend(backend):
+        keys, queries = case
+        W = queries.shape[2]
+        s = window_attention_scores(keys, queries, head_reduce=head_reduce)
+        assert (s >= 0).all()
+        if head_reduce != "max":
+            assert (s[..., : max(keys.shape[2] - W, 0)].double().sum(-1) <= 1 + 1e-5).all()
+        h2o = window_attention_scores(keys, queries, row_reduce="sum", head_reduce=head_reduce)
+        torch.testing.assert_close(h2o, s * W, rtol=1e-5, atol=1e-12)
 
 
+@both_backends
 @pytest.mark.parametrize("cls", POLICY_CLASSES)
-def test_defaults_and_short_rows(cls):
+def test_defaults_and_short_rows(backend, cls):
     """Table defaults; a row no longer than W is all window: the most recent `budget` tokens are kept."""
-    pol = cls()
-    assert pol.nonnegative and pol.needs == ("queries",)
-    defaults = {SnapKV: (32, 7, "max", "mean"), TOVA: (1, 1, "max", "mean"), H2O: (32, 1, "max", "sum"),
-                SurfaceLogicKV: (32, 1, "max", "mean")}[cls]
-    assert (pol.window, pol.kernel_size, pol.pool, pol.row_reduce) == defaults and pol.head_reduce == "mean"
-    W = pol.window
-    g = torch.Generator().manual_seed(3)
-    keys = torch.randn(1, 2, W, 16, generator=g)
-    queries = torch.randn(1, 6, W, 16, generator=g)
-    if W > 1:
-        assert pol.protected(W, 5) == (0, 5)
-        out = tritonkv.compress((keys, keys), pol, 5, queries=queries)
-        assert out.indices[0, 0].tolist() == list(range(W - 5, W))
-    long_keys = torch.randn(1, 2, W + 20, 16, generator=g)
-    assert pol.protected(W + 20, W + 3) == (0, W)
-    if W > 1:
-        with pytest.raises(ValueError, match="budget"):
-            tritonkv.compress((long_keys, long_keys), pol, W - 1, queries=queries)
+    with on_backend(backend):
+        pol = cls()
+        assert pol.nonnegative and pol.needs == ("queries",)
+        defaults = {SnapKV: (32, 7, "max", "mean"), TOVA: (1, 1, "max", "mean"), H2O: (32, 1, "max", "sum"),
+                    SurfaceLogicKV: (32, 1, "max", "mean")}[cls]
+        assert (pol.window, pol.kernel_size, pol.pool, pol.row_reduce) == defaults and pol.head_reduce == "mean"
+        W = pol.window
+        g = torch.Generator().manual_seed(3)
+        keys = torch.randn(1, 2, W, 16, generator=g)
+        queries = torch.randn(1, 6, W, 16, generator=g)
+        if W > 1:
+            assert pol.protected(W, 5) == (0, 5)
+            out = tritonkv.compress((keys, keys), pol, 5, queries=queries)
+            assert out.indices[0, 0].tolist() == list(range(W - 5, W))
+        long_keys = torch.randn(1, 2, W + 20, 16, generator=g)
+        assert pol.protected(W + 20, W + 3) == (0, W)
+        if W > 1:
+            with pytest.raises(ValueError, match="budget"):
+                tritonkv.compress((long_keys, long_keys), pol, W - 1, queries=queries)
 
 
-def test_queries_beyond_the_window_are_ignored():
-    g = torch.Generator().manual_seed(4)
-    keys = torch.randn(1, 2, 60, 16, generator=g)
-    queries = torch.randn(1, 4, 20, 16, generator=g)
-    lse = oracle_lse(keys, queries[:, :, -8:])
-    pol = SnapKV(window=8, kernel_size=3)
-    want = window_attention_scores(keys, queries[:, :, -8:], kernel_size=3)
-    assert torch.equal(pol.score(keys, keys, queries=queries), want)
-    full_lse = torch.cat([torch.zeros(1, 4, 12), lse], dim=2)
-    torch.testing.assert_close(pol.score(keys, keys, queries=queries, attn_lse=full_lse), want, rtol=2e-5, atol=1e-9)
-    # H2O over every query with a smaller protected window (the original H2O's setting)
-    h2o = H2O(window=4, q_window=60)
-    q_all = torch.randn(1, 4, 60, 16, generator=g)
-    assert torch.equal(h2o.score(keys, keys, queries=q_all), window_attention_scores(keys, q_all, row_reduce="sum"))
-    assert h2o.protected(60, 30) == (0, 4)
+@both_backends
+def test_queries_beyond_the_window_are_ignored(backend):
+    with on_backend(backend):
+        g = torch.Generator().manual_seed(4)
+        keys = torch.randn(1, 2, 60, 16, generator=g)
+        queries = torch.randn(1, 4, 20, 16, generator=g)
+        lse = oracle_lse(keys, queries[:, :, -8:])
+        pol = SnapKV(window=8, kernel_size=3)
+        want = window_attention_scores(keys, queries[:, :, -8:], kernel_size=3)
+        assert torch.equal(pol.score(keys, keys, queries=queries), want)
+        full_lse = torch.cat([torch.zeros(1, 4, 12), lse], dim=2)
+        torch.testing.assert_close(pol.score(keys, keys, queries=queries, attn_lse=full_lse), want, rtol=2e-5, atol=1e-9)
+        # H2O over every query with a smaller protected window (the original H2O's setting)
+        h2o = H2O(window=4, q_window=60)
+        q_all = torch.randn(1, 4, 60, 16, generator=g)
+        assert torch.equal(h2o.score(keys, keys, queries=q_all), window_attention_scores(keys, q_all, row_reduce="sum"))
+        assert h2o.protected(60, 30) == (0, 4)
 
 
 K = torch.randn(1, 2, 40, 16)

@@ -11,6 +11,9 @@ blocks of BLOCK_M, forms ``[BLOCK_N, BLOCK_M]`` projections with ``tl.dot`` and 
 absolute values in fp32. On the GPU, fp16/bf16 operands of one dtype go to the tensor cores as
 they are (products exact, fp32 accumulation); otherwise (fp32, mixed dtypes, the interpreter,
 whose bf16 ``tl.dot`` is wrong) both are cast to fp32 and multiplied in IEEE fp32 (no TF32).
+
+On the CPU (outside the interpreter) the op runs ``_value_norms_torch``: the same projections as
+batched fp32 matmuls over token chunks.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op
+from ._common import FLOAT_DTYPES, INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
 
 
 @triton.jit
@@ -65,10 +68,36 @@ def _blocks(n: int, d: int, dm: int, native: bool):
     return block_n, block_d, block_m, 4 if block_d <= 64 else 8
 
 
+#: elements of the fp32 ``[B, H, G, chunk, D_model]`` projection block of ``_value_norms_torch``
+#: (64 MiB): it sets the token chunk, so memory stays bounded whatever N and D_model are
+TORCH_BLOCK = 1 << 24
+
+
+def _value_norms_torch(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
+    """The op's CPU body: for each token chunk, the projections of its values by every query head
+    of their group, ``[B, H, 1, n, d] @ [H, G, d, D_model]`` (W_O^q transposed, a view) in fp32,
+    then the L1 norm over D_model (one fused reduction) and the mean over the G heads. The chunk n keeps that block
+    under ``TORCH_BLOCK`` elements; the chunk count depends only on shapes. IEEE fp32 throughout:
+    a NaN value gives NaN, an infinite one +inf (NaN where it meets an exact zero of W_O)."""
+    B, H, N, D = values.shape
+    DM = o_proj.shape[0]
+    G = o_proj.shape[1] // (H * D)
+    w = o_proj.float().reshape(DM, H, G, D).permute(1, 2, 3, 0)  # [H, G, d, D_model]
+    v = values.float().unsqueeze(2)  # [B, H, 1, N, d]
+    chunk = max(1, TORCH_BLOCK // max(B * H * G * DM, 1))
+    out = torch.empty((B, H, N), dtype=torch.float32, device=values.device)
+    for t0 in range(0, N, chunk):
+        p = v[:, :, :, t0:t0 + chunk] @ w  # [B, H, G, n, D_model]
+        out[:, :, t0:t0 + chunk] = torch.linalg.vector_norm(p, ord=1, dim=-1).sum(2) / G
+    return out
+
+
 @triton_op("tritonkv::value_norms", mutates_args=())
 def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
     """The raw op: values ``[B, H, N, d]`` (last dim unit-stride), o_proj ``[D_model, H_q·d]``
     -> fp32 ``[B, H, N]``."""
+    if not use_triton(values):
+        return _value_norms_torch(values, o_proj)
     B, H, N, D = values.shape
     DM = o_proj.shape[0]
     G = o_proj.shape[1] // (H * D)

@@ -15,6 +15,7 @@ The anchor is a reduction over the whole row, so scoring takes two launches on t
    backwards, so it starts on the chunks the first launch read last (still in L2 on the GPU).
 
 The kernel boundary is the row-wide barrier. Keys are read twice; scores are fp32 ``[B, H, N]``.
+On the CPU (outside the interpreter) the op runs ``_keydiff_torch``, the same formula in PyTorch.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import launch, next_pow2, row_major, triton_op
+from ._common import launch, next_pow2, row_major, triton_op, use_triton
 from .knorm import _check_keys, _load_keys, token_blocks
 
 ANCHORS = ("normalized", "raw")
@@ -70,9 +71,27 @@ def _keydiff_score_kernel(k_ptr, part_ptr, out_ptr, H, skb, skh, skn, N, D, C,
         tl.store(out_ptr + r * N + offs, s, mask=mask)
 
 
+def _keydiff_torch(keys: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """The op's CPU body, in fp32: per-key norms (one reduction over D), the anchor as one batched
+    mat-vec ``Σ_i w_i k_i / N`` (w_i = 1 / max(‖k_i‖, 1e-12), or 1 for the raw anchor), the dot
+    products ``k_i·a`` as another, then the kernel's ``0 − dot / max(‖a‖·‖k_i‖, 1e-8)`` clamped to
+    [−1, 1]. NaN propagates as in the kernel: a NaN or ±inf key (inf·0 = NaN in the anchor) makes
+    the whole row NaN; a zero key scores +0."""
+    k = keys.float()
+    k_norm = torch.linalg.vector_norm(k, dim=-1)  # [B, H, N]
+    w = 1.0 / k_norm.clamp_min(1e-12) if normalize else torch.ones_like(k_norm)
+    a = (w.unsqueeze(-2) @ k) / keys.shape[2]  # [B, H, 1, D]
+    dot = (k @ a.transpose(-1, -2)).squeeze(-1)  # [B, H, N]
+    a_norm = torch.linalg.vector_norm(a, dim=-1)  # [B, H, 1]
+    s = 0.0 - dot / (a_norm * k_norm).clamp_min(1e-8)
+    return s.clamp(-1.0, 1.0)  # clamp keeps NaN
+
+
 @triton_op("tritonkv::keydiff_score", mutates_args=())
 def keydiff_score_op(keys: torch.Tensor, normalize: bool, chunk: int) -> torch.Tensor:
     """The raw op: keys ``[B, H, N, D]`` (last dim unit-stride) -> fp32 ``[B, H, N]``."""
+    if not use_triton(keys):
+        return _keydiff_torch(keys, normalize)
     B, H, N, D = keys.shape
     R = B * H
     out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)

@@ -4,7 +4,8 @@
 
 One launch on a grid (token chunks, B·H_kv rows), so a long row splits over many programs. Each
 program streams its chunk in ``[TILE, BLOCK_D]`` tiles of the strided ``[B, H, N, D]`` keys (last
-dim unit-stride, int64 offsets) and writes fp32 scores ``[B, H, N]``.
+dim unit-stride, int64 offsets) and writes fp32 scores ``[B, H, N]``. On the CPU (outside the
+interpreter) the op runs ``_knorm_torch``, the same formula in PyTorch.
 
 ``token_blocks`` and ``_load_keys`` are shared with the KeyDiff kernels (``kernels/keydiff.py``).
 """
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op
+from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
 
 
 @triton.jit
@@ -69,9 +70,18 @@ def _check_keys(keys) -> None:
         raise ValueError(f"keys must have a head dim >= 1, got shape {tuple(keys.shape)}")
 
 
+def _knorm_torch(keys: torch.Tensor) -> torch.Tensor:
+    """The op's CPU body: ``0 − ‖k_i‖₂`` as one fp32 reduction over D (the keys cast to fp32 first,
+    squares summed without rescaling, as the kernel: a key whose square overflows scores −inf; a
+    NaN scores NaN; a zero key +0)."""
+    return 0.0 - torch.linalg.vector_norm(keys, dim=-1, dtype=torch.float32)
+
+
 @triton_op("tritonkv::knorm_score", mutates_args=())
 def knorm_score_op(keys: torch.Tensor, chunk: int) -> torch.Tensor:
     """The raw op: keys ``[B, H, N, D]`` (last dim unit-stride) -> fp32 ``[B, H, N]``."""
+    if not use_triton(keys):
+        return _knorm_torch(keys)
     B, H, N, D = keys.shape
     out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)
     if N > 0 and B * H > 0:

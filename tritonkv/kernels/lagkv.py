@@ -14,7 +14,8 @@ once (plus the reference of the run's last partition). Per partition: pass 1 str
 in [BLOCK_T, D, 2] tiles (K and V joined, so each statistic is one reduction for both) and writes
 the per-token stds of K and V to ``out``/``tmp`` (scratch); the softmax and the rank then read
 them back as [BLOCK_L] vectors (``tl.debug_barrier`` orders the round trip between the program's
-threads).
+threads). On the CPU (outside the interpreter) the op runs ``_lagkv_torch``: the same steps on all
+partitions at once.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op
+from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
 
 
 @triton.jit
@@ -122,11 +123,52 @@ def num_partitions(n: int, sink: int, lag: int) -> int:
     return (n - sink) // lag if n >= sink + 2 * lag else 0
 
 
+def _lagkv_phi(z: torch.Tensor, eps: float) -> torch.Tensor:
+    """φ_Z of Eqs. 5–8 for every scored partition at once: ``z`` fp32 ``[B, H, P, L, D]`` (P ≥ 2
+    partitions) -> ``[B, H, P−1, L]``. Partition j is min–max normalised by partition j+1 (amin/amax
+    propagate NaN, like the kernel and the oracle), then each token's std over channels (divisor
+    D−1, two-pass: mean, then squared deviations), then a softmax over the partition's tokens
+    written out (max, exp, sum) so NaN and +inf behave as in the kernel."""
+    ref = z[:, :, 1:]
+    lo, hi = ref.amin(dim=3, keepdim=True), ref.amax(dim=3, keepdim=True)
+    zn = (z[:, :, :-1] - lo) / (hi - lo).clamp_min(eps)
+    dev = zn - zn.sum(-1, keepdim=True) / z.shape[-1]
+    sd = torch.sqrt((dev * dev).sum(-1) / (z.shape[-1] - 1))
+    e = torch.exp(sd - sd.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+def _lagkv_torch(keys: torch.Tensor, values: torch.Tensor, sink: int, lag: int, eps: float,
+                 rank: bool) -> torch.Tensor:
+    """The op's CPU body: the P partitions of every row as one fp32 ``[B, H, P, L, D]`` view per
+    tensor, φ_K + φ_V on the first P−1 of them (``_lagkv_phi``), +inf elsewhere. With ``rank``
+    each score becomes its within-partition rank ρ/L: one stable ascending sort of the partition
+    read backwards (NaN first as −inf; among equal scores the higher index sorts first, so the
+    lower index gets the higher rank), the sort positions scattered back to the tokens."""
+    B, H, N, D = keys.shape
+    out = torch.full((B, H, N), float("inf"), dtype=torch.float32, device=keys.device)
+    P = num_partitions(N, sink, lag)
+    if P < 2 or B * H == 0:
+        return out
+    span = slice(sink, sink + P * lag)
+    k, v = (z[:, :, span].float().reshape(B, H, P, lag, D) for z in (keys, values))
+    s = _lagkv_phi(k, eps) + _lagkv_phi(v, eps)
+    if rank:
+        s = torch.where(torch.isnan(s), float("-inf"), s).flip(-1)
+        order = torch.sort(s, dim=-1, stable=True).indices  # positions in the flipped partition
+        pos = torch.arange(lag, device=keys.device, dtype=torch.float32).expand_as(s)
+        s = torch.empty_like(s).scatter_(-1, lag - 1 - order, pos) / lag
+    out[:, :, sink:sink + (P - 1) * lag] = s.reshape(B, H, (P - 1) * lag)
+    return out
+
+
 @triton_op("tritonkv::lagkv_score", mutates_args=())
 def lagkv_score_op(keys: torch.Tensor, values: torch.Tensor, sink: int, lag: int, eps: float,
                    rank: bool, parts: int) -> torch.Tensor:
     """The raw op: keys/values ``[B, H, N, D]`` (last dim unit-stride) -> fp32 ``[B, H, N]``.
     ``parts``: partitions per program (0 = automatic); it never changes the result."""
+    if not use_triton(keys):
+        return _lagkv_torch(keys, values, sink, lag, eps, rank)
     B, H, N, D = keys.shape
     out = torch.full((B, H, N), float("inf"), dtype=torch.float32, device=keys.device)
     n_scored = num_partitions(N, sink, lag) - 1

@@ -28,6 +28,9 @@ holds all G·W query rows of its KV head (in blocks of GB heads × BW rows when 
 ``tl.dot`` takes the native fp16/bf16 operands on the GPU (fp32 accumulation) and fp32 operands
 under the interpreter, whose bf16 arithmetic is wrong (kernels.md rule 1), or for fp32 inputs
 (then with ``input_precision="ieee"``, not TF32).
+
+On the CPU (outside the interpreter) the op runs ``_window_attention_torch``: the same two passes
+(LSE, then scores) and the pooling, vectorised in PyTorch over token chunks.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op
+from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
 
 POOLS = ("max", "avg")
 ROW_REDUCE = ("mean", "sum")
@@ -227,12 +230,81 @@ def _config(N: int, R: int, G: int, W: int, D: int, chunk: int) -> dict:
     return dict(CHUNK=chunk, BLOCK_N=min(block_n, chunk), GB=gb, BW=bw, BLOCK_D=block_d, num_warps=warps)
 
 
+#: elements of one fp32 ``[B, H_kv, G·W, n]`` logit block of ``_window_attention_torch`` (128 MiB):
+#: it sets the token chunk n, so memory stays bounded whatever N is
+TORCH_BLOCK = 1 << 25
+
+
+def _lse_torch(s: torch.Tensor, dim: int) -> torch.Tensor:
+    """ln Σ exp(s) over ``dim`` with the kernel's rules: −inf where every term is −inf (no visible
+    key), NaN where a term is NaN or +inf (inf − inf), as the oracle's max-shifted sum gives."""
+    mx = s.amax(dim, keepdim=True)
+    tot = torch.exp(s - torch.where(mx == float("-inf"), 0.0, mx)).sum(dim)
+    mx = mx.squeeze(dim)
+    return torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)),
+                       torch.where(tot == tot, float("-inf"), tot))
+
+
+def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: int, pool: str,
+                            row_reduce: str, head_reduce: str) -> torch.Tensor:
+    """The op's CPU body, in fp32. The G·W query rows of KV head h are one ``[G·W, D]`` matrix (a
+    view of the queries: no ``repeat_kv``); per token chunk its logits ``τ·q·kᵀ`` are one batched
+    matmul ``[B, H, G·W, n]`` (n keeps the block under ``TORCH_BLOCK`` elements; one chunk for
+    moderate N, so the logits are computed once), masked causally (key j visible to row i iff
+    j ≤ N − W + i). Pass 1 (without ``attn_lse``): per chunk and row the partial LSE, combined
+    over chunks as the kernel does. Pass 2: P = exp(logit − LSE) on visible keys (0 elsewhere),
+    summed over the W rows, reduced over the G heads (sum or max, times the kernel's
+    ``out_scale``), then the layer mean and the pooling over [0, N − W) (max ignores the padding,
+    avg counts it as zeros) as ``_window_pool_kernel``; window positions keep their unpooled u."""
+    B, H, N, D = keys.shape
+    Hq, W = queries.shape[1], queries.shape[2]
+    G = Hq // max(H, 1)
+    dev = keys.device
+    if B * H == 0 or N == 0:
+        return torch.empty((B, H, N), dtype=torch.float32, device=dev)
+    q = queries.float().reshape(B, H, G * W, D) * scale  # rows of KV head h: its G heads × W rows
+    pos = (N - W + torch.arange(W, device=dev)).repeat(G)  # [G·W] position of each query row
+    chunk = max(1, TORCH_BLOCK // max(B * H * G * W, 1))
+    spans = [(t0, min(t0 + chunk, N)) for t0 in range(0, N, chunk)]
+
+    def logits(t0: int, t1: int):
+        s = q @ keys[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, G·W, n]
+        return s, torch.arange(t0, t1, device=dev) <= pos[:, None]  # visible: [G·W, n]
+
+    once = logits(*spans[0]) if len(spans) == 1 else None
+    if attn_lse.numel() > 0:  # the prefill's LSE, through the kernel's combination (NaN for +inf)
+        parts = attn_lse.float().reshape(1, B, H, G * W)
+    else:
+        parts = torch.stack([_lse_torch(s.masked_fill(~vis, float("-inf")), -1)
+                             for s, vis in (once or logits(*sp) for sp in spans)])
+    lse = _lse_torch(parts, 0).unsqueeze(-1)  # [B, H, G·W, 1]
+    out_scale = (1.0 / W if row_reduce == "mean" else 1.0) * (1.0 if head_reduce == "max" else 1.0 / G)
+    u = torch.empty((B, H, N), dtype=torch.float32, device=dev)
+    for t0, t1 in spans:
+        s, vis = once or logits(t0, t1)
+        p = s.sub_(lse).masked_fill_(~vis, float("-inf")).exp_()  # in place: s is not needed again
+        hs = p.reshape(B, H, G, W, t1 - t0).sum(3)  # [B, H, G, n]
+        u[:, :, t0:t1] = (hs.amax(2) if head_reduce == "max" else hs.sum(2)) * out_scale
+    if head_reduce == "layer":
+        u = (u.sum(1, keepdim=True) / H).expand(B, H, N)
+    n_pool = max(N - W, 0)
+    if kernel_size > 1 and n_pool > 0:
+        pad = kernel_size // 2
+        fill = float("-inf") if pool == "max" else 0.0
+        win = torch.nn.functional.pad(u[..., :n_pool], (pad, kernel_size - 1 - pad), value=fill).unfold(-1, kernel_size, 1)
+        pooled = win.amax(-1) if pool == "max" else win.sum(-1) / kernel_size  # amax keeps NaN
+        u = torch.cat([pooled, u[..., n_pool:]], dim=-1)
+    return u.contiguous()
+
+
 @triton_op("tritonkv::window_attention_score", mutates_args=())
 def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: torch.Tensor, scale: float,
                         kernel_size: int, pool: str, row_reduce: str, head_reduce: str, chunk: int) -> torch.Tensor:
     """The raw op: keys ``[B, H, N, D]``, queries ``[B, G·H, W, D]`` (last dims unit-stride),
     ``attn_lse`` ``[B, G·H, W]`` or empty (computed here) -> fp32 ``[B, H, N]``. ``chunk``: keys per
     program (0 = automatic); it changes the grid, not the result beyond rounding."""
+    if not use_triton(keys):
+        return _window_attention_torch(keys, queries, attn_lse, scale, kernel_size, pool, row_reduce, head_reduce)
     B, H, N, D = keys.shape
     Hq, W = queries.shape[1], queries.shape[2]
     G = Hq // H
