@@ -4,7 +4,7 @@ memory, occupancy, fenced atomics, and launches and bytes per compress.
     python benchmarks/kernel_stats.py            # full run: N = 32768, sm_90 + sm_80 -> benchmarks/results/
     python benchmarks/kernel_stats.py --smoke    # N = 2048, sm_90 only (< 60 s), writes nothing unless --out
 
-Target shape (``shared/notes/kernels.md`` §7): B = 1, H_kv = 8, H_q = 32, D = 128, bf16 K/V, keep 25 %,
+Target shape (``docs/architecture.md``, Benchmarks): B = 1, H_kv = 8, H_q = 32, D = 128, bf16 K/V, keep 25 %,
 N = 32768; window queries W = 32 and W_O ``[4096, 4096]`` as in ``benchmarks/speed.py``.
 
 **Which configurations.** The launchers choose block sizes from shapes alone, with a GPU branch and an
@@ -762,7 +762,7 @@ def markdown(res: dict) -> str:
                    f"{r['allocations']} ({_mb(r['alloc_bytes'])}) | {_mb(r['triton_bytes'])} | {_mb(r['triton_est_bytes'])} | "
                    f"{_mb(r['torch_bytes'])} | {_mb(r['floor_bytes'])} | {ratio} |")
     out += ["", "Bytes: " + res["bytes_rule"] + " Torch-side ops: fills count their output, other ops inputs + "
-            "outputs. Floor: §7 of `shared/notes/kernels.md` (read what scoring reads, re-read and write the kept "
+            "outputs. Floor: `docs/architecture.md`, Benchmarks (read what scoring reads, re-read and write the kept "
             "K+V). The run is on CPU tensors: checks the library makes only on CPU inputs (e.g. SCORE's `hd`) "
             "appear as torch-side ops and syncs here and not on a GPU.", "",
             "Launch sequences:", ""]

@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of a kernel for sm_80 and sm_90, with no GPU (kernels.md rule 2).
+"""Ahead-of-time compile of a kernel for sm_80 and sm_90, with no GPU (docs/architecture.md, "Testing").
 
 The interpreter accepts code the compiler rejects, so every kernel is also compiled
 ttir -> cubin here, in a subprocess without TRITON_INTERPRET (in an interpreted process the

@@ -1,7 +1,7 @@
 """Test configuration.
 
 TRITON_INTERPRET must be set before any module defining ``@triton.jit`` kernels is imported
-(kernels.md rule 3), so it is decided here, at conftest import time: without a CUDA device the
+(docs/contracts.md, "Devices"), so it is decided here, at conftest import time: without a CUDA device the
 kernel tests run the Triton kernels on CPU tensors under the interpreter, while the model-level
 tests (``NATIVE_MODULES``) run every op's native PyTorch body on the CPU, as users do.
 """

@@ -1,4 +1,4 @@
-"""Allocators against their oracles (budgets compared exactly) and the invariants of algorithms.md §2.
+"""Allocators against their oracles (budgets compared exactly) and the invariants of docs/algorithms.md §2.
 
 AdaKV and SCORE run the shared select kernel (slow under the interpreter), so their tests use few
 examples, small shapes and several checks per example; the other allocators are plain torch.

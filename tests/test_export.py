@@ -1,7 +1,8 @@
 """Graph capture: ``torch.export`` (strict, i.e. through dynamo, which fails on a graph break) of
 ``compress()`` for every registered policy, in a subprocess WITHOUT the Triton interpreter
-(``triton_op`` cannot be compiled under the interpreter; kernels.md §6). Numerics are tested
-eagerly elsewhere; this checks that each launcher is one traceable op with static output shapes."""
+(``triton_op`` cannot be compiled under the interpreter; docs/contracts.md, "torch.compile and
+torch.export"). Numerics are tested eagerly elsewhere; this checks that each launcher is one traceable
+op with static output shapes."""
 import os
 import subprocess
 import sys

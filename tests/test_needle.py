@@ -1,4 +1,5 @@
-"""Needle-in-a-haystack utilities (tritonkv/integrations/needle.py; shared/notes/models.md §2–3)."""
+"""Needle-in-a-haystack utilities (tritonkv/integrations/needle.py; docs/architecture.md, "The real model and the
+needle check")."""
 import pytest
 import torch
 
@@ -89,7 +90,8 @@ def test_build_case_bad_input():
 
 
 # ------------------------------------------------------------------------------------------------
-# the real model (shared/notes/models.md §3): full cache finds the key, the needle-removed control does not
+# the real model (docs/architecture.md, "The real model and the needle check"): full cache finds the key, the
+# needle-removed control does not
 
 
 @pytest.fixture(scope="module")

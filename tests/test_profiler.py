@@ -1,4 +1,4 @@
-"""SurfaceLogicKV INFsc profiler (tritonkv/allocation/profiler.py; algorithms.md §2.5)."""
+"""SurfaceLogicKV INFsc profiler (tritonkv/allocation/profiler.py; docs/algorithms.md §2.5)."""
 import json
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""StreamingLLM (algorithms.md §1.3): the kept set [0, sink) ∪ [N − (k − sink), N) end to end through
+"""StreamingLLM (docs/algorithms.md §1.3): the kept set [0, sink) ∪ [N − (k − sink), N) end to end through
 compress() against the oracle, constant scores, protected sizes and bad inputs. (No kernel of its
 own: the shared select does the work.)"""
 import pytest

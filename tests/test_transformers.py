@@ -203,7 +203,7 @@ def test_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------------------
-# needle by likelihood (shared/notes/models.md §3)
+# needle by likelihood (docs/architecture.md, "The real model and the needle check")
 
 CASES = [(2048, 0.5, 0), (2048, 0.3, 1)]
 

@@ -1,4 +1,4 @@
-"""NumPy oracles written from the papers and shared/notes/algorithms.md.
+"""NumPy oracles written from the papers and docs/algorithms.md.
 
 They import neither torch kernels nor tritonkv: inputs are NumPy arrays, outputs NumPy arrays.
 """

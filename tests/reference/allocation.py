@@ -1,4 +1,4 @@
-"""Oracles of every allocator (algorithms.md §2), written from the notes in NumPy (float64).
+"""Oracles of every allocator (docs/algorithms.md §2), written from the notes in NumPy (float64).
 
 Conventions shared with the library (stated in the notes or chosen there):
 - floors of float products are ``floor(x + 1e-6)`` (§0: 0.29·100 gives 29);

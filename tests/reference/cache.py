@@ -1,4 +1,4 @@
-"""Oracle of the ragged cache (kernels.md §4): one Python list of tokens per row.
+"""Oracle of the ragged cache (docs/contracts.md, "RaggedKV"): one Python list of tokens per row.
 
 A row r = b·H_kv + h built by selection holds ``keys[b, h, kept]`` in ascending order of the kept
 original positions; an append adds one token at the end of every row, with the next position.

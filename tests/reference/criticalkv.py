@@ -1,5 +1,5 @@
 """Oracle of CriticalKV's perturbation-constrained selection (CriticalKV §3.4, Algorithms 1–2;
-algorithms.md §1.6), written from the paper and the notes. NumPy only, one row (b, h) at a time.
+docs/algorithms.md §1.6), written from the paper and the notes. NumPy only, one row (b, h) at a time.
 
     n_j  = (1/G) Σ_{q∈G(h)} ‖ W_O[:, q·d:(q+1)·d] · v_j ‖₁
     S1   = top-⌊α·b⌋ non-protected tokens by s                 b = budget − |P|

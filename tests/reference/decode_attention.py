@@ -1,4 +1,4 @@
-"""Oracle of decode attention over a ragged or padded KV cache (kernels.md §5), in float64.
+"""Oracle of decode attention over a ragged or padded KV cache (docs/architecture.md, "Kernels"), in float64.
 
 Query head j of batch row b attends to the kept tokens of KV head j // G (G = H_q / H_kv):
 

@@ -1,4 +1,4 @@
-"""Oracle of KeyDiff (KeyDiff §3.2, Eqs. 7–8, App. B.1; algorithms.md §1.2). NumPy only.
+"""Oracle of KeyDiff (KeyDiff §3.2, Eqs. 7–8, App. B.1; docs/algorithms.md §1.2). NumPy only.
 
 Two independent forms over the n keys of one row, ``keys [n, D]``:
 

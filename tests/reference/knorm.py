@@ -1,4 +1,4 @@
-"""Oracle of Knorm (Devoto et al.; algorithms.md §1.1). NumPy only.
+"""Oracle of Knorm (Devoto et al.; docs/algorithms.md §1.1). NumPy only.
 
     s_i = −‖k_i‖₂
 """

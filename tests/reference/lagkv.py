@@ -1,4 +1,4 @@
-"""Oracle of LagKV (LagKV §2.2, Eqs. 5–10; algorithms.md §1.5), written from the paper. NumPy only.
+"""Oracle of LagKV (LagKV §2.2, Eqs. 5–10; docs/algorithms.md §1.5), written from the paper. NumPy only.
 
 One row at a time: K and V are [T, d]. Sink S, lag L, partitions π_j = [S + jL, S + (j+1)L),
 P = ⌊(T−S)/L⌋ when T ≥ S + 2L (else nothing is scored), tail = [S + (P−1)L, T).

@@ -1,4 +1,4 @@
-"""Oracle of SCORE's redundancy-penalised selection (SCORE §3.4, Eq. 13; algorithms.md §1.7),
+"""Oracle of SCORE's redundancy-penalised selection (SCORE §3.4, Eq. 13; docs/algorithms.md §1.7),
 written from the paper and the notes. NumPy only, one layer and one batch row at a time.
 
     U_h     = top-b_h(A[h])                                     unpenalised

@@ -1,4 +1,4 @@
-"""Oracle of the shared selection (algorithms.md §0), written from the spec.
+"""Oracle of the shared selection (docs/algorithms.md §0), written from the spec.
 
     key_i = -inf if isnan(s_i) else (0.0 if s_i == 0 else s_i)
     order = non-protected indices sorted by (key desc, index asc)

@@ -1,4 +1,4 @@
-"""Oracle of StreamingLLM (algorithms.md §1.3): the first ``sink`` tokens and the most recent
+"""Oracle of StreamingLLM (docs/algorithms.md §1.3): the first ``sink`` tokens and the most recent
 ``k − sink``. NumPy only."""
 import numpy as np
 

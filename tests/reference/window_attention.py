@@ -1,5 +1,5 @@
 """Oracle of the window-attention family (SnapKV, TOVA, H2O-style, SurfaceLogicKV selection;
-algorithms.md §1.4), written from the formulas. NumPy only, float64.
+docs/algorithms.md §1.4), written from the formulas. NumPy only, float64.
 
 One batch row at a time: K is [H, N, d] (H KV heads), Q is [H_q, W, d] with H_q = G·H, query head q
 reading KV head q // G; query row i sits at position p_i = N − W + i.

@@ -1,4 +1,4 @@
-"""Allocators: how many tokens each layer and head keeps (algorithms.md §2).
+"""Allocators: how many tokens each layer and head keeps (docs/algorithms.md §2).
 
 Every allocator is a pure function returning int32 *selectable* budgets on the device (callers
 add the protected count ``sink + window``), plus an allocator object for ``compress()``::

@@ -1,4 +1,4 @@
-"""AdaKV head budgets within a layer (algorithms.md §2.3), from any policy's scores.
+"""AdaKV head budgets within a layer (docs/algorithms.md §2.3), from any policy's scores.
 
 Exact mode (default, the kvpress construction), per batch row over scores ``[H, avail]``:
 

@@ -20,7 +20,7 @@ import torch
 
 ALLOCATORS: dict[str, type["Allocator"]] = {}
 
-EPS_FLOOR = 1e-6  # floor(x + 1e-6): the library's convention for floors of float products (algorithms.md §0)
+EPS_FLOOR = 1e-6  # floor(x + 1e-6): the library's convention for floors of float products (docs/algorithms.md §0)
 
 
 def register_allocator(cls):

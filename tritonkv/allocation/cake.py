@@ -1,4 +1,4 @@
-"""CAKE layer preference (algorithms.md §2.7, optional).
+"""CAKE layer preference (docs/algorithms.md §2.7, optional).
 
 Per layer, from the window attention ``A [B, H, W, n]`` (W window queries over the prefix keys)::
 

@@ -1,4 +1,4 @@
-"""HeadKV-style budgets from an offline profile (algorithms.md §2.4).
+"""HeadKV-style budgets from an offline profile (docs/algorithms.md §2.4).
 
 With a profile ``p [L, H] >= 0`` (a query-head profile is averaged over each group), β = 1.5, τ = 1::
 

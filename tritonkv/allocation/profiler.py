@@ -1,4 +1,4 @@
-"""The SurfaceLogicKV INFsc profiler (``shared/notes/algorithms.md`` §2.5, a reconstruction).
+"""The SurfaceLogicKV INFsc profiler (``docs/algorithms.md`` §2.5, a reconstruction).
 
 For a model, run needle-in-a-haystack cases over a grid of context lengths and needle depths with
 eager attention. The answer (the true pass key, ``" " + digits``) is teacher-forced after the

@@ -1,4 +1,4 @@
-"""PyramidKV layer budgets (algorithms.md §2.2): a linear ramp from ``max`` at layer 0 down to
+"""PyramidKV layer budgets (docs/algorithms.md §2.2): a linear ramp from ``max`` at layer 0 down to
 ``min`` at the last layer, with mean ``b``.
 
 Float rule (exact mode, the default)::

@@ -1,4 +1,4 @@
-"""Integer budgets from real-valued shares, on the device with no host read (algorithms.md §2).
+"""Integer budgets from real-valued shares, on the device with no host read (docs/algorithms.md §2).
 
 ``largest_remainder`` is the exact mode of every allocator:
 

@@ -1,4 +1,4 @@
-"""SCORE redundancy allocation (algorithms.md §2.6; SCORE §3.2–3.3, Eqs. 4–12).
+"""SCORE redundancy allocation (docs/algorithms.md §2.6; SCORE §3.2–3.3, Eqs. 4–12).
 
 Statistics, from each query head's normalised mean attention row over sampled positions
 (``m_q = (1/K) Σ_s a_q^(s)/‖a_q^(s)‖₂``, a vector over the context)::

@@ -1,4 +1,4 @@
-"""SurfaceLogicKV fixed + dynamic budgets (algorithms.md §2.5, a reconstruction of Eq. 6).
+"""SurfaceLogicKV fixed + dynamic budgets (docs/algorithms.md §2.5, a reconstruction of Eq. 6).
 
 With an INF profile ``[L, H] >= 0`` (query-head profiles are averaged over each group),
 ρ = 1.351 (the "allocation ratio") and a floor of 0.01 on layer importance::

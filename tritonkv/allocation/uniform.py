@@ -1,4 +1,4 @@
-"""Uniform allocation (algorithms.md §2.1): every head keeps ``min(b, avail)`` selectable tokens."""
+"""Uniform allocation (docs/algorithms.md §2.1): every head keeps ``min(b, avail)`` selectable tokens."""
 from __future__ import annotations
 
 import dataclasses

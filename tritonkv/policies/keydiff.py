@@ -1,4 +1,4 @@
-"""KeyDiff (KeyDiff §3.2, Eqs. 7–8; ``shared/notes/algorithms.md`` §1.2): keep the keys least
+"""KeyDiff (KeyDiff §3.2, Eqs. 7–8; ``docs/algorithms.md`` §1.2): keep the keys least
 similar to the anchor (the mean unit key of the row). Kernel in ``kernels/keydiff.py``."""
 from __future__ import annotations
 

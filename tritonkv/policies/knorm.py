@@ -1,4 +1,4 @@
-"""Knorm (Devoto et al.; ``shared/notes/algorithms.md`` §1.1): keep the keys of smallest L2 norm.
+"""Knorm (Devoto et al.; ``docs/algorithms.md`` §1.1): keep the keys of smallest L2 norm.
 Kernel in ``kernels/knorm.py``."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LagKV (LagKV §2.2, Eqs. 5–10; ``shared/notes/algorithms.md`` §1.5).
+"""LagKV (LagKV §2.2, Eqs. 5–10; ``docs/algorithms.md`` §1.5).
 
 Each partition of L tokens after the S sinks is scored against the raw next partition
 (``kernels/lagkv.py``); the last full partition plus the remainder (the *tail*) has no reference

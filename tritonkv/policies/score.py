@@ -1,4 +1,4 @@
-"""SCORE redundancy-penalised selection (SCORE §3.4, Eq. 13; ``shared/notes/algorithms.md`` §1.7).
+"""SCORE redundancy-penalised selection (SCORE §3.4, Eq. 13; ``docs/algorithms.md`` §1.7).
 
 A wrapper over an attention-like base policy (default: the SnapKV-family window mean without
 pooling, κ = 1, the scores SCORE's allocator reads). Per layer, with base scores A ≥ 0, head

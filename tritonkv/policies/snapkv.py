@@ -1,5 +1,5 @@
 """SnapKV (window-query attention, pooled) and the settings shared by the window-attention family
-(``shared/notes/algorithms.md`` §1.4; kernel in ``kernels/window_attention.py``).
+(``docs/algorithms.md`` §1.4; kernel in ``kernels/window_attention.py``).
 
 The last W queries attend to every key (causal inside the window); the softmax is reduced over the
 window rows and over the G query heads of each KV head, then pooled over the positions before the

@@ -1,4 +1,4 @@
-"""StreamingLLM (``shared/notes/algorithms.md`` §1.3): the first ``sink`` tokens (attention sinks)
+"""StreamingLLM (``docs/algorithms.md`` §1.3): the first ``sink`` tokens (attention sinks)
 and the most recent ``k − sink``. No kernel: everything kept is protected, so the shared select
 only copies the protected rows; the scores are constant zeros."""
 from __future__ import annotations

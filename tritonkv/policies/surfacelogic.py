@@ -1,5 +1,5 @@
 """SurfaceLogicKV selection (a reconstruction of its Eqs. 7–8, blank in the text;
-``shared/notes/algorithms.md`` §1.4): a head longer than its budget keeps the window plus the top
+``docs/algorithms.md`` §1.4): a head longer than its budget keeps the window plus the top
 prefix tokens by window attention (mean over rows and the query group)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TOVA: the last query's attention (``shared/notes/algorithms.md`` §1.4): window-attention scores
+"""TOVA: the last query's attention (``docs/algorithms.md`` §1.4): window-attention scores
 with W = 1 and no pooling; the last token is protected."""
 from __future__ import annotations
 
