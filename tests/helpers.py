@@ -49,3 +49,11 @@ def on_backend(backend: str):
     if backend == "triton" and not INTERPRET:
         pytest.skip("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
     return cpu_kernels(backend)
+
+
+def assert_same_scores(got, want, rtol: float, atol: float = 0.0) -> None:
+    """NaN, +inf and −inf at the same places, finite scores within ``rtol``/``atol`` (two backends)."""
+    for f in (torch.isnan, lambda t: t == float("inf"), lambda t: t == float("-inf")):
+        assert torch.equal(f(got), f(want))
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], rtol=rtol, atol=atol)

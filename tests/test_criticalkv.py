@@ -13,7 +13,7 @@ from tritonkv.kernels import critical as kcrit
 from tritonkv.kernels import select as ksel
 from tritonkv.kernels.critical import value_norms
 from tritonkv.policies.criticalkv import CriticalKV
-from helpers import GivenScores, SignedScores, both_backends, on_backend  # noqa: E402
+from helpers import GivenScores, SignedScores, assert_same_scores, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REL = 1e-5  # fp32 norms differ from the float64 oracle by ~1e-6 (reduction order)
@@ -96,6 +96,24 @@ def test_torch_body_matches_kernel(case, block):
         kcrit.TORCH_BLOCK = orig
     assert got.dtype == torch.float32 and got.shape == want.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=2 * REL, atol=1e-6)
+
+
+@pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_values_score_alike_on_both_backends(val):
+    """A NaN value gives a NaN norm, an infinite one +inf — or NaN where it meets an exact zero of
+    W_O (inf·0) — on the kernel and the PyTorch body alike."""
+    g = torch.Generator().manual_seed(7)
+    values = torch.randn(2, 2, 30, 16, generator=g)
+    w = torch.randn(24, 2 * 3 * 16, generator=g)
+    values[0, 1, 4, 3] = val
+    values[1, 0, 9, 5] = val
+    w[:, 5] = 0.0  # channel 5 of query head 0 (KV head 0's group): inf · 0 = NaN in every projection
+    with on_backend("triton"):
+        want = value_norms(values, w)
+    with on_backend("torch"):
+        got = value_norms(values, w)
+    assert_same_scores(got, want, rtol=2 * REL, atol=1e-6)
+    assert torch.isnan(got[1, 0, 9]) and (torch.isnan(got[0, 1, 4]) if val != val else got[0, 1, 4] == float("inf"))
 
 
 @both_backends

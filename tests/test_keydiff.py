@@ -15,7 +15,7 @@ from reference.select import select as ref_select
 from tritonkv.kernels import keydiff as kkd
 from tritonkv.kernels.keydiff import keydiff_scores
 from tritonkv.policies import KeyDiff
-from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
+from helpers import assert_raises_naming, assert_same_scores, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # fp32 cosine against fp64: ~1e-7 measured on scores in [-1, 1] (D ≤ 128, N ≤ 300)
@@ -162,6 +162,21 @@ def test_torch_body_matches_kernel(keys, data):
         with on_backend(backend):
             idx = tritonkv.compress((keys, keys), pol, k).indices.reshape(B * H, k).numpy()
         assert_kept_matches(idx, [k] * (B * H), s, k, sink, window, 2 * TOL, keys.double().numpy().reshape(B * H, N, D))
+
+
+@pytest.mark.parametrize("anchor", kkd.ANCHORS)
+@pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_keys_score_alike_on_both_backends(val, anchor):
+    """A NaN or ±inf key makes its whole row NaN (the anchor), on the kernel and the PyTorch body
+    alike; other rows keep finite scores."""
+    keys = torch.randn(2, 2, 30, 16, generator=torch.Generator().manual_seed(5))
+    keys[0, 1, 4, 3] = val
+    with on_backend("triton"):
+        want = keydiff_scores(keys, anchor=anchor)
+    with on_backend("torch"):
+        got = keydiff_scores(keys, anchor=anchor)
+    assert_same_scores(got, want, rtol=0, atol=TOL)
+    assert torch.isnan(got[0, 1]).all() and torch.isfinite(got[1]).all() and torch.isfinite(got[0, 0]).all()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from test_keydiff import DTYPES, assert_kept_matches
 from tritonkv.kernels.knorm import knorm_scores
 from tritonkv.kernels.select import select_indices
 from tritonkv.policies import Knorm
-from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
+from helpers import assert_raises_naming, assert_same_scores, both_backends, on_backend  # noqa: E402
 
 RTOL = 1e-6  # fp32 sum of squares against fp64: ~1e-7 relative
 
@@ -151,6 +151,20 @@ def test_torch_body_matches_kernel(keys, data):
         with on_backend(backend):
             idx = tritonkv.compress((keys, keys), pol, k).indices.reshape(B * H, k).numpy()
         assert_kept_matches(idx, [k] * (B * H), s, k, sink, window, 2 * tol(s))
+
+
+@pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_keys_score_alike_on_both_backends(val):
+    """A NaN key scores NaN, a ±inf one −inf, on the kernel and the PyTorch body alike."""
+    keys = torch.randn(2, 2, 30, 16, generator=torch.Generator().manual_seed(5))
+    keys[0, 1, 4, 3] = val
+    keys[1, 0, 29, 0] = val
+    with on_backend("triton"):
+        want = knorm_scores(keys)
+    with on_backend("torch"):
+        got = knorm_scores(keys)
+    assert_same_scores(got, want, rtol=2 * RTOL)
+    assert (torch.isnan(got) if val != val else got == float("-inf")).sum() == 2
 
 
 @pytest.mark.parametrize("make, exc, words", [

@@ -12,7 +12,7 @@ from reference.select import select as ref_select
 from tritonkv.kernels import lagkv as klag
 from tritonkv.kernels.lagkv import lagkv_scores
 from tritonkv.policies.lagkv import LagKV, LagKVState
-from helpers import both_backends, on_backend  # noqa: E402
+from helpers import assert_same_scores, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -91,6 +91,23 @@ def test_torch_body_matches_kernel(case, data):
     for b, h, _, _ in rows(keys, values):
         if separated(raw_t[b, h].double().numpy(), S, L):
             assert torch.equal(rank_p[b, h], rank_t[b, h]) and torch.equal(idx_p[b, h], idx_t[b, h])
+
+
+@pytest.mark.parametrize("rank", [False, True])
+@pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_inputs_score_alike_on_both_backends(val, rank):
+    """NaN/±inf in a scored partition, in a reference partition and in a value: the same NaN and
+    +inf scores (and ranks) on the kernel and the PyTorch body, the finite ones within round-off."""
+    g = torch.Generator().manual_seed(6)
+    keys, values = torch.randn(2, 2, 3 + 6 * 8 + 5, 16, generator=g), torch.randn(2, 2, 3 + 6 * 8 + 5, 16, generator=g)
+    keys[0, 1, 3 + 5, 2] = val  # partition 0
+    keys[1, 0, 3 + 8 * 3, 0] = val  # partition 3: its own scores and partition 2's reference
+    values[1, 1, 3 + 8 + 7, 15] = val
+    with on_backend("triton"):
+        want = lagkv_scores(keys, values, sink=3, lag=8, rank=rank)
+    with on_backend("torch"):
+        got = lagkv_scores(keys, values, sink=3, lag=8, rank=rank)
+    assert_same_scores(got, want, rtol=1e-5, atol=1e-7)
 
 
 @settings(max_examples=10)

@@ -15,7 +15,7 @@ from reference.select import select as ref_select
 from tritonkv.kernels import window_attention as kwa
 from tritonkv.kernels.window_attention import window_attention_scores
 from tritonkv.policies import H2O, TOVA, SnapKV, SurfaceLogicKV
-from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
+from helpers import assert_raises_naming, assert_same_scores, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 POLICY_CLASSES = [SnapKV, TOVA, H2O, SurfaceLogicKV]
@@ -124,6 +124,35 @@ def test_torch_body_matches_kernel(case, kw, lse, block):
         for h in range(H):
             if separated(s[b, h], 0, N - W):
                 assert torch.equal(kept[0][b, h], kept[1][b, h])
+
+
+NONFINITE_PLANTS = [("keys", (0, 1, 2, 3)), ("keys", (0, 0, -1, 0)), ("queries", (0, 2, -1, 1)),
+                    ("queries", (0, 5, 0, 2)), ("attn_lse", (0, 3, -1))]
+
+
+@pytest.mark.parametrize("N, W", [(40, 8), (6, 8), (70, 1)])
+@pytest.mark.parametrize("which, where", NONFINITE_PLANTS)
+@pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_inputs_score_alike_on_both_backends(val, which, where, N, W):
+    """A NaN/±inf key, query or given LSE (W > N included: rows that see nothing): NaN and ±inf at the
+    same places on the kernel and the PyTorch body (one chunk and many), for every reduction and
+    pooling, the finite scores within the oracle tests' tolerance."""
+    g = torch.Generator().manual_seed(8)
+    t = {"keys": torch.randn(1, 2, N, 16, generator=g), "queries": torch.randn(1, 6, W, 16, generator=g),
+         "attn_lse": torch.rand(1, 6, W, generator=g) + 3 if which == "attn_lse" else None}
+    t[which][where] = val
+    for kw in (dict(), dict(kernel_size=5), dict(head_reduce="max", row_reduce="sum"),
+               dict(head_reduce="layer", pool="avg", kernel_size=4)):
+        with on_backend("triton"):
+            want = window_attention_scores(t["keys"], t["queries"], attn_lse=t["attn_lse"], **kw)
+        for block in (kwa.TORCH_BLOCK, 50):
+            orig, kwa.TORCH_BLOCK = kwa.TORCH_BLOCK, block
+            try:
+                with on_backend("torch"):
+                    got = window_attention_scores(t["keys"], t["queries"], attn_lse=t["attn_lse"], **kw)
+            finally:
+                kwa.TORCH_BLOCK = orig
+            assert_same_scores(got, want, rtol=2e-5, atol=1e-9)
 
 
 @both_backends

@@ -235,27 +235,40 @@ def _config(N: int, R: int, G: int, W: int, D: int, chunk: int) -> dict:
 TORCH_BLOCK = 1 << 25
 
 
-def _lse_torch(s: torch.Tensor, dim: int) -> torch.Tensor:
-    """ln Σ exp(s) over ``dim`` with the kernel's rules: −inf where every term is −inf (no visible
-    key), NaN where a term is NaN or +inf (inf − inf), as the oracle's max-shifted sum gives."""
-    mx = s.amax(dim, keepdim=True)
-    tot = torch.exp(s - torch.where(mx == float("-inf"), 0.0, mx)).sum(dim)
-    mx = mx.squeeze(dim)
+def _lse_from(mx: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
+    """mx + ln(tot) with the kernel's rules: −inf where tot = 0 (no visible key), NaN where tot is
+    NaN (a NaN logit, or +inf: inf − inf), as the oracle's max-shifted sum gives."""
     return torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)),
                        torch.where(tot == tot, float("-inf"), tot))
 
 
+def _combine_lse(parts: torch.Tensor) -> torch.Tensor:
+    """ln Σ_c exp(parts[c]) over dim 0, as the kernel combines its per-chunk LSEs (and reads a
+    given ``attn_lse``: one part, unchanged when finite, NaN for +inf)."""
+    mx = parts.amax(0)
+    return _lse_from(mx, torch.exp(parts - torch.where(mx == float("-inf"), 0.0, mx)).sum(0))
+
+
 def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: int, pool: str,
                             row_reduce: str, head_reduce: str) -> torch.Tensor:
-    """The op's CPU body, in fp32. The G·W query rows of KV head h are one ``[G·W, D]`` matrix (a
-    view of the queries: no ``repeat_kv``); per token chunk its logits ``τ·q·kᵀ`` are one batched
-    matmul ``[B, H, G·W, n]`` (n keeps the block under ``TORCH_BLOCK`` elements; one chunk for
-    moderate N, so the logits are computed once), masked causally (key j visible to row i iff
-    j ≤ N − W + i). Pass 1 (without ``attn_lse``): per chunk and row the partial LSE, combined
-    over chunks as the kernel does. Pass 2: P = exp(logit − LSE) on visible keys (0 elsewhere),
-    summed over the W rows, reduced over the G heads (sum or max, times the kernel's
-    ``out_scale``), then the layer mean and the pooling over [0, N − W) (max ignores the padding,
-    avg counts it as zeros) as ``_window_pool_kernel``; window positions keep their unpooled u."""
+    """The op's CPU body, in fp32.
+
+    The G·W query rows of KV head h are one ``[G·W, D]`` matrix (a view of the queries: no
+    ``repeat_kv``); per token chunk their logits ``τ·q·kᵀ`` are one batched matmul ``[B, H, G·W, n]``
+    (n keeps the block under ``TORCH_BLOCK`` elements). Every row sees the keys up to N − W; only
+    the last W − 1 keys need the causal mask (key j visible to row i iff j ≤ N − W + i), applied in
+    place. Then, in place on the block (no second one is allocated):
+
+    * one chunk, no ``attn_lse``: e = exp(logit − row max), the row's LSE from Σ e, and the head
+      sums Σ_i r_i·e_ij with r_i = exp(row max − LSE_i) as one batched mat-vec per head;
+    * otherwise: pass 1 the partial LSE of every chunk (or ``attn_lse``), combined as the kernel
+      does; pass 2 recomputes each chunk's logits, e = exp(logit − LSE), r = 1.
+
+    Entries of keys a row does not see are 0, also when r is not finite (the last W − 1 keys are
+    summed again elementwise with them zeroed), as in the kernel. Then the reduction over the G
+    heads (sum or max, times the kernel's ``out_scale``), the layer mean and the pooling over
+    [0, N − W) (max ignores the padding, avg counts it as zeros) as ``_window_pool_kernel``; window
+    positions keep their unpooled u."""
     B, H, N, D = keys.shape
     Hq, W = queries.shape[1], queries.shape[2]
     G = Hq // max(H, 1)
@@ -263,27 +276,52 @@ def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: 
     if B * H == 0 or N == 0:
         return torch.empty((B, H, N), dtype=torch.float32, device=dev)
     q = queries.float().reshape(B, H, G * W, D) * scale  # rows of KV head h: its G heads × W rows
-    pos = (N - W + torch.arange(W, device=dev)).repeat(G)  # [G·W] position of each query row
-    chunk = max(1, TORCH_BLOCK // max(B * H * G * W, 1))
+    pos = (N - W + torch.arange(W, device=dev)).repeat(G)[:, None]  # [G·W, 1] position of each row
+    first = max(N - W + 1, 0)  # keys before this one are visible to every row
+    chunk = max(1, TORCH_BLOCK // (B * H * G * W))
     spans = [(t0, min(t0 + chunk, N)) for t0 in range(0, N, chunk)]
 
     def logits(t0: int, t1: int):
+        """Logits of keys [t0, t1), −inf where not visible; (block, c, visibility of columns c…)."""
         s = q @ keys[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, G·W, n]
-        return s, torch.arange(t0, t1, device=dev) <= pos[:, None]  # visible: [G·W, n]
+        c = min(max(first - t0, 0), t1 - t0)
+        vis = torch.arange(t0 + c, t1, device=dev) <= pos  # [G·W, n − c]
+        s[..., c:].masked_fill_(~vis, float("-inf"))
+        return s, c, vis
 
-    once = logits(*spans[0]) if len(spans) == 1 else None
-    if attn_lse.numel() > 0:  # the prefill's LSE, through the kernel's combination (NaN for +inf)
-        parts = attn_lse.float().reshape(1, B, H, G * W)
+    def head_sums(e, r, c, vis):
+        """Σ_i r_i·e_ij over each head's W rows, [B, H, G, n]; columns c… summed again with the
+        entries of invisible keys zeroed (a non-finite r_i must not reach them)."""
+        n = e.shape[-1]
+        hs = (r.view(B, H, G, 1, W) @ e.view(B, H, G, W, n)).squeeze(-2)
+        tail = (e[..., c:] * r).masked_fill_(~vis, 0.0)
+        hs[..., c:] = tail.view(B, H, G, W, n - c).sum(3)
+        return hs
+
+    once = None
+    if attn_lse.numel() > 0:
+        lse = _combine_lse(attn_lse.float().reshape(1, B, H, G * W, 1))
     else:
-        parts = torch.stack([_lse_torch(s.masked_fill(~vis, float("-inf")), -1)
-                             for s, vis in (once or logits(*sp) for sp in spans)])
-    lse = _lse_torch(parts, 0).unsqueeze(-1)  # [B, H, G·W, 1]
+        parts = []
+        for t0, t1 in spans:
+            s, c, vis = logits(t0, t1)
+            mx = s.amax(-1, keepdim=True)
+            shift = torch.where(mx == float("-inf"), 0.0, mx)
+            e = s.sub_(shift).exp_()
+            parts.append(_lse_from(mx, e.sum(-1, keepdim=True)))
+            if len(spans) == 1:
+                once = e, shift, c, vis
+        lse = _combine_lse(torch.stack(parts))  # [B, H, G·W, 1]
     out_scale = (1.0 / W if row_reduce == "mean" else 1.0) * (1.0 if head_reduce == "max" else 1.0 / G)
     u = torch.empty((B, H, N), dtype=torch.float32, device=dev)
     for t0, t1 in spans:
-        s, vis = once or logits(t0, t1)
-        p = s.sub_(lse).masked_fill_(~vis, float("-inf")).exp_()  # in place: s is not needed again
-        hs = p.reshape(B, H, G, W, t1 - t0).sum(3)  # [B, H, G, n]
+        if once is not None:
+            e, shift, c, vis = once
+            r = torch.exp(shift - lse)
+        else:
+            s, c, vis = logits(t0, t1)
+            e, r = s.sub_(lse).exp_(), torch.ones_like(lse)
+        hs = head_sums(e, r, c, vis)
         u[:, :, t0:t1] = (hs.amax(2) if head_reduce == "max" else hs.sum(2)) * out_scale
     if head_reduce == "layer":
         u = (u.sum(1, keepdim=True) / H).expand(B, H, N)
