@@ -38,14 +38,14 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	-command -v bible >/dev/null 2>&1 || (apt-get install -y -q bible-kjv >/dev/null 2>&1 || sudo -n apt-get install -y -q bible-kjv >/dev/null 2>&1) || true
 	$(PY) -m tritonkv.integrations.model --fetch
-	$(if $(HAS_GPU),,TRITON_INTERPRET=1) HF_HUB_OFFLINE=1 $(PY) -m tritonkv demo
+	HF_HUB_OFFLINE=1 $(PY) -m tritonkv demo
 
 bench-speed: $(STAMP)
 	$(PY) benchmarks/speed.py
 
 bench-quality: $(STAMP)
 	$(PY) -m tritonkv.integrations.model --fetch
-	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) benchmarks/quality.py --quick
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/quality.py --quick
 
 clean:
 	rm -rf $(VENV) .cache .hypothesis

@@ -97,9 +97,6 @@ def test_family_full_budget_equals_stock(family, ids, mode):
     _full_budget_equals_stock(family, ids, mode)
 
 
-@pytest.mark.xfail(strict=True, reason="the 'tritonkv' attention function ignores softcap and sliding_window today "
-                                       "(tritonkv/integrations/transformers/attention.py); remove this marker with "
-                                       "the check that raises NotImplementedError")
 @pytest.mark.parametrize("case", sorted(UNSUPPORTED))
 def test_unsupported_attention_is_a_clear_error(case, ids):
     """Softcapped logits or a window shorter than the sequence: NotImplementedError naming the architecture, the
@@ -154,3 +151,17 @@ def test_compressing_context_manager(model, ids):
     with pytest.raises(TypeError, match="queris"):
         with tt.compressing(model, "snapkv", 0.25, queris=None):
             pass
+
+
+def test_criticalkv_reads_each_layers_o_proj(model, ids, monkeypatch):
+    """CriticalKV inside a model: each layer's compression scores values through that layer's own W_O."""
+    from tritonkv.policies import criticalkv
+
+    seen = []
+    real = criticalkv.value_norms
+    monkeypatch.setattr(criticalkv, "value_norms", lambda v, w: seen.append(w) or real(v, w))
+    out, cache = tt.generate(model, ids[:1], policy="criticalkv", budget=40, mode="blockwise", block_size=32,
+                             max_new_tokens=2, do_sample=False, return_cache=True)
+    layers = model.model.layers
+    assert [w.data_ptr() for w in seen] == [l.self_attn.o_proj.weight.data_ptr() for l in layers] * 2  # blocks 2, 3
+    assert cache.stored_tokens() == [40 + 1] * 2

@@ -4,8 +4,8 @@ tritonkv keeps a quarter of its KV cache, prefilling block by block.
 For the full cache and each policy it prints: the peak KV memory against the uncompressed cache, the
 prefill and decode speed, the pass key's likelihood rank among 10 candidate keys (1 = it survived;
 ``docs/architecture.md``, "The real model and the needle check") and the model's own greedy answer. On
-the CPU the kernels run under the Triton interpreter, so the context is short (1K tokens: a few minutes);
-on a GPU it is 6K.
+the CPU every op runs its native PyTorch body (no Triton interpreter); the default context is 1K tokens
+there and 6K on a GPU (``--tokens`` up to the model's 8K).
 """
 from __future__ import annotations
 

@@ -107,17 +107,45 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     layer and then compresses it when due; with any other cache it is plain causal attention."""
     active, _ACTIVE[0] = _ACTIVE[0], None
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if active is None or active[1] is not key:
+    ours = active is not None and active[1] is key
+    compiling = torch.compiler.is_compiling()
+    check_supported(module, kwargs, active[0].seen if ours and not compiling else key.shape[2])
+    if not ours:
         return _plain_attention(query, key, value, attention_mask, scaling), None
     layer = active[0]
     T = query.shape[2]
-    compiling = torch.compiler.is_compiling()
+    layer.module = module  # its o_proj is CriticalKV's W_O
     if attention_mask is not None and T > 1 and not compiling:
         layer.mark_padding(attention_mask[:, -T:].bool())
     out = layer.attend(query, key, value, scaling)
     if not compiling:
         layer.after_attention(query)
     return out, None
+
+
+SUPPORTED = ("causal softmax attention over every earlier token, at any scale (Llama, Qwen2/Qwen3, Mistral, Phi-3, "
+             "Gemma, Granite, OLMo 2, Cohere, StarCoder2, SmolLM3, ...); sliding-window layers only while the sequence "
+             "fits the window")
+
+
+def check_supported(module, kwargs, seen: int) -> None:
+    """A NotImplementedError naming the architecture and the feature for attention the cache cannot serve exactly:
+    logit softcapping, attention sinks, or a sliding window shorter than the tokens seen (a window that still
+    covers every token is plain causal attention)."""
+    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
+    if softcap is not None:
+        what = f"attention logit softcapping (softcap={softcap})"
+    elif kwargs.get("s_aux") is not None:
+        what = "attention sinks (s_aux)"
+    elif window is not None and seen > window:  # transformers masks kv_idx <= q_idx - window
+        what = f"sliding-window attention (sliding_window={window}) over {seen} tokens"
+    else:
+        return
+    config = getattr(module, "config", None)
+    raise NotImplementedError(
+        f"{type(module).__name__} (model_type {getattr(config, 'model_type', None)!r}, layer "
+        f"{getattr(module, 'layer_idx', None)}) uses {what}, which the 'tritonkv' attention function does not "
+        f"support: it supports {SUPPORTED}")
 
 
 def _plain_attention(query, key, value, attention_mask, scaling):
