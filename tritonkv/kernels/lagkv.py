@@ -19,6 +19,8 @@ partitions at once.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -127,13 +129,14 @@ def _lagkv_phi(z: torch.Tensor, eps: float) -> torch.Tensor:
     """φ_Z of Eqs. 5–8 for every scored partition at once: ``z`` fp32 ``[B, H, P, L, D]`` (P ≥ 2
     partitions) -> ``[B, H, P−1, L]``. Partition j is min–max normalised by partition j+1 (amin/amax
     propagate NaN, like the kernel and the oracle), then each token's std over channels (divisor
-    D−1, two-pass: mean, then squared deviations), then a softmax over the partition's tokens
-    written out (max, exp, sum) so NaN and +inf behave as in the kernel."""
+    D−1, two-pass: the mean, then the norm of the deviations / √(D−1)), then a softmax over the
+    partition's tokens written out (max, exp, sum) so NaN and +inf behave as in the kernel. One
+    full-size temporary; the rest in place."""
     ref = z[:, :, 1:]
     lo, hi = ref.amin(dim=3, keepdim=True), ref.amax(dim=3, keepdim=True)
-    zn = (z[:, :, :-1] - lo) / (hi - lo).clamp_min(eps)
-    dev = zn - zn.sum(-1, keepdim=True) / z.shape[-1]
-    sd = torch.sqrt((dev * dev).sum(-1) / (z.shape[-1] - 1))
+    dev = (z[:, :, :-1] - lo).div_((hi - lo).clamp_min(eps))  # one temporary, then in place
+    dev.sub_(dev.sum(-1, keepdim=True) / z.shape[-1])
+    sd = torch.linalg.vector_norm(dev, dim=-1) / math.sqrt(z.shape[-1] - 1)
     e = torch.exp(sd - sd.amax(-1, keepdim=True))
     return e / e.sum(-1, keepdim=True)
 
