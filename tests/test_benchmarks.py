@@ -205,3 +205,30 @@ def test_kernel_stats_smoke(tmp_path):
     assert all(x["kernel"].startswith("_select_") for x in work["streaming_llm"]["kernel_launches"])
     md = (tmp_path / "kernel_stats.md").read_text()
     assert "## Issue 16 targets" in md and "--smoke" in md and "| `_knorm_kernel` |" in md
+
+
+def test_cpu_speed_smoke(tmp_path):
+    """benchmarks/cpu_speed.py --smoke in its own process without the interpreter (the ops' PyTorch bodies):
+    every registered policy's compress() against its plain PyTorch pipeline at N = 1024, no errors, the same
+    kept tokens up to ties at the cut, and the JSON/Markdown with the machine, versions and command."""
+    import json
+    import subprocess
+
+    import tritonkv
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(HERE), "benchmarks", "cpu_speed.py")
+    r = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    data = json.loads((tmp_path / "cpu_speed.json").read_text())
+    rows = data["rows"]
+    assert not [x for x in rows if "error" in x], [x["error"] for x in rows if "error" in x]
+    assert sorted(x["policy"] for x in rows) == sorted(tritonkv.POLICIES) and {x["N"] for x in rows} == {1024}
+    for x in rows:  # max pooling repeats a value over up to 7 tokens: at most that many swaps at the cut
+        assert x["tritonkv_ms"] > 0 and x["plain_ms"] > 0 and x["ratio"] > 0 and x["overlap"] >= 1 - 7 / x["k"], x
+    m = data["machine"]
+    assert m["cpu"] and m["cores"] >= 1 and m["torch_threads"] >= 1 and not data["triton_interpret"]
+    assert data["torch"] and data["commit"] and data["date"] and "--smoke" in data["command"]
+    md = (tmp_path / "cpu_speed.md").read_text()
+    assert "| policy | N | tritonkv ms | plain ms | ratio |" in md and all(f"| {p} | 1024 |" in md for p in tritonkv.POLICIES)
