@@ -16,7 +16,7 @@ COMMANDS = {
              "SmolLM2-135M-Instruct reads a long haystack with a hidden pass key while tritonkv keeps a quarter "
              "of its KV cache; prints peak KV memory, prefill and decode speed, and whether the key survived, "
              "for the full cache and each policy (needs pip install \"tritonkv[hf]\"; a few minutes on a CPU)."),
-    "profile": ("tritonkv.allocation.profiler", "main",
+    "profile": ("tritonkv.integrations.profiler", "main",
                 "The SurfaceLogicKV INFsc profiler: runs needle-in-a-haystack cases on SmolLM2 and writes the "
                 "per-head [L, H_kv] profile that allocation='surfacelogic' reads (needs pip install "
                 "\"tritonkv[hf]\"; slow on a CPU)."),

