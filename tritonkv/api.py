@@ -39,6 +39,9 @@ INPUTS = {
                  "passes it; no built-in policy reads it)",
     "forced": "bool [B, H_kv, N]: tokens kept like the protected ones, inside the budget (Policy.select; the "
               "transformers integration keeps a padded row's first real tokens with it)",
+    "process_group": "tensor parallel: the torch.distributed group (or DeviceMesh) over which the layer's KV heads "
+                     "are split; each rank passes its own heads and keeps exactly what one process would keep of "
+                     "them (tritonkv.distributed; None = one process)",
 }
 _PARAMS = ("kv", "policy", "budget", "allocation")  # compress()'s own parameters
 
@@ -277,6 +280,10 @@ def compress(kv, policy, budget, *, allocation=None, **inputs):
             (W_O), ``hd``, ``layer``, ``num_layers``, ``profile``, ``head_means``,
             ``layer_preference``, ``positions``, ``forced``, and any name a policy or allocator declares in its
             ``needs`` (or ``accepts``, for optional inputs). Any other keyword is a TypeError naming it.
+            ``process_group`` (a ``torch.distributed`` group or DeviceMesh): tensor parallel, the layer's KV
+            heads split over the ranks; every rank passes its own heads' slice (and its query heads' queries)
+            and keeps exactly the tokens one process would keep of those heads. Cross-head allocators and
+            cross-head policies communicate once per layer; see ``tritonkv.distributed`` for the contract.
 
     Raises:
         TypeError: an unknown keyword (with the near match, or what to do for a policy setting or
@@ -292,6 +299,7 @@ def compress(kv, policy, budget, *, allocation=None, **inputs):
     keys, values = _split_kv(kv)
     pol = get_policy(policy)
     check_input_names(inputs, pol, allocation)
+    _resolve_group(inputs)
     B, H, N, D = keys.shape
     k = resolve_budget(budget, N)
     missing = pol.missing(inputs)
@@ -316,24 +324,62 @@ def compress(kv, policy, budget, *, allocation=None, **inputs):
     return _compress_allocated(pol, allocation, scores, keys, values, kk, sink, window, inputs)
 
 
+def _resolve_group(inputs: dict) -> None:
+    """Replace ``inputs["process_group"]`` by its ``TPGroup`` (checked once), or drop it when there is nothing to
+    communicate (None, or a group of one process): policies and allocators then run as in one process. A W_O
+    that is a DTensor (transformers' TP plan shards ``o_proj`` by input columns) is read as this rank's columns."""
+    w = inputs.get("o_proj")
+    w = getattr(w, "weight", w)
+    if w is not None and hasattr(w, "to_local") and hasattr(w, "placements"):  # a torch.distributed DTensor
+        inputs["o_proj"] = w.to_local()
+    if "process_group" not in inputs:
+        return
+    from .distributed import group_info
+
+    tp = group_info(inputs["process_group"])
+    if tp is None:
+        del inputs["process_group"]
+    else:
+        inputs["process_group"] = tp
+
+
 def layer_budgets(allocation, scores, budget: int, *, sink: int, window: int, **inputs) -> torch.Tensor:
-    """Per-head budgets (protected tokens included), int32 ``[B, H_kv]`` on the device."""
+    """Per-head budgets (protected tokens included), int32 ``[B, H_kv]`` on the device (with a
+    ``process_group``: this rank's heads)."""
+    return _budgets(allocation, scores, budget, sink=sink, window=window, **inputs)[0]
+
+
+def _budgets(allocation, scores, budget: int, *, sink: int, window: int, **inputs):
+    """``(this rank's budgets, every head's budgets)`` (the same tensor without a process group)."""
     from .allocation import get_allocator
 
     alloc = get_allocator(allocation)
     missing = [n for n in getattr(alloc, "needs", ()) if inputs.get(n) is None]
     if missing:
         raise ValueError(f"allocation {getattr(alloc, 'name', alloc)!r} needs the input(s) {missing}")
-    sel = alloc(scores=scores, budget=budget - sink - window, sink=sink, window=window, **inputs)
-    return sel.to(torch.int32) + (sink + window)
+    local, every = alloc.split(scores=scores, budget=budget - sink - window, sink=sink, window=window, **inputs)
+    same = every is local
+    local = local.to(torch.int32) + (sink + window)
+    return local, (local if same else every.to(torch.int32) + (sink + window))
 
 
 def _compress_allocated(pol, allocation, scores, keys, values, k, sink, window, inputs):
     from .cache import RaggedKV
 
-    budgets = layer_budgets(allocation, scores, k, sink=sink, window=window, **inputs)
+    budgets, every = _budgets(allocation, scores, k, sink=sink, window=window, **inputs)
     # The ragged storage is sized to what is actually kept: one read-back of two ints per
     # compression (never per decode step), so that per-head budgets free memory for real.
-    total, k_max = torch.stack([budgets.sum(), budgets.max()]).tolist()
-    return RaggedKV.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window,
-                                total=int(total), k_max=int(k_max), **inputs)
+    # Tensor parallel: the rank's own total and longest row, and the layer's longest row (every rank computed
+    # every head's budget), so that a later padded view spans the same N on every rank.
+    if every is budgets:
+        total, k_max = torch.stack([budgets.sum(), budgets.max()]).tolist()
+        return RaggedKV.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window,
+                                    total=int(total), k_max=int(k_max), **inputs)
+    from .distributed import TPRaggedKV
+
+    total, k_max, longest = torch.stack([budgets.sum(), budgets.max(), every.max()]).tolist()
+    n = keys.shape[2]
+    out = TPRaggedKV.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window, total=int(total),
+                                 k_max=int(k_max), **inputs)
+    out.extra = max(min(int(longest), n) - min(int(k_max), n), 0)
+    return out

@@ -21,6 +21,11 @@ score          SCORE redundancy: layers by IR + TD, heads by HD·T     head_mean
 cake           CAKE dispersion × shift layer preference               layer_preference, layer
 fixed          precomputed budgets                                    layer
 =============  =====================================================  ==============================
+
+Tensor parallel (``process_group=``, ``tritonkv.distributed``): every rank computes every head's budgets and keeps
+its own. Allocators that read only shapes and replicated inputs (uniform, pyramid, headkv, surfacelogic, cake,
+fixed: ``tp_mode = "replicated"``) communicate nothing; adakv gathers each head's top ``min(avail, H·b)`` scores and
+score the layer's scores, one all-gather per layer; the budgets equal the single-process ones.
 """
 from .adakv import AdaKV, adakv_budgets
 from .base import ALLOCATORS, Allocator, get_allocator, register_allocator

@@ -11,14 +11,20 @@ Paper mode (FFY0/AdaKV code): ``c_h`` = head ``h``'s winners in the *unforced* g
 ``b_h = round_half_even(c_h·(1 − α) + ⌊α·b⌋)``.
 
 Both top-k steps are the shared select kernel on the device; nothing is read back to the host.
+
+Tensor parallel (heads split over ranks): the global top ``H·b`` takes at most ``min(avail, H·b)`` tokens of one
+head, so each rank contributes its heads' top ``min(avail, H·b)`` scores (in index order) to one all-gather and
+every rank runs the same arithmetic on those rows (``adakv_budgets_tp``): the single-process budgets exactly.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Optional, Union
 
 import torch
 
-from ..kernels.select import select_mask
+from ..kernels.select import select_indices, select_mask
 from .base import Allocator, check_int, check_mode, check_positive, check_tensor, floor_eps, register_allocator
 
 MODES = ("exact", "paper")
@@ -33,43 +39,136 @@ def adakv_budgets(scores: torch.Tensor, b: int, *, alpha: float = 0.2, mode: str
         raise ValueError("scores must be a [B, H_kv, avail] tensor of the selectable tokens")
     check_tensor("scores", scores)
     check_int("b", b)
+    _check_alpha(alpha)
+    check_mode(mode, MODES)
+    return _from_rows(scores.to(torch.float32).contiguous(), b, scores.shape[2], alpha, mode)
+
+
+def _check_alpha(alpha) -> None:
     check_positive("alpha", alpha, 0.0, strict=False)
     if alpha > 1:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
-    check_mode(mode, MODES)
-    B, H, M = scores.shape
-    if b >= M or b <= 0:
-        return torch.full((B, H), max(min(b, M), 0), dtype=torch.int32, device=scores.device)
-    s = scores.to(torch.float32).contiguous()
+
+
+def _from_rows(s: torch.Tensor, b: int, avail: int, alpha: float, mode: str) -> torch.Tensor:
+    """The allocation on rows ``s [B, H, c]`` that hold every head's full selectable row (``c = avail``) or, in
+    index order, at least its top ``min(avail, H·b)`` (all the global top ``H·b`` can take from one head)."""
+    B, H, M = s.shape
+    if b >= avail or b <= 0:
+        return torch.full((B, H), max(min(b, avail), 0), dtype=torch.int32, device=s.device)
     f = min(floor_eps(alpha * b), b)
     flat = s.view(B, H * M)
     if mode == "paper":
         won = select_mask(flat, H * b).view(B, H, M)
         c = won.sum(-1).to(torch.float64)
-        return torch.round(c * (1 - alpha) + f).clamp(f, M).to(torch.int32)
+        return torch.round(c * (1 - alpha) + f).clamp(f, avail).to(torch.int32)
     forced = select_mask(s.view(B * H, M), f) if f > 0 else None
     won = select_mask(flat, H * b, forced=None if forced is None else forced.view(B, H * M))
     return won.view(B, H, M).sum(-1).to(torch.int32)
+
+
+def candidates(scores: torch.Tensor, c: int) -> torch.Tensor:
+    """fp32 ``[B, H, min(c, avail)]``: each row's top ``c`` scores (the select kernel's order: NaN lowest, ties to
+    the lower index) in their original index order; the rows as they are when ``c >= avail``."""
+    B, H, M = scores.shape
+    s = scores.to(torch.float32)
+    if c >= M:
+        return s.contiguous()
+    idx, _ = select_indices(s, c, c)
+    return s.gather(-1, idx).contiguous()
+
+
+def adakv_budgets_tp(scores: torch.Tensor, b: int, tp, *, alpha: float = 0.2, mode: str = "exact",
+                     rank_cap: Optional[float] = None) -> torch.Tensor:
+    """int32 ``[B, H]`` selectable budgets of *every* head of a layer split over the ranks of ``tp``
+    (``tritonkv.distributed.TPGroup``), from this rank's ``scores [B, H_l, avail]``; ``H = world·H_l``.
+
+    One collective: each head's top ``c = min(avail, H·b)`` selectable scores in index order (a head cannot win
+    more of the global top ``H·b``; its forced top ``⌊α·b⌋`` are among them), gathered over the ranks in head
+    order. Every rank then runs ``adakv_budgets``'s arithmetic on the same ``[B, H, c]`` rows: the order of the
+    candidates (value, then head, then position) is the order of the full flattened layer, so the budgets equal
+    the single-process ones. No collective when ``b >= avail`` (every head keeps everything).
+
+    ``rank_cap`` (exact mode; None = the exact global allocation): each rank's share of the layer total is capped
+    at ``⌊rank_cap·H_l·b⌋`` tokens; what a capped rank gives up goes to the other ranks' next-best tokens (the
+    greedy on the global order, skipping a capped rank's tokens, which is optimal for per-rank caps). ``1.0``
+    balances exactly: every rank keeps ``H_l·b``, i.e. AdaKV within each rank.
+    """
+    B, Hl, M = scores.shape
+    H = Hl * tp.world
+    if b >= M or b <= 0:
+        return torch.full((B, H), max(min(b, M), 0), dtype=torch.int32, device=scores.device)
+    c = min(M, H * b)
+    cand = tp.cat_heads(candidates(scores, c), 1)  # [B, H, c]
+    if rank_cap is None:
+        return _from_rows(cand, b, M, alpha, mode)
+    return _capped(cand, b, alpha, tp.world, Hl, rank_cap)
+
+
+def _capped(s: torch.Tensor, b: int, alpha: float, world: int, Hl: int, rank_cap: float) -> torch.Tensor:
+    """Greedy top ``H·b`` of the candidate rows ``s [B, H, c]`` (forced first, then value, NaN lowest, then flat
+    index) taking at most ``⌊rank_cap·H_l·b⌋`` tokens from each rank's ``H_l`` consecutive heads."""
+    B, H, M = s.shape
+    f = min(floor_eps(alpha * b), b)
+    forced = select_mask(s.view(B * H, M), f).view(B, H * M) if f > 0 else torch.zeros(B, H * M, dtype=torch.bool,
+                                                                                         device=s.device)
+    v = s.reshape(B, H * M)
+    nan = torch.isnan(v)
+    order = torch.sort(torch.where(nan, float("-inf"), v), dim=1, descending=True, stable=True).indices
+    order = order.gather(1, torch.sort(nan.gather(1, order).to(torch.int8), dim=1, stable=True).indices)
+    order = order.gather(1, torch.sort((~forced.gather(1, order)).to(torch.int8), dim=1, stable=True).indices)
+    rank = order // (Hl * M)  # [B, H·M] the rank owning each entry, in the global order
+    within = torch.zeros_like(order)
+    for r in range(world):  # 1-based position of each entry among its rank's entries
+        mine = rank == r
+        within = torch.where(mine, mine.to(torch.int64).cumsum(1), within)
+    cap = max(floor_eps(rank_cap * Hl * b), Hl * b)
+    ok = within <= cap
+    take = ok & (ok.to(torch.int64).cumsum(1) <= H * b)
+    heads = order // M
+    return torch.zeros(B, H, dtype=torch.int64, device=s.device).scatter_add_(1, heads, take.to(torch.int64)) \
+        .to(torch.int32)
 
 
 @register_allocator
 @dataclasses.dataclass
 class AdaKV(Allocator):
     """AdaKV: a layer's total ``H·b`` goes to the heads whose tokens score highest, with a safeguard
-    of ``⌊α·b⌋`` per head."""
+    of ``⌊α·b⌋`` per head.
+
+    Tensor parallel: one collective per layer (``adakv_budgets_tp``), the same budgets as one process.
+    ``balance_ranks`` (exact mode) caps each rank's share of the layer total: ``True`` (= 1.0) keeps every rank at
+    ``H_l·b`` tokens (equal memory per rank: AdaKV within each rank), a float ``x > 1`` at ``⌊x·H_l·b⌋`` with the
+    remainder redistributed to the other ranks; ``False`` is the exact global allocation. It changes nothing in
+    one process.
+    """
 
     name = "adakv"
+    tp_mode = "custom"
 
     alpha: float = 0.2
     mode: str = "exact"
+    balance_ranks: Union[bool, float] = False
 
     def __post_init__(self):
-        check_positive("alpha", self.alpha, 0.0, strict=False)
-        if self.alpha > 1:
-            raise ValueError(f"alpha must lie in [0, 1], got {self.alpha}")
+        _check_alpha(self.alpha)
         check_mode(self.mode, MODES)
+        br = self.balance_ranks
+        if not isinstance(br, bool) and (not isinstance(br, (int, float)) or math.isnan(br) or br < 1):
+            raise ValueError(f"balance_ranks must be True/False or a cap >= 1 (a multiple of each rank's fair share "
+                             f"H_l·b), got {br!r}")
+        if br is not False and self.mode != "exact":
+            raise ValueError("balance_ranks applies to the exact mode (mode='exact')")
+
+    @property
+    def rank_cap(self) -> Optional[float]:
+        br = self.balance_ranks
+        return None if br is False else (1.0 if br is True else float(br))
 
     def allocate(self, scores, ctx, **inputs):
         if scores is None:
             raise ValueError("scores: adakv allocates from the policy's scores [B, H_kv, N]")
-        return adakv_budgets(self.selectable(scores, ctx), ctx["b"], alpha=self.alpha, mode=self.mode)
+        s = self.selectable(scores, ctx)
+        if ctx["tp"] is None:
+            return adakv_budgets(s, ctx["b"], alpha=self.alpha, mode=self.mode)
+        return adakv_budgets_tp(s, ctx["b"], ctx["tp"], alpha=self.alpha, mode=self.mode, rank_cap=self.rank_cap)

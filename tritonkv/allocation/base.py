@@ -127,15 +127,32 @@ def check_nonnegative(name: str, t: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class Allocator:
-    """Base class: subclasses set ``name``/``needs`` and implement ``allocate``."""
+    """Base class: subclasses set ``name``/``needs`` and implement ``allocate``.
+
+    Tensor parallel (``process_group=``, ``tritonkv.distributed``): ``scores`` hold this rank's ``H_l`` heads of a
+    layer of ``H = world·H_l``; ``ctx["H"]`` is then the layer's ``H`` and ``allocate`` returns every head's
+    budgets (the same on every rank), of which each rank keeps its own. ``tp_mode`` says how scores reach it:
+    ``"replicated"`` (the budgets read no scores, only shapes and replicated inputs: no collective), ``"gather"``
+    (the default, for allocators that read scores across heads: the scores ``[B, H, N]`` of all ranks, gathered
+    in one collective) or ``"custom"`` (``allocate`` reads ``ctx["tp"]`` and communicates itself).
+    """
 
     name: ClassVar[str] = ""
     #: names of the extra inputs the allocator reads (``compress()`` checks they are present)
     needs: ClassVar[tuple[str, ...]] = ()
+    #: how the allocator runs under tensor parallelism (see the class docstring)
+    tp_mode: ClassVar[str] = "gather"
 
     def __call__(self, scores=None, budget=None, sink: int = 0, window: int = 0, layer=None, num_layers=None,
-                 shape=None, **inputs) -> torch.Tensor:
-        """int32 ``[B, H]`` selectable budgets (each in ``[0, avail]``) on the scores' device."""
+                 shape=None, process_group=None, **inputs) -> torch.Tensor:
+        """int32 ``[B, H]`` selectable budgets (each in ``[0, avail]``) on the scores' device (with a
+        ``process_group``: this rank's heads, ``[B, H_l]``)."""
+        return self.split(scores, budget, sink, window, layer, num_layers, shape, process_group, **inputs)[0]
+
+    def split(self, scores=None, budget=None, sink: int = 0, window: int = 0, layer=None, num_layers=None,
+              shape=None, process_group=None, **inputs):
+        """``(this rank's budgets [B, H_l], every head's [B, H])``, int32; with no process group both are the
+        same ``[B, H]`` tensor."""
         if scores is not None:
             if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
                 raise ValueError("scores must be a [B, H_kv, N] tensor")
@@ -157,14 +174,26 @@ class Allocator:
             check_int("num_layers", num_layers, 1)
             if layer is not None and layer >= num_layers:
                 raise ValueError(f"layer must be < num_layers = {num_layers}, got {layer}")
-        ctx = dict(B=B, H=H, N=N, avail=avail, b=min(b, avail), sink=sink, window=window, device=device,
-                   layer=layer, num_layers=num_layers)
+        from ..distributed import group_info
+
+        tp = group_info(process_group)
+        Hg = H if tp is None else H * tp.world
+        ctx = dict(B=B, H=Hg, H_local=H, N=N, avail=avail, b=min(b, avail), sink=sink, window=window, device=device,
+                   layer=layer, num_layers=num_layers, tp=tp)
+        if tp is not None and self.tp_mode == "gather":
+            if scores is None:
+                raise ValueError(f"allocation {self.name!r} reads the scores of every head: pass scores")
+            scores = tp.cat_heads(scores.to(torch.float32), 1)
         out = self.allocate(scores, ctx, **inputs)
-        return out.to(device=device, dtype=torch.int32).expand(B, H).contiguous()
+        out = out.to(device=device, dtype=torch.int32).expand(B, Hg).contiguous()
+        if tp is None:
+            return out, out
+        return out[:, tp.heads(H)].contiguous(), out
 
     def allocate(self, scores, ctx: dict, **inputs) -> torch.Tensor:
         """Budgets broadcastable to ``[B, H]``; ``ctx`` holds B, H, N, avail, b (<= avail), sink,
-        window, device, layer, num_layers."""
+        window, device, layer, num_layers, and under tensor parallelism ``tp`` (a ``TPGroup``, else None)
+        and ``H_local`` (this rank's heads; ``H`` is then the layer's, ``world·H_local``)."""
         raise NotImplementedError
 
     @staticmethod

@@ -22,16 +22,26 @@ from .rounding import adjust_budgets, largest_remainder
 MODES = ("exact", "paper")
 
 
-def cake_preference(attn: torch.Tensor, *, tau1: float = 1.0, tau2: float = 1.0) -> torch.Tensor:
-    """float64 ``[B]`` preference ``P_l`` of one layer from its window attention ``[B, H, W, n]``."""
+def cake_preference(attn: torch.Tensor, *, tau1: float = 1.0, tau2: float = 1.0, process_group=None) -> torch.Tensor:
+    """float64 ``[B]`` preference ``P_l`` of one layer from its window attention ``[B, H, W, n]``.
+
+    Both sums run per head first, then over the heads in order; with a ``process_group`` (heads split over the
+    ranks, ``tritonkv.distributed``) each rank's per-head sums are gathered (one collective) before the sum over
+    the layer's heads, so every rank gets the single-process ``P_l``."""
     if not isinstance(attn, torch.Tensor) or attn.dim() != 4:
         raise ValueError("attn must be the window attention [B, H, W, n]")
     check_tensor("attn", attn)
     check_positive("tau1", tau1)
     check_positive("tau2", tau2)
     a = attn.to(torch.float64)
-    ent = -(a * torch.log(a + 1e-10)).sum((1, 2, 3))
-    var = a.var(dim=2, correction=0).sum((1, 2))
+    ent = -(a * torch.log(a + 1e-10)).sum((2, 3))  # [B, H]
+    var = a.var(dim=2, correction=0).sum(2)  # [B, H]
+    from ..distributed import group_info
+
+    tp = group_info(process_group)
+    if tp is not None:
+        ent, var = (torch.cat(g.unbind(0), dim=1) for g in tp.gather(ent, var))
+    ent, var = ent.sum(1), var.sum(1)
     return ent.clamp_min(0.0) ** (1.0 / tau1) * var ** (1.0 / tau2)
 
 
@@ -60,6 +70,7 @@ class Cake(Allocator):
     ``[L, B]``, from ``cake_preference`` on each layer), the same for all heads of a layer."""
 
     name = "cake"
+    tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
     needs = ("layer_preference", "layer")
 
     mode: str = "exact"
@@ -88,6 +99,7 @@ class Fixed(Allocator):
     each layer's row is returned, clamped to ``[0, avail]``."""
 
     name = "fixed"
+    tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
     needs = ("layer",)
 
     budgets: torch.Tensor = None

@@ -66,6 +66,7 @@ class HeadKV(Allocator):
     """
 
     name = "headkv"
+    tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
 
     profile: Optional[torch.Tensor] = None
     beta: float = 1.5

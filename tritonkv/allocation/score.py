@@ -216,6 +216,7 @@ class Score(Allocator):
 
     name = "score"
     needs = ("head_means", "layer")
+    tp_mode = "gather"  # the layer's scores of every head, gathered once; head_means are the whole model's
 
     gamma: float = 0.5
     lambda1: float = 1.0
@@ -241,6 +242,13 @@ class Score(Allocator):
         m = _stack(head_means, "head_means", 4)
         L = m.shape[0]
         layer = self.need_layer(ctx, L)
+        q = inputs.get("queries")
+        if ctx["tp"] is not None and isinstance(q, torch.Tensor) and q.dim() == 4 \
+                and m.shape[2] != q.shape[1] * ctx["tp"].world:
+            raise ValueError(f"head_means must hold the whole model's query heads under tensor parallelism "
+                             f"(H_q = {q.shape[1] * ctx['tp'].world}: {ctx['tp'].world} ranks x {q.shape[1]}), got "
+                             f"{m.shape[2]}; gather them once with tritonkv.distributed.gather_heads(m, "
+                             f"process_group, dim=2)")
         B, H, b, avail = ctx["B"], ctx["H"], ctx["b"], ctx["avail"]
         if b >= avail or b <= 0:
             return torch.full((B, H), max(b, 0), dtype=torch.int32, device=ctx["device"])

@@ -79,6 +79,7 @@ class SurfaceLogic(Allocator):
     """
 
     name = "surfacelogic"
+    tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
     needs = ("layer",)
 
     profile: Optional[torch.Tensor] = None

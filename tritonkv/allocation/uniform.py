@@ -20,6 +20,7 @@ class Uniform(Allocator):
     """The same selectable budget for every head (reads only shapes)."""
 
     name = "uniform"
+    tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
 
     def allocate(self, scores, ctx, **inputs):
         return uniform_budgets(ctx["b"], ctx["avail"], (ctx["B"], ctx["H"]), ctx["device"])

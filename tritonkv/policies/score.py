@@ -118,16 +118,36 @@ class ScoreSelect(Policy):
         """The base scores A (what the allocator sees); the penalty is applied in ``select``."""
         return self.base.score(keys, values, **inputs)
 
-    def penalised(self, scores: torch.Tensor, budgets, hd, *, sink: int, window: int, k_max: int) -> torch.Tensor:
-        """Ã ``[B, H, N]``: the scores whose plain top-k is SCORE's selection."""
+    def penalised(self, scores: torch.Tensor, budgets, hd, *, sink: int, window: int, k_max: int,
+                  process_group=None) -> torch.Tensor:
+        """Ã ``[B, H, N]``: the scores whose plain top-k is SCORE's selection.
+
+        Tensor parallel (``process_group``; these are this rank's heads, ``hd`` theirs): ``"parallel"`` gathers
+        each rank's per-token pick counts (one collective; integer sums, exact in any order), ``"sequential"``
+        the scores, budgets and HD of every head (one collective) and runs the greedy over all heads."""
+        from ..distributed import group_info
+
+        tp = group_info(process_group)
         B, H, N = scores.shape
         s = scores.to(torch.float32)
         b = row_budgets(budgets, s, k_max).view(B, H)
         hd = head_distinctness(hd, B, H, s.device)
+        if tp is not None and self.mode == "sequential":
+            gs, gb, ghd = tp.gather(s, b, hd)  # [world, B, H, ...] in head order
+            s, b, hd = (torch.cat(g.unbind(0), dim=1) for g in (gs, gb, ghd))
+            return self._sequential(s, b, hd, sink, window)[:, tp.heads(H)].contiguous()
         rate = (self.alpha / hd)[..., None]  # [B, H, 1]
         if self.mode == "parallel":
             u = _select.select_mask(s, b, sink=sink, window=window).to(torch.float32)
-            return s * torch.exp(-rate * (u.sum(1, keepdim=True) - u))
+            picks = u.sum(1, keepdim=True)
+            if tp is not None:
+                picks = tp.gather(picks)[0].sum(0)  # every head's picks per token (counts: exact)
+            return s * torch.exp(-rate * (picks - u))
+        return self._sequential(s, b, hd, sink, window)
+
+    def _sequential(self, s, b, hd, sink, window):
+        B, H, N = s.shape
+        rate = (self.alpha / hd)[..., None]  # [B, H, 1]
         perm = _sequential_order(hd)
         taken = torch.zeros((B, N), dtype=torch.float32, device=s.device)  # final picks of visited heads
         out = torch.empty_like(s)
@@ -143,6 +163,7 @@ class ScoreSelect(Policy):
         """Penalised selection through the shared kernel (see the module docstring); ``forced`` tokens are
         kept like protected ones in the final selection (the penalty does not see them)."""
         B, H, N = keys.shape[:3]
-        pen = self.penalised(scores.reshape(B, H, N), budgets, hd, sink=sink, window=window, k_max=k_max)
+        pen = self.penalised(scores.reshape(B, H, N), budgets, hd, sink=sink, window=window, k_max=k_max,
+                             process_group=inputs.get("process_group"))
         return _select.select_kv(pen, budgets, keys, values, k_max, sink=sink, window=window, forced=forced,
                                  out=out)

@@ -96,6 +96,14 @@ class WindowAttentionPolicy(Policy):
             queries = queries[:, :, -w:]
             if isinstance(attn_lse, torch.Tensor) and attn_lse.dim() == 3:
                 attn_lse = attn_lse[:, :, -w:]
+        if self.head_reduce == "layer" and inputs.get("process_group") is not None:
+            from ..distributed import group_info, window_scores_layer_mean
+
+            tp = group_info(inputs["process_group"])
+            if tp is not None:  # the mean over every rank's heads: one collective
+                return window_scores_layer_mean(keys, queries, tp, attn_lse=attn_lse, scale=self.scale,
+                                                kernel_size=self.kernel_size, pool=self.pool,
+                                                row_reduce=self.row_reduce)
         return window_attention_scores(keys, queries, attn_lse=attn_lse, scale=self.scale,
                                        kernel_size=self.kernel_size, pool=self.pool, row_reduce=self.row_reduce,
                                        head_reduce=self.head_reduce)

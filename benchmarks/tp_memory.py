@@ -1,0 +1,370 @@
+"""Per-rank memory under tensor parallelism, and what balancing it across ranks costs.
+
+    python benchmarks/tp_memory.py                 # both parts, results in benchmarks/results/tp_memory.{json,md}
+    python benchmarks/tp_memory.py --quick         # smaller prompt, fewer configurations (a smoke run)
+    python benchmarks/tp_memory.py --part llama    # only the random Llama (or --part smollm2)
+
+Every rank is a process of this script (``--worker``), gloo on the CPU, the native CPU op bodies.
+
+Part ``llama``: a seeded random Llama (4 layers, hidden 256, 16 query / 8 KV heads, head_dim 32, vocab 1024, fp32)
+loaded by transformers with ``tp_plan="auto"`` in 2 processes (4 KV heads each), a prompt of N seeded random ids.
+Per configuration (SnapKV W = 32 κ = 7 scoring; one budget per head, AdaKV exact, AdaKV ``balance_ranks`` 1.5 /
+1.25 / True; budget 10 % and 25 % of N):
+
+- ``cache_bytes``: ``TritonKVCache.nbytes`` on each rank after ``prefill`` of the prompt in ``after_prefill`` mode
+  (everything the cache holds: kept K/V, positions, slack, bookkeeping);
+- ``kept``: tokens kept per rank (summed over layers, heads);
+- ``attn_err``: the attention-output error against the full cache, ``mean |o − ô|₁ / |o|₁`` over the Q = 64
+  queries that follow the prompt, every query head and every layer, where ``o`` attends over the prompt's keys
+  (all of them) and ``ô`` over the kept ones. Q/K/V come from one uncompressed TP forward over prompt + Q tokens
+  (captured per layer by a recording attention function; RoPE applied), each rank compressing its own heads with
+  ``compress(..., process_group=)`` — the same tokens its cache keeps.
+
+Part ``smollm2``: SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads) on real text (the needle haystack), its
+Q/K/V captured in one process and split by heads over 3 ranks (one KV head each, as a TP plan of 3 would):
+per-rank kept bytes (``RaggedKV.nbytes`` summed over layers) and ``attn_err`` as above. With one head per rank,
+``balance_ranks=True`` is the uniform allocation: every head keeps the same budget.
+
+``imbalance`` = max over ranks / mean over ranks of the bytes. ``err_vs_exact`` = the configuration's error
+minus exact AdaKV's (what balancing costs; negative = better).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=32, max_position_embeddings=8192)
+ALLOCS = [("uniform", None), ("adakv", {}), ("adakv balance 1.5", dict(balance_ranks=1.5)),
+          ("adakv balance 1.25", dict(balance_ranks=1.25)), ("adakv balance 1.0", dict(balance_ranks=True))]
+
+
+# -- worker side -------------------------------------------------------------------------------------------------
+def capture(model, ids):
+    """Per layer ``(q [B, H_q, T, D], k [B, H_kv, T, D], v)`` of one uncompressed forward (RoPE applied)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    rec = {}
+
+    def record(module, query, key, value, attention_mask, **kwargs):
+        rec[module.layer_idx] = (query.detach().clone(), key.detach().clone(), value.detach().clone())
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("tp_record", record)
+    AttentionMaskInterface.register("tp_record", sdpa_mask)
+    old = model.config._attn_implementation
+    model.set_attn_implementation("tp_record")
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    model.set_attn_implementation(old)
+    return [rec[i] for i in sorted(rec)]
+
+
+def attn_error(q, k, v, kept) -> float:
+    """mean over query heads and queries of |o − ô|₁/|o|₁: ``q [B, Hq, Q, D]`` attends over the prompt ``k, v [B, H,
+    N, D]`` (o) and over the kept tokens of ``kept`` (ô)."""
+    from tritonkv.api import Compressed
+
+    B, Hq, Q, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    scale = D ** -0.5
+    qq = q.float().reshape(B, H, G * Q, D)
+    o = torch.softmax(qq @ k.float().transpose(-1, -2) * scale, -1) @ v.float()
+    if isinstance(kept, Compressed):
+        kk, vv, mask = kept.keys.float(), kept.values.float(), None
+    else:
+        kk, vv, lengths = kept.to_padded(int(kept.length.max()))
+        kk, vv = kk.float(), vv.float()
+        mask = torch.arange(kk.shape[2])[None, None, :] < lengths[..., None]  # [B, H, cap]
+    s = qq @ kk.transpose(-1, -2) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
+    oh = torch.softmax(s, -1) @ vv
+    err = (o - oh).abs().sum(-1) / o.abs().sum(-1).clamp_min(1e-30)  # [B, H, G·Q]
+    return float(err.mean())
+
+
+def kept_bytes(kept) -> int:
+    from tritonkv.api import Compressed
+
+    if isinstance(kept, Compressed):
+        return sum(t.numel() * t.element_size() for t in kept)
+    return kept.nbytes
+
+
+def kept_count(kept) -> int:
+    from tritonkv.api import Compressed
+
+    return int(kept.indices.numel()) if isinstance(kept, Compressed) else int(kept.length.sum())
+
+
+def compress_layers(layers, N, W, budget, alloc, pg, policy):
+    """Compress each layer's prompt prefix on this rank; (bytes, kept, mean error, seconds)."""
+    import tritonkv
+    from tritonkv.allocation import AdaKV
+
+    allocation = None if alloc is None else AdaKV(**alloc)
+    tot_b = tot_k = 0
+    errs = []
+    t = 0.0
+    for li, (q, k, v) in enumerate(layers):
+        kp, vp = k[:, :, :N].contiguous(), v[:, :, :N].contiguous()
+        t0 = time.perf_counter()
+        kept = tritonkv.compress((kp, vp), policy, budget, allocation=allocation, queries=q[:, :, N - W:N],
+                                 process_group=pg, layer=li, num_layers=len(layers))
+        t += time.perf_counter() - t0
+        tot_b += kept_bytes(kept)
+        tot_k += kept_count(kept)
+        errs.append(attn_error(q[:, :, N:], kp, vp, kept))
+    return tot_b, tot_k, sum(errs) / len(errs), t
+
+
+def worker_llama(args, pg, rank):
+    from transformers import AutoModelForCausalLM
+
+    from tritonkv.integrations import transformers as tt
+    from tritonkv.policies import SnapKV
+
+    try:
+        from transformers import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(tp_plan="auto"))
+    except (ImportError, TypeError):
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, tp_plan="auto")
+    model.eval()
+    N, Q = args.n, args.q
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, N + Q), generator=torch.Generator().manual_seed(0))
+    layers = capture(model, ids)
+    policy = SnapKV()
+    rows = []
+    for frac in args.budgets:
+        for name, alloc in ALLOCS:
+            from tritonkv.allocation import AdaKV
+
+            cache = tt.make_cache(model, policy, frac, mode="after_prefill", prompt_length=N,
+                                  allocation=None if alloc is None else AdaKV(**alloc), process_group=pg)
+            t0 = time.perf_counter()
+            tt.prefill(model, ids[:, :N], cache)
+            t_prefill = time.perf_counter() - t0
+            b, k, err, t = compress_layers(layers, N, policy.window, frac, alloc, pg, policy)
+            rows.append(dict(part="llama", budget=frac, allocation=name, rank=rank, cache_bytes=cache.nbytes,
+                             cache_kept=int(sum(int(x.sum()) for x in cache.kept_tokens())), kept_bytes=b, kept=k,
+                             attn_err=err, compress_s=round(t, 4), prefill_s=round(t_prefill, 3)))
+    return rows
+
+
+def worker_smollm2(args, pg, rank, world):
+    from tritonkv.policies import SnapKV
+
+    data = torch.load(args.tensors)
+    N = data["N"]
+    Hkv = data["layers"][0][1].shape[1]
+    Hl, G = Hkv // world, data["layers"][0][0].shape[1] // Hkv
+    hs, qs = slice(rank * Hl, (rank + 1) * Hl), slice(rank * Hl * G, (rank + 1) * Hl * G)
+    layers = [(q[:, qs], k[:, hs], v[:, hs]) for q, k, v in data["layers"]]
+    policy = SnapKV()
+    rows = []
+    for frac in args.budgets:
+        for name, alloc in ALLOCS:
+            b, k, err, t = compress_layers(layers, N, policy.window, frac, alloc, pg, policy)
+            rows.append(dict(part="smollm2", budget=frac, allocation=name, rank=rank, kept_bytes=b, kept=k,
+                             attn_err=err, compress_s=round(t, 4)))
+    return rows
+
+
+def worker(args):
+    import torch.distributed as dist
+
+    rank, world = args.rank, args.world
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    pg = dist.group.WORLD
+    rows = worker_llama(args, pg, rank) if args.part == "llama" else worker_smollm2(args, pg, rank, world)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+# -- driver side -------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world: int, extra: list[str], timeout: float) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--world", str(world),
+                                   "--port", str(port), "--out", out, *extra], env=env, start_new_session=True)
+                 for r in range(world)]
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        rows = []
+        for r, p in enumerate(procs):
+            if p.returncode != 0:
+                raise SystemExit(f"rank {r} exited with {p.returncode}")
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                rows += json.load(f)
+        return rows
+
+
+def smollm2_tensors(path: str, n: int, q: int) -> None:
+    from tritonkv.integrations.model import load_smollm2
+    from tritonkv.integrations.needle import haystack_text
+
+    model, tok = load_smollm2()
+    ids = tok(haystack_text(), return_tensors="pt", add_special_tokens=False).input_ids[:, :n + q]
+    layers = capture(model.eval(), ids)
+    torch.save(dict(N=n, layers=layers), path)
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """One row per (part, budget, allocation): per-rank bytes, imbalance, error, error minus exact AdaKV's."""
+    out = {}
+    for r in rows:
+        key = (r["part"], r["budget"], r["allocation"])
+        s = out.setdefault(key, dict(part=r["part"], budget=r["budget"], allocation=r["allocation"], ranks={}))
+        s["ranks"][r["rank"]] = r
+    res = []
+    for (part, budget, alloc), s in out.items():
+        ranks = [s["ranks"][k] for k in sorted(s["ranks"])]
+        world = len(ranks)
+        field = "cache_bytes" if "cache_bytes" in ranks[0] else "kept_bytes"
+        by = [r[field] for r in ranks]
+        err = sum(r["attn_err"] for r in ranks) / world  # every rank has the same number of query heads
+        res.append(dict(part=part, budget=budget, allocation=alloc, world=world, bytes_field=field, bytes=by,
+                        kept=[r["kept"] for r in ranks], kept_bytes=[r["kept_bytes"] for r in ranks],
+                        imbalance=max(by) / (sum(by) / world), attn_err=err,
+                        compress_s=max(r["compress_s"] for r in ranks)))
+    for r in res:
+        exact = next(x for x in res if x["part"] == r["part"] and x["budget"] == r["budget"]
+                     and x["allocation"] == "adakv")
+        r["err_vs_exact"] = r["attn_err"] - exact["attn_err"]
+    return res
+
+
+def machine() -> dict:
+    from importlib.metadata import version
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "tritonkv"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+    except OSError:
+        commit, dirty = None, None
+    return dict(python=platform.python_version(), torch=version("torch"), transformers=version("transformers"),
+                cores=os.cpu_count(), commit=commit, tritonkv_dirty=dirty, backend="gloo (CPU)",
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def markdown(summary: list[dict], meta: dict) -> str:
+    lines = ["# Per-rank memory under tensor parallelism (`benchmarks/tp_memory.py`)", "",
+             f"{meta['machine']['date']}, commit {meta['machine']['commit']}"
+             f"{' (tritonkv modified)' if meta['machine']['tritonkv_dirty'] else ''}, torch "
+             f"{meta['machine']['torch']}, transformers {meta['machine']['transformers']}, gloo on "
+             f"{meta['machine']['cores']} CPU cores. Command: `{meta['command']}`.", ""]
+    for part, title in (("llama", f"Random Llama, 2 ranks (tp_plan=\"auto\"), N = {meta['llama_n']}: "
+                                  f"`TritonKVCache.nbytes` per rank after the prompt"),
+                        ("smollm2", f"SmolLM2-135M-Instruct, 3 ranks (one KV head each), N = {meta['smollm2_n']}: "
+                                    f"kept `RaggedKV` bytes per rank, summed over the 30 layers")):
+        rows = [r for r in summary if r["part"] == part]
+        if not rows:
+            continue
+        lines += [f"## {title}", "", "SnapKV scoring (W = 32, κ = 7); attention error of the next 64 queries over "
+                  "the prompt, mean over layers and query heads.", "",
+                  "| budget | allocation | bytes per rank | max / mean | tokens per rank | attn err | vs exact AdaKV |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            per_rank = " / ".join(f"{b / 2**10:.0f} KiB" for b in r["bytes"])
+            lines.append(f"| {r['budget']:g} | {r['allocation']} | {per_rank}"
+                         f" | {r['imbalance']:.3f} | {' / '.join(map(str, r['kept']))} | {r['attn_err']:.4f} | "
+                         f"{r['err_vs_exact']:+.4f} |")
+        lines.append("")
+    lines += ["`balance_ranks=x` caps each rank's share of a layer's total at ⌊x·H_l·b⌋ tokens and gives the rest "
+              "to the other ranks' next-best tokens; 1.0 keeps every rank at exactly H_l·b (AdaKV within each rank; "
+              "with one KV head per rank, uniform budgets). Exact AdaKV keeps the single-process tokens.", ""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--tensors", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--n", type=int, default=2048, help=argparse.SUPPRESS)
+    ap.add_argument("--q", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25], help=argparse.SUPPRESS)
+    ap.add_argument("--part", choices=("llama", "smollm2", "both"), default="both")
+    ap.add_argument("--quick", action="store_true", help="N = 512, budget 0.25 only")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    n = 512 if args.quick else 2048
+    budgets = [0.25] if args.quick else [0.1, 0.25]
+    common = ["--n", str(n), "--q", "64", "--budgets", *map(str, budgets)]
+    rows = []
+    t0 = time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.part in ("llama", "both"):
+            import transformers
+
+            torch.manual_seed(0)
+            d = os.path.join(tmp, "llama")
+            transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).save_pretrained(d)
+            rows += launch(2, ["--part", "llama", "--model-dir", d, *common], timeout=900)
+            print(f"llama done ({time.time() - t0:.0f} s)", flush=True)
+        if args.part in ("smollm2", "both"):
+            path = os.path.join(tmp, "smollm2.pt")
+            smollm2_tensors(path, n, 64)
+            rows += launch(3, ["--part", "smollm2", "--tensors", path, *common], timeout=900)
+            print(f"smollm2 done ({time.time() - t0:.0f} s)", flush=True)
+    summary = summarise(rows)
+    meta = dict(machine=machine(), command="python benchmarks/tp_memory.py " + " ".join(sys.argv[1:]),
+                llama_n=n, smollm2_n=n, seconds=round(time.time() - t0, 1))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tp_memory.json"), "w") as f:
+        json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
+    md = markdown(summary, meta)
+    with open(os.path.join(args.out, "tp_memory.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
