@@ -24,7 +24,7 @@ per-head-local, no collective   knorm, keydiff, lagkv, streaming_llm, snapkv / h
                                 columns); allocators uniform, pyramid, cake, headkv, surfacelogic, fixed
                                 (their inputs are replicated; every rank computes all heads' budgets)
 one collective per layer        adakv (each head's top-min(avail, H·b) selectable scores: the global top H·b
-                                needs no more), score allocator (the layer's selectable scores), any other
+                                needs no more), score allocator (the layer's scores), any other
                                 allocator that reads scores (its scores, gathered); window attention with
                                 ``head_reduce="layer"`` (the per-head rows, averaged over all heads); the
                                 score policy (``"parallel"``: per-token pick counts; ``"sequential"``: scores,
@@ -32,7 +32,10 @@ one collective per layer        adakv (each head's top-min(avail, H·b) selectab
 ==============================  =============================================================================
 
 Every rank then runs the same arithmetic on the same gathered tensor (the select kernel, largest remainder), so
-the budgets agree across ranks and with one process, bit for bit where the per-head scores do. Each rank keeps
+the budgets agree across ranks and with one process, bit for bit where the per-head scores do. (They do for
+every policy on the CPU at the sizes the tests use; the window-attention CPU body and kernel choose their token
+chunks from B·H, so with fewer heads per rank a long row may be summed in other chunks and its scores differ from
+one process's in the last bits: the kept sets can then differ at near-ties only. The ranks always agree.) Each rank keeps
 its own heads' budgets; ``_compress_allocated`` reads back the rank's own total and the layer's longest row, and
 returns a ``TPRaggedKV`` whose padded working view spans that longest row on every rank, so a later compression
 of the same layer again sees the same N everywhere.
