@@ -247,15 +247,17 @@ def commit() -> str:
 
 def markdown(res) -> str:
     m = res["machine"]
-    lines = [f"# CPU speed: tritonkv.compress vs a plain PyTorch pipeline",
+    lines = ["# CPU speed: tritonkv.compress vs a plain PyTorch pipeline",
              "",
              f"{m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {res['torch']}, "
              f"commit {res['commit']}, {res['date']}. Command: `{res['command']}`.",
              "",
-             f"K/V fp32 [{B}, {H}, N, {D}], keep {KEEP:.0%}; window policies read W = {W} queries, H_q = {G * H}. "
-             f"Median of {res['runs']} alternating runs (3 where a call takes over {SLOW_S:g} s) after a warm-up, in ms; ratio = tritonkv / plain "
-             f"(target ≤ 1.5); same_kept = fraction of rows with the same kept set, overlap = mean fraction of "
-             f"kept tokens in both (ties go to the lower index in tritonkv, anywhere in torch.topk).",
+             f"K/V fp32 [{B}, {H}, N, {D}], keep {KEEP:.0%}, the native CPU path (the ops' PyTorch bodies). Window "
+             f"policies read W = {W} queries, H_q = {G * H}; CriticalKV's W_O is [{res['d_model']}, {G * H * D}]. "
+             f"Median of {res['runs']} alternating runs (3 where a call takes over {SLOW_S:g} s) after a warm-up, "
+             f"in ms. ratio = tritonkv / plain (target ≤ 1.5). same_kept = fraction of rows with the same kept "
+             f"set, overlap = mean fraction of kept tokens in both (ties go to the lower index in tritonkv, "
+             f"anywhere in torch.topk).",
              "",
              "| policy | N | tritonkv ms | plain ms | ratio | same_kept | overlap |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -284,12 +286,13 @@ def main(argv=None):
     sizes = args.sizes or (SMOKE_SIZES if args.smoke else SIZES)
     runs = args.runs or (1 if args.smoke else 5)
     names = args.policies or sorted(tritonkv.POLICIES)
+    d_model = SMOKE_D_MODEL if args.smoke else D_MODEL
     rows = []
     with cpu_kernels("torch"), torch.no_grad():
         for n in sizes:
             for name in names:
                 try:
-                    rows.append(run_case(name, n, runs, SMOKE_D_MODEL if args.smoke else D_MODEL))
+                    rows.append(run_case(name, n, runs, d_model))
                 except Exception as e:  # noqa: BLE001 (reported in the table, the run goes on)
                     rows.append(dict(policy=name, N=n, error=f"{type(e).__name__}: {e}"[:300]))
                 print(json.dumps(rows[-1]), flush=True)
@@ -298,7 +301,7 @@ def main(argv=None):
                torch=torch.__version__, commit=commit(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                command="python " + " ".join([os.path.relpath(sys.argv[0])] + (sys.argv[1:] if argv is None else argv)),
-               triton_interpret=INTERPRET, runs=runs, sizes=list(sizes), keep=KEEP, rows=rows)
+               triton_interpret=INTERPRET, runs=runs, sizes=list(sizes), keep=KEEP, d_model=d_model, rows=rows)
     out = args.out or (None if args.smoke else RESULTS)
     if out:
         os.makedirs(out, exist_ok=True)

@@ -295,7 +295,8 @@ def test_softmax_sums_to_one_per_partition(backend, case):
         torch.testing.assert_close(sums, torch.full_like(sums, 2.0), rtol=0, atol=1e-5)
         same = lagkv_scores(keys, keys, sink=S, lag=L, rank=False)[..., parts]
         for b, h, K, _ in rows(keys, values):
-            np.testing.assert_allclose(same[b, h].numpy(), 2 * ref.lag_scores(K, K, S, L)[1][parts], rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(same[b, h].numpy(), 2 * ref.lag_scores(K, K, S, L)[1][parts],
+                                       rtol=1e-5, atol=1e-7)
 
 
 @both_backends

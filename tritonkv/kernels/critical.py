@@ -76,9 +76,10 @@ TORCH_BLOCK = 1 << 24
 def _value_norms_torch(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
     """The op's CPU body: for each token chunk, the projections of its values by every query head
     of their group, ``[B, H, 1, n, d] @ [H, G, d, D_model]`` (W_O^q transposed, a view) in fp32,
-    then the L1 norm over D_model (one fused reduction) and the mean over the G heads. The chunk n keeps that block
-    under ``TORCH_BLOCK`` elements; the chunk count depends only on shapes. IEEE fp32 throughout:
-    a NaN value gives NaN, an infinite one +inf (NaN where it meets an exact zero of W_O)."""
+    then the L1 norm over D_model (one fused reduction) and the mean over the G heads. The chunk
+    n keeps that block under ``TORCH_BLOCK`` elements; the chunk count depends only on shapes.
+    IEEE fp32 throughout: a NaN value gives NaN, an infinite one +inf (NaN where it meets an exact
+    zero of W_O)."""
     B, H, N, D = values.shape
     DM = o_proj.shape[0]
     G = o_proj.shape[1] // (H * D)

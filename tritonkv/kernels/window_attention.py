@@ -329,7 +329,8 @@ def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: 
     if kernel_size > 1 and n_pool > 0:
         pad = kernel_size // 2
         fill = float("-inf") if pool == "max" else 0.0
-        win = torch.nn.functional.pad(u[..., :n_pool], (pad, kernel_size - 1 - pad), value=fill).unfold(-1, kernel_size, 1)
+        padded = torch.nn.functional.pad(u[..., :n_pool], (pad, kernel_size - 1 - pad), value=fill)
+        win = padded.unfold(-1, kernel_size, 1)  # [B, H, n_pool, κ]: output j covers [j − κ//2, j − κ//2 + κ)
         pooled = win.amax(-1) if pool == "max" else win.sum(-1) / kernel_size  # amax keeps NaN
         u = torch.cat([pooled, u[..., n_pool:]], dim=-1)
     return u.contiguous()
