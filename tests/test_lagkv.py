@@ -376,4 +376,4 @@ def test_lagkv_kernel_compiles_ahead_of_time():
            "RANK": "constexpr"}
     # RANK=True compiles every line of the kernel (RANK=False is the same code minus the rank loop)
     assert_compiles({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_score_kernel", "signature": sig,
-                     "constexprs": {"BLOCK_L": 128, "BLOCK_T": 32, "BLOCK_D": 128, "BLOCK_J": 64, "RANK": True}})
+                     "constexprs": {"BLOCK_L": 128, "BLOCK_T": 8, "BLOCK_D": 128, "BLOCK_J": 32, "RANK": True}})

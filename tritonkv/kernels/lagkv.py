@@ -113,8 +113,14 @@ def _blocks(lag: int, d: int, n_scored: int, rows: int, parts: int):
     block_l, block_d = next_pow2(lag), next_pow2(d)
     if INTERPRET:  # ~0.5 ms per program and per op: one program per row, whole-partition tiles
         return parts or max(n_scored, 1), block_l, block_l, block_d, block_l
-    block_t = max(1, min(block_l, 4096 // block_d))
-    block_j = max(1, min(block_l, 8192 // block_l))
+    # [BLOCK_T, BLOCK_D] tiles of 1024 elements: 4 per thread at 8 warps. The per-channel min/max
+    # vectors (old and new, K and V: four [BLOCK_D, 2] values) live in the slice of the tile's layout
+    # over tokens, replicated across the threads that tile the token axis, so they cost as much as
+    # the tile width per thread: at 2048-element tiles (8 per thread) they alone held 64 registers and
+    # the kernel 172-210 (1 CTA/SM); at 1024 it is 118 (sm_90). The rank's [BLOCK_L, BLOCK_J]
+    # comparison is kept at 4096 elements for the same reason.
+    block_t = max(1, min(block_l, 1024 // block_d))
+    block_j = max(1, min(block_l, 4096 // block_l))
     # >= ~4 programs per SM, and each partition read about once (runs of consecutive partitions)
     parts = parts or max(1, min(16, (n_scored * rows) // 528))
     return parts, block_l, block_t, block_d, block_j
@@ -182,7 +188,7 @@ def lagkv_score_op(keys: torch.Tensor, values: torch.Tensor, sink: int, lag: int
                keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
                N, D, sink, lag, n_scored, parts, eps,
                BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, RANK=rank,
-               num_warps=8 if BLOCK_T * BLOCK_D >= 2048 else 4)
+               num_warps=8 if BLOCK_T * BLOCK_D >= 1024 else 4)
     return out
 
 
