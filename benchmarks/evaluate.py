@@ -1,0 +1,768 @@
+"""The seeds' claims tested with their own metrics, at their budgets, paired over cases (issue 14).
+
+SmolLM2-135M-Instruct on the CPU. Every case is generated locally from a seed; every configuration of a claim is
+scored on the same cases, and each (case, configuration, metric) is one line of JSON under
+``benchmarks/results/quality/`` (appended as it is measured; a rerun skips what is there). ``evaluate_report.py``
+turns the lines into intervals, paired tests and verdicts.
+
+Tasks (``build_case``; the prompt is ``context`` tokens long, question included):
+
+- ``needle``: one "The pass key for the <word> is <5 digits>. Remember it. <digits> is the pass key for the
+  <word>." fact at a random depth of a haystack, 9 random distractor keys (``shared/notes/models.md`` §3);
+- ``mk_needle``: four such facts for four words at random depths; the question asks for one of them; the other
+  three keys are among the 10 candidates (RULER's NIAH multikey, with distractors in the context);
+- ``vt1`` / ``vt2``: variable tracking, three chains "VAR A = 12345. … VAR B = VAR A." of 1 or 2 hops; the
+  question asks for the value of the last variable of one chain (the other chains' values are candidates);
+- ``cwe``: a numbered list of words (no haystack), one word repeated far more than the others; "What is the
+  most common word?" with 9 listed words as distractors;
+- ``lm``: ``context`` tokens of real text and the next 64 tokens as a held-out continuation.
+
+Choice tasks are scored by likelihood (the true answer's summed log-probability ranks first among the
+candidates: ``acc_ll``) and by greedy decoding (``acc_greedy``: the greedy answer starts with the true one), and
+``kl_answer`` (KL(full ‖ compressed) along the true answer's tokens, teacher-forced). ``lm`` gives ``kl`` and
+``dll`` (mean Δ log-likelihood per token of the continuation, compressed − full). Haystacks: ``synthetic`` (the
+pass-key filler), ``licenses`` (/usr/share/common-licenses, real English prose), ``pydoc`` (Python's own
+reference text, ``pydoc_data.topics``), ``kjv`` when Debian's ``bible`` CLI is installed.
+
+Settings (how the question meets the compression):
+
+- ``aware``: the whole prompt (context + question) is compressed after prefill (SnapKV, SCORE, SurfaceLogicKV,
+  LagKV: the observation window is the question's end);
+- ``agnostic``: the context is compressed before the question is seen (CriticalKV §4.1, kvpress): the question
+  is then fed through the compressed cache;
+- ``blockwise``: the prompt is fed in blocks of 128 and evicted after each (KeyDiff Eq. 6).
+
+Cost. One full forward of the prompt per case serves every after-prefill configuration: a layer's compression
+after prefill depends only on that layer's keys, values and window queries (the forward's own attention saw the
+whole prompt), so each configuration's ``TritonKVCache`` is rebuilt from the captured tensors through the
+cache's own code (``TritonKVLayer.update`` + ``after_attention``, which compresses), exactly as in a forward.
+LagKV's recursive state is fed the same way (``LagKVLayer``). Only block-wise configurations run their own
+prefill. Candidates and the greedy answer are scored together in one batched decode loop (one row per
+candidate, one greedy row) on the compressed cache — no copy per candidate (LagKV's recursive state cannot be
+batch-expanded: it is copied once per candidate).
+
+CriticalKV's own metric (``wo_err``): at the first answer token (the query of the prompt's last token), per
+query head, ‖(A − A′)·V·W_Oʰ‖₁ with A′ the attention over the context compressed before the question plus the
+question, in every layer, from the full forward's tensors (an isolated-layer measurement). Per-head values are
+kept (``per_head``), so the head-wise claim ("lower in 92% of heads") is computed over cases.
+
+    OMP_NUM_THREADS=2 python benchmarks/evaluate.py --tasks mk_needle --contexts 2048 --seeds 0-49 --groups criticalkv keydiff
+    python benchmarks/evaluate_report.py       # summaries, claims, plots
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import functools
+import glob
+import json
+import math
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+import tritonkv  # noqa: E402
+from tritonkv.policies import Policy, get_policy  # noqa: E402
+
+OUT = os.path.join(HERE, "results", "quality")
+Q_WINDOW = 32
+BLOCK = 128
+CONT = 64  # continuation tokens of the lm task
+TASKS = ("needle", "mk_needle", "vt1", "vt2", "cwe", "lm")
+CWE_SHARE = 0.3  # the common word's share of the list
+N_KEYS = {"needle": 1, "mk_needle": 4}  # facts per needle case (one asked, the others distractors)
+
+# ------------------------------------------------------------------------------------------------
+# text sources
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+
+
+@functools.lru_cache(maxsize=None)
+def source_text(name: str) -> str:
+    """Long text for haystacks and the lm task (whitespace-normalised)."""
+    if name == "synthetic":
+        return " ".join([FILLER] * 4000)
+    if name == "licenses":
+        d = "/usr/share/common-licenses"
+        parts = []
+        for f in sorted(os.listdir(d)):
+            p = os.path.join(d, f)
+            if os.path.isfile(p) and not os.path.islink(p):
+                with open(p, errors="replace") as fh:
+                    parts.append(fh.read())
+        return re.sub(r"\s+", " ", " ".join(parts))
+    if name == "pydoc":
+        import pydoc_data.topics as t
+        return re.sub(r"\s+", " ", " ".join(t.topics[k] for k in sorted(t.topics)))
+    if name == "kjv":
+        from tritonkv.integrations.needle import _kjv_text
+        text = _kjv_text()
+        if text is None:
+            raise ValueError("kjv needs Debian's bible-kjv (the `bible` CLI)")
+        return text
+    raise ValueError(f"unknown source {name!r}")
+
+
+def available_sources() -> List[str]:
+    out = ["synthetic"]
+    if os.path.isdir("/usr/share/common-licenses"):
+        out.append("licenses")
+    try:
+        import pydoc_data.topics  # noqa: F401
+        out.append("pydoc")
+    except ImportError:
+        pass
+    import shutil
+    if shutil.which("bible"):
+        out.append("kjv")
+    return out
+
+
+WORDS = ("apple river candle mountain pencil garden window rocket violin turtle anchor basket castle dragon "
+         "engine forest guitar harbor island jacket kettle lantern magnet needle orange parrot quartz ribbon "
+         "saddle tiger umbrella valley walnut yacht zebra bridge cactus dolphin feather glacier hammer igloo "
+         "jungle koala ladder meadow nickel oyster pepper rabbit salmon tomato velvet wagon badger cherry "
+         "donkey falcon ginger hornet insect jaguar lemon mango napkin olive panda quiver raven spider tulip "
+         "walrus copper marble silver timber canyon desert lagoon prairie summit tunnel button pillow mirror "
+         "carpet bottle blanket bucket candy cookie cotton diamond eagle goose honey lizard lobster monkey "
+         "muffin onion peanut pickle pigeon planet potato pumpkin puzzle rocket saucer shovel spoon squirrel "
+         "stapler sugar sweater teapot thunder toaster trumpet turnip violet whistle wizard").split()
+WORDS = list(dict.fromkeys(WORDS))
+
+
+# ------------------------------------------------------------------------------------------------
+# cases
+
+
+@dataclasses.dataclass
+class Case:
+    task: str
+    seed: int
+    source: str
+    context: int
+    ctx_ids: List[int]  # the context (compressed before the question in the agnostic setting)
+    q_ids: List[int]  # the question (empty for lm)
+    cands: List[List[int]] = dataclasses.field(default_factory=list)
+    answer: int = 0
+    cont_ids: List[int] = dataclasses.field(default_factory=list)  # lm: the held-out continuation
+    info: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def prompt(self) -> List[int]:
+        return self.ctx_ids + self.q_ids
+
+    @property
+    def key(self) -> Tuple:
+        return (self.task, self.seed, self.source, self.context)
+
+
+def _enc(tok, text: str) -> List[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _hay(tok, source: str, n: int, rng: random.Random) -> List[int]:
+    """``n`` tokens of ``source`` from a seeded offset (starting at a word boundary)."""
+    text = source_text(source)
+    span = n * 6 + 200
+    if len(text) < span + 1:
+        text = " ".join([text] * (span // max(len(text), 1) + 2))
+    start = rng.randrange(0, len(text) - span)
+    sp = text.find(" ", start)
+    start = sp + 1 if 0 <= sp < start + 64 else start
+    ids = _enc(tok, text[start:start + span])
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def _numbers(rng: random.Random, k: int) -> List[str]:
+    out: List[str] = []
+    while len(out) < k:
+        x = str(rng.randint(10000, 99999))
+        if x not in out:
+            out.append(x)
+    return out
+
+
+def _insert(hay: List[int], pieces: List[List[int]], depths: List[float]) -> Tuple[List[int], List[int]]:
+    """``hay`` with ``pieces`` inserted at the given depths (sorted, in order); returns (ids, piece starts)."""
+    at = sorted(int(round(d * len(hay))) for d in depths)
+    out, starts, prev = [], [], 0
+    for a, p in zip(at, pieces):
+        out += hay[prev:a]
+        starts.append(len(out))
+        out += p
+        prev = a
+    out += hay[prev:]
+    return out, starts
+
+
+def _choice(tok, case_args, answer_text: str, distractors: List[str], rng: random.Random, prefix: str = " "):
+    cands_text = [answer_text] + distractors[:9]
+    order = list(range(len(cands_text)))
+    rng.shuffle(order)
+    texts = [cands_text[i] for i in order]
+    return [_enc(tok, prefix + t) for t in texts], order.index(0), texts
+
+
+def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic") -> Case:
+    """One case of ``task`` whose prompt (context + question) is exactly ``context`` tokens."""
+    rng = random.Random(f"{task}/{context}/{source}/{seed}")
+    if task == "lm":
+        ids = _hay(tok, source, context + CONT, rng)
+        return Case(task, seed, source, context, ids[:context], [], cont_ids=ids[context:])
+    if task in N_KEYS:
+        n_keys = N_KEYS[task]
+        words = rng.sample(WORDS, n_keys)
+        keys = _numbers(rng, 10)
+        facts = [_enc(tok, f" The pass key for the {w} is {k}. Remember it. {k} is the pass key for the {w}.")
+                 for w, k in zip(words, keys[:n_keys])]
+        ask = rng.randrange(n_keys)
+        q = _enc(tok, f"\nWhat is the pass key for the {words[ask]}? The pass key for the {words[ask]} is")
+        n_hay = context - len(q) - sum(map(len, facts))
+        depths = [rng.uniform(0.05, 0.95) for _ in facts]
+        order = list(range(n_keys))
+        rng.shuffle(order)  # which fact goes where
+        ctx, starts = _insert(_hay(tok, source, n_hay, rng), [facts[i] for i in order], depths)
+        cands, ans, texts = _choice(tok, None, keys[ask], [k for i, k in enumerate(keys) if i != ask], rng)
+        info = {"asked": words[ask], "depth": sorted(depths)[order.index(ask)]}
+        return Case(task, seed, source, context, ctx, q, cands, ans, info=info)
+    if task in ("vt1", "vt2"):
+        hops = int(task[2])
+        names: List[str] = []
+        while len(names) < 3 * (hops + 1):
+            nm = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
+            if nm not in names:
+                names.append(nm)
+        vals = _numbers(rng, 10)
+        chains = [names[c * (hops + 1):(c + 1) * (hops + 1)] for c in range(3)]
+        stmts, order_key = [], []
+        for c, ch in enumerate(chains):
+            stmts.append(_enc(tok, f" VAR {ch[0]} = {vals[c]}."))
+            for j in range(1, hops + 1):
+                stmts.append(_enc(tok, f" VAR {ch[j]} = VAR {ch[j - 1]}."))
+        ask = rng.randrange(3)
+        q = _enc(tok, f"\nWhat is the value of VAR {chains[ask][-1]}? The value of VAR {chains[ask][-1]} is")
+        n_hay = context - len(q) - sum(map(len, stmts))
+        # each chain's statements in order, chains interleaved at random depths
+        depths = sorted(rng.uniform(0.05, 0.95) for _ in stmts)
+        slots = list(range(len(stmts)))
+        per = hops + 1
+        seq = [c for c in range(3) for _ in range(per)]
+        rng.shuffle(seq)
+        used = [0, 0, 0]
+        placed = []
+        for c in seq:
+            placed.append(stmts[c * per + used[c]])
+            used[c] += 1
+        ctx, _ = _insert(_hay(tok, source, n_hay, rng), placed, depths)
+        cands, ans, _ = _choice(tok, None, vals[ask], [v for i, v in enumerate(vals) if i != ask], rng)
+        return Case(task, seed, source, context, ctx, q, cands, ans, info={"hops": hops})
+    if task == "cwe":
+        words = rng.sample(WORDS, 60)
+        common, rest = words[0], words[1:]
+        head = _enc(tok, "Below is a numbered list of words. Some words appear several times.\n")
+        q = _enc(tok, "\nQuestion: What is the most common word in the list above?\nAnswer: The most common word is")
+        items, i = [], 1
+        lst: List[str] = []
+        budget = context - len(head) - len(q)
+        toks = 0
+        while True:
+            w = common if rng.random() < CWE_SHARE else rng.choice(rest)
+            piece = _enc(tok, f"{i}. {w}\n")
+            if toks + len(piece) > budget:
+                break
+            items.append(piece)
+            lst.append(w)
+            toks += len(piece)
+            i += 1
+        ctx = head + [t for p in items for t in p]
+        ctx += _enc(tok, "\n" * 40)[: budget - toks]  # pad to the exact length
+        while len(ctx) < context - len(q):
+            ctx += _enc(tok, "\n")
+        ctx = ctx[:context - len(q)]
+        listed = [w for w in dict.fromkeys(lst) if w != common]
+        rng.shuffle(listed)
+        cands, ans, _ = _choice(tok, None, common, listed, rng)
+        info = {"common": common, "count": lst.count(common), "next": max((lst.count(w) for w in listed), default=0)}
+        return Case(task, seed, source, context, ctx, q, cands, ans, info=info)
+    raise ValueError(f"unknown task {task!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# configurations
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    policy: str
+    allocation: str = "uniform"
+    mode: str = "after_prefill"  # after_prefill | blockwise | lagkv (recursive LagKV, paper mode)
+    setting: str = "aware"  # aware | agnostic (context compressed before the question)
+    budget: float = 1.0  # int tokens per head, or a fraction (of the compressed prefix; LagKV: the ratio r)
+
+    @property
+    def name(self) -> str:
+        b = int(self.budget) if float(self.budget).is_integer() and self.budget > 1 else self.budget
+        return f"{self.policy}|{self.allocation}|{self.mode}|{self.setting}|{b}"
+
+
+FULL = Config("full", "uniform", "full", "aware", 1.0)
+
+# the claims' cells (budgets are the papers')
+GROUPS: Dict[str, List[Config]] = {
+    # CriticalKV (Table 1 at 40 %, head analysis at 20 %): context compressed before the question
+    "criticalkv": [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
+                   for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")],
+    # KeyDiff vs TOVA, SnapKV, StreamingLLM under block-wise prefill (B = 128)
+    "keydiff": [Config(p, "uniform", "blockwise", "aware", b) for b in (128, 64)
+                for p in ("keydiff", "tova", "snapkv", "streaming_llm")],
+    # LagKV paper mode, L = 128, S = 16, r = 1/2 and 1/4, through its recursive state
+    "lagkv": [Config("lagkv", "uniform", "lagkv", "aware", r) for r in (0.5, 0.25)],
+    # allocation end to end at 64 and 128 tokens per head (SCORE and SurfaceLogicKV's KV sizes)
+    "allocation": [Config(p, a, "after_prefill", "aware", b) for b in (128, 64)
+                   for p, a in (("snapkv", "uniform"), ("snapkv", "pyramid"), ("snapkv", "adakv"),
+                                ("snapkv", "score"), ("score", "score"), ("snapkv", "surfacelogic"),
+                                ("surfacelogic", "surfacelogic"))],
+}
+WO_GROUP = [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
+            for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")]
+
+
+class LayerInputs(Policy):
+    """``base`` with per-layer inputs (W_O for CriticalKV, HD for SCORE's selection) picked by the ``layer`` input
+    that ``compress`` receives: ``TritonKVCache`` hands every layer the same ``**inputs``, and these differ by
+    layer."""
+
+    def __init__(self, base: Policy, per_layer: Dict[str, Sequence[torch.Tensor]]):
+        self.base, self.per_layer = base, per_layer
+        self.name = base.name
+        self.needs = tuple(n for n in base.needs if n not in per_layer)
+        self.sink, self.window = base.sink, base.window
+        self.q_window = getattr(base, "q_window", None) or base.window
+
+    def _with(self, inputs):
+        layer = int(inputs["layer"])
+        return {**inputs, **{n: v[layer] for n, v in self.per_layer.items()}}
+
+    def protected(self, n, budget):
+        return self.base.protected(n, budget)
+
+    def score(self, keys, values, **inputs):
+        return self.base.score(keys, values, **self._with(inputs))
+
+    def select(self, *args, **inputs):
+        return self.base.select(*args, **self._with(inputs))
+
+
+# ------------------------------------------------------------------------------------------------
+# the model side
+
+
+@torch.no_grad()
+def capture(model, ids: List[int], q_rows: Sequence[int]):
+    """One full forward of ``ids``: per layer ``(keys, values)`` ``[1, H_kv, N, D]`` (RoPE applied) and the queries
+    at ``q_rows`` ``[1, H_q, len(q_rows), D]``, plus the last position's logits ``[V]``."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rows = torch.as_tensor(list(q_rows), dtype=torch.long)
+    qs: Dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        def hook(mod, args, kwargs, i=i):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+            hr = h[:, rows]
+            q = mod.q_proj(hr).view(1, len(rows), -1, mod.head_dim).transpose(1, 2)
+            qs[i] = apply_rotary_pos_emb(q, q, cos[:, rows], sin[:, rows])[0]
+        hooks.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    c = out.past_key_values
+    kv = [(c.layers[i].keys, c.layers[i].values) for i in range(len(model.model.layers))]
+    return kv, qs, out.logits[0, -1].float()
+
+
+def _policy_object(model, cfg: Config, hd=None):
+    """The policy for ``cfg`` with its per-layer inputs attached."""
+    if cfg.policy == "criticalkv":
+        wo = [l.self_attn.o_proj.weight.detach() for l in model.model.layers]
+        return LayerInputs(get_policy("criticalkv"), {"o_proj": wo})
+    if cfg.policy == "score":
+        return LayerInputs(get_policy("score"), {"hd": [h for h in hd]})
+    if cfg.policy == "full":
+        return get_policy("streaming_llm")
+    return get_policy(cfg.policy)
+
+
+def replay_cache(model, cfg: Config, kv, qwin, n: int, inputs: dict, hd=None):
+    """A ``TritonKVCache`` for ``cfg`` that has seen the first ``n`` tokens of the captured forward: every layer is
+    fed its captured keys/values (``update``) and its window queries (``after_attention``, which compresses as
+    after a forward). ``qwin[l]``: the last ``Q_WINDOW`` queries before token ``n``."""
+    from tritonkv.integrations.transformers import make_cache
+
+    L = len(kv)
+    if cfg.mode == "lagkv":
+        cache = make_cache(model, get_policy("lagkv"), float(cfg.budget), mode="decoding")
+    elif cfg.policy == "full":
+        cache = make_cache(model, "streaming_llm", n + 10**6)
+    else:
+        budget = int(cfg.budget) if cfg.budget > 1 else float(cfg.budget)
+        alloc = None if cfg.allocation == "uniform" else cfg.allocation
+        cache = make_cache(model, _policy_object(model, cfg, hd), budget, mode="after_prefill", allocation=alloc,
+                           prompt_length=n, **inputs)
+    for l in range(L):
+        k, v = kv[l]
+        cache.update(k[:, :, :n].clone(), v[:, :, :n].clone(), l)
+        cache.layers[l].after_attention(qwin[l])
+    cache.freeze()
+    return cache
+
+
+def _dense(cache) -> None:
+    """Per-head (ragged) layers become padded working views (what a prefill block over them does), so the cache
+    can be expanded along the batch for the candidates."""
+    for layer in cache.layers:
+        if getattr(layer, "store", None) is not None and layer.store.ragged:
+            layer.store = layer.store.to_dense()
+            layer.has_invalid = True
+
+
+@torch.no_grad()
+def feed(model, cache, ids: List[int], logits_to_keep: int = 1) -> torch.Tensor:
+    """Feed ``ids`` (batch 1) through ``cache`` at their true positions; returns the last logits ``[T', V]``."""
+    from tritonkv.integrations.transformers import use_tritonkv
+
+    seen = int(cache.get_seq_length())
+    x = torch.tensor([ids])
+    with use_tritonkv(model):
+        out = model(input_ids=x, position_ids=torch.arange(seen, seen + len(ids))[None], past_key_values=cache,
+                    use_cache=True, logits_to_keep=logits_to_keep)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def score_choices(model, cache, first_logits: torch.Tensor, cands: List[List[int]], greedy_len: int,
+                  answer: int, batched: bool = True):
+    """``(candidate log-likelihoods, greedy token ids, log-distributions along the true answer [len, V])``.
+
+    One decode loop over ``len(cands) + 1`` rows: row i feeds candidate i teacher-forced, the last row its own
+    argmax (greedy); the first answer position's logits are ``first_logits`` (shared)."""
+    from tritonkv.integrations.transformers import use_tritonkv
+
+    lp0 = torch.log_softmax(first_logits.float(), -1)
+    n = len(cands)
+    steps = max(max(len(c) for c in cands), greedy_len) - 1
+    scores = [float(lp0[c[0]]) for c in cands]
+    greedy = [int(first_logits.argmax())]
+    true_d = [lp0]
+    seen = int(cache.get_seq_length())
+    if not batched:  # LagKV's recursive state: one copy per row
+        for i, c in enumerate(cands):
+            if len(c) > 1:
+                lp = torch.log_softmax(feed(model, copy.deepcopy(cache), c[:-1], logits_to_keep=0), -1)
+                scores[i] += float(lp[torch.arange(len(c) - 1), torch.tensor(c[1:])].sum())
+                if i == answer:
+                    true_d += list(lp)
+        g = copy.deepcopy(cache)
+        for _ in range(greedy_len - 1):
+            greedy.append(int(feed(model, g, [greedy[-1]])[-1].argmax()))
+        return scores, greedy, torch.stack(true_d)
+    _dense(cache)
+    cache.batch_repeat_interleave(n + 1)
+    with use_tritonkv(model):
+        for t in range(1, steps + 1):
+            inp = [c[t - 1] if t - 1 < len(c) else c[-1] for c in cands] + [greedy[-1]]
+            out = model(input_ids=torch.tensor(inp)[:, None], position_ids=torch.full((n + 1, 1), seen + t - 1),
+                        past_key_values=cache, use_cache=True)
+            lp = torch.log_softmax(out.logits[:, -1].float(), -1)
+            for i, c in enumerate(cands):
+                if t < len(c):
+                    scores[i] += float(lp[i, c[t]])
+            if t < len(cands[answer]):
+                true_d.append(lp[answer])
+            greedy.append(int(lp[n].argmax()))
+    return scores, greedy[:greedy_len], torch.stack(true_d)
+
+
+def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
+    """Mean over rows of KL(p ‖ q) from log-probabilities."""
+    return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
+
+
+def _top1(scores, answer) -> int:
+    return int(all(scores[answer] > s for i, s in enumerate(scores) if i != answer))
+
+
+def _greedy_hit(tok, greedy: List[int], cand: List[int]) -> int:
+    g = tok.decode(greedy).strip()
+    a = tok.decode(cand).strip()
+    return int(g.startswith(a) and (len(g) == len(a) or not g[len(a)].isalnum()))
+
+
+# ------------------------------------------------------------------------------------------------
+# attention-output error after W_O (CriticalKV's metric)
+
+
+@torch.no_grad()
+def wo_errors(model, kv, q_last, qwin_ctx, n_ctx: int, configs: Sequence[Config], inputs: dict) -> Dict[str, list]:
+    """Per configuration, ``‖(A − A′)·V·W_Oʰ‖₁`` per (layer, query head) at the query ``q_last[l]``
+    ``[1, H_q, 1, D]`` (the prompt's last token) over the whole prompt, A′ with the first ``n_ctx`` tokens
+    compressed by the configuration (window: ``qwin_ctx``, the context's last queries) and the question kept."""
+    out = {c.name: [] for c in configs}
+    for l, (k, v) in enumerate(kv):
+        B, H, N, D = k.shape
+        q = q_last[l]
+        Hq = q.shape[1]
+        G = Hq // H
+        logits = torch.einsum("bhgd,bhnd->bhgn", q.float().reshape(B, H, G, D), k.float()) / math.sqrt(D)
+        a = logits.softmax(-1)
+        wo = model.model.layers[l].self_attn.o_proj.weight.detach().float()  # [D_model, H_q·D]
+        for cfg in configs:
+            pol = _policy_object(model, cfg)
+            alloc = None if cfg.allocation == "uniform" else cfg.allocation
+            budget = int(cfg.budget) if cfg.budget > 1 else float(cfg.budget)
+            res = tritonkv.compress((k[:, :, :n_ctx], v[:, :, :n_ctx]), pol, budget, allocation=alloc,
+                                    queries=qwin_ctx[l], layer=l, num_layers=len(kv), **inputs)
+            if isinstance(res, tuple) and hasattr(res, "indices"):
+                idx = res.indices
+            else:
+                idx = res.to_padded(with_positions=True)[3]
+            keep = torch.zeros(B, H, N + 1, dtype=torch.bool)
+            keep.scatter_(2, torch.where(idx >= 0, idx, N).to(torch.int64).clamp(max=N), True)
+            keep = keep[:, :, :N]
+            keep[:, :, n_ctx:] = True
+            a2 = logits.masked_fill(~keep[:, :, None], -math.inf).softmax(-1)
+            dv = torch.einsum("bhgn,bhnd->bhgd", a - a2, v.float()).reshape(Hq, D)  # (A − A′)V per query head
+            err = torch.stack([(wo[:, h * D:(h + 1) * D] @ dv[h]).abs().sum() for h in range(Hq)])
+            out[cfg.name].append(err.tolist())
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# records
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+class Store:
+    """Per-case records as JSON lines, one file per (task, context); ``done`` says what a rerun may skip."""
+
+    def __init__(self, out_dir: str = OUT):
+        self.dir = out_dir
+        os.makedirs(out_dir, exist_ok=True)
+        self.seen = set()
+        for f in glob.glob(os.path.join(out_dir, "*.jsonl")):
+            with open(f) as fh:
+                for line in fh:
+                    if line.strip():
+                        r = json.loads(line)
+                        self.seen.add(self._k(r))
+        self.commit = _commit()
+
+    @staticmethod
+    def _k(r) -> Tuple:
+        return (r["task"], r["seed"], r["source"], r["context"], r["config"])
+
+    def done(self, case: Case, cfg: Config) -> bool:
+        return (*case.key, cfg.name) in self.seen
+
+    def add(self, case: Case, cfg: Config, metrics: Dict[str, object], seconds: float) -> None:
+        path = os.path.join(self.dir, f"{case.task}-{case.context}.jsonl")
+        base = dict(task=case.task, seed=case.seed, source=case.source, context=case.context, config=cfg.name,
+                    policy=cfg.policy, allocation=cfg.allocation, mode=cfg.mode, setting=cfg.setting,
+                    budget=cfg.budget, prompt_tokens=len(case.prompt))
+        with open(path, "a") as fh:
+            for m, v in metrics.items():
+                rec = dict(base, metric=m)
+                if isinstance(v, dict):
+                    rec.update(v)
+                else:
+                    rec["value"] = v
+                fh.write(json.dumps(rec) + "\n")
+            fh.write(json.dumps(dict(base, metric="seconds", value=round(seconds, 3), commit=self.commit)) + "\n")
+        self.seen.add((*case.key, cfg.name))
+
+
+# ------------------------------------------------------------------------------------------------
+# one case, every configuration
+
+
+def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *, full_cache=None,
+             log=print) -> None:
+    """Measure ``configs`` (and the full cache) on ``case``; records go to ``store`` as they are measured."""
+    todo = [c for c in configs if not store.done(case, c)]
+    if not todo and store.done(case, FULL):
+        return
+    lm = case.task == "lm"
+    n_ctx, n_all = len(case.ctx_ids), len(case.prompt)
+    t0 = time.time()
+    rows = sorted(set(range(n_ctx - Q_WINDOW, n_ctx)) | set(range(n_all - Q_WINDOW, n_all)))
+    from tritonkv.allocation import head_means_from_queries, sample_positions
+    pos = sample_positions(n_all, k=200, window=Q_WINDOW, seed=case.seed)
+    rows = sorted(set(rows) | set(pos.tolist()))
+    kv, qs, last_logits = capture(model, case.prompt, rows)
+    r_index = {r: i for i, r in enumerate(rows)}
+    sel = lambda l, rr: qs[l][:, :, [r_index[r] for r in rr]]  # noqa: E731
+    L = len(kv)
+    qwin_all = [sel(l, range(n_all - Q_WINDOW, n_all)) for l in range(L)]
+    qwin_ctx = [sel(l, range(n_ctx - Q_WINDOW, n_ctx)) for l in range(L)]
+    hm = torch.stack([head_means_from_queries(sel(l, pos.tolist()), kv[l][0], pos) for l in range(L)])
+    from tritonkv.allocation import get_allocator
+    hd = get_allocator("score").hd(hm, kv[0][0].shape[1])  # [L, B, H_kv]
+    t_cap = time.time() - t0
+    log(f"  capture {t_cap:.1f}s")
+
+    def run_one(cfg: Config, full_ref=None):
+        t = time.time()
+        inputs = {}
+        if cfg.allocation == "score":
+            inputs["head_means"] = hm
+        if cfg.mode == "blockwise":
+            from tritonkv.integrations.transformers import make_cache, prefill
+            cache = make_cache(model, cfg.policy, int(cfg.budget) if cfg.budget > 1 else float(cfg.budget),
+                               mode="blockwise", block_size=BLOCK, prompt_length=n_all)
+            first = prefill(model, torch.tensor([case.prompt]), cache)[0, -1].float()
+            cache.freeze()
+        elif cfg.setting == "agnostic" and not lm:
+            cache = replay_cache(model, cfg, kv, qwin_ctx, n_ctx, inputs, hd)
+            first = feed(model, cache, case.q_ids)[-1]
+        else:
+            cache = replay_cache(model, cfg, kv, qwin_all, n_all, inputs, hd)
+            first = last_logits
+        kept = _kept(cache)  # tokens held per (layer, head) right after the compression (+ the question, agnostic)
+        batched = cfg.mode != "lagkv"
+        metrics: Dict[str, object] = {}
+        if lm:
+            lp = torch.log_softmax(torch.cat([first[None], feed(model, cache, case.cont_ids[:-1], 0)]), -1)
+            ll = lp[torch.arange(CONT), torch.tensor(case.cont_ids)]
+            if full_ref is None:
+                metrics = {"ll": float(ll.mean())}
+                return metrics, lp, kept, time.time() - t
+            metrics = {"kl": kl(full_ref[0], lp), "dll": float(ll.mean()) - full_ref[1]}
+        else:
+            glen = max(len(c) for c in case.cands)
+            s, g, d = score_choices(model, cache, first, case.cands, glen, case.answer, batched)
+            metrics = {"acc_ll": _top1(s, case.answer), "acc_greedy": _greedy_hit(tok, g, case.cands[case.answer])}
+            if full_ref is None:
+                return metrics, d, kept, time.time() - t
+            metrics["kl_answer"] = kl(full_ref, d)
+        metrics["kept_per_head"] = kept
+        return metrics, None, kept, time.time() - t
+
+    # the full cache (reference for every KL): always recomputed (cheap next to the capture), recorded once
+    m_full, ref, _, sec = run_one(FULL)
+    if lm:
+        ref = (ref, m_full["ll"])
+    if not store.done(case, FULL):
+        store.add(case, FULL, {k: v for k, v in m_full.items()}, sec + t_cap)
+    log(f"  full {m_full} {sec:.1f}s")
+    wo_cfgs = [c for c in todo if c in WO_GROUP and not lm]
+    if wo_cfgs:
+        t = time.time()
+        errs = wo_errors(model, kv, [sel(l, [n_all - 1]) for l in range(L)], qwin_ctx, n_ctx, wo_cfgs,
+                         {})
+        per_cfg_t = (time.time() - t) / len(wo_cfgs)
+        wo_metrics = {c.name: {"value": float(torch.tensor(errs[c.name]).mean()), "per_head": errs[c.name]}
+                      for c in wo_cfgs}
+    else:
+        wo_metrics, per_cfg_t = {}, 0.0
+    for cfg in todo:
+        try:
+            m, _, _, sec = run_one(cfg, ref)
+        except ValueError as e:  # e.g. a budget below a policy's protected tokens
+            log(f"  skip {cfg.name}: {e}")
+            store.add(case, cfg, {"error": str(e)[:200]}, 0.0)
+            continue
+        if cfg.name in wo_metrics:
+            m["wo_err"] = wo_metrics[cfg.name]
+            sec += per_cfg_t
+        store.add(case, cfg, m, sec)
+        log(f"  {cfg.name} {({k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k != 'wo_err'})}"
+            f"{' wo_err %.4g' % m['wo_err']['value'] if 'wo_err' in m else ''} {sec:.1f}s")
+
+
+def _kept(cache) -> float:
+    """Mean tokens held per (layer, KV head) of the compressed prefix + what was fed after it."""
+    try:
+        return float(torch.stack([k.float().mean() for k in cache.kept_tokens()]).mean())
+    except Exception:  # LagKV layers
+        return float(sum(l.n for l in cache.layers) / max(len(cache.layers), 1))
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def _seeds(spec: str) -> List[int]:
+    out: List[int] = []
+    for part in spec.split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out += list(range(int(a), int(b) + 1))
+        elif part:
+            out.append(int(part))
+    return out
+
+
+def main(argv=None, model_tok=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", nargs="+", default=["mk_needle"], choices=TASKS)
+    p.add_argument("--contexts", nargs="+", type=int, default=[2048])
+    p.add_argument("--seeds", default="0-49", help="e.g. 0-49 or 0,3,7")
+    p.add_argument("--sources", nargs="+", default=None,
+                   help="haystack sources, rotated over seeds (default: every available one)")
+    p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS) + ["full"])
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    sources = a.sources or [s for s in available_sources() if s != "kjv"] + (["kjv"] if "kjv" in available_sources() else [])
+    if model_tok is None:
+        from tritonkv.integrations.model import load_smollm2
+        model_tok = load_smollm2()
+    model, tok = model_tok
+    store = Store(a.out)
+    configs = [c for g in a.groups if g != "full" for c in GROUPS[g]]
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": store.commit,
+            "argv": argv if argv is not None else sys.argv[1:], "threads": torch.get_num_threads(),
+            "device": f"cpu ({platform.machine()})", "torch": torch.__version__}
+    with open(os.path.join(a.out, "runs.jsonl"), "a") as fh:
+        fh.write(json.dumps(meta) + "\n")
+    for seed in _seeds(a.seeds):
+        for ctx in a.contexts:
+            for task in a.tasks:
+                src = "synthetic" if task == "cwe" else sources[seed % len(sources)]
+                case = build_case(tok, task, ctx, seed, src)
+                if store.done(case, FULL) and all(store.done(case, c) for c in configs):
+                    continue
+                print(f"[{time.strftime('%H:%M:%S')}] {task} ctx={ctx} seed={seed} src={src} "
+                      f"prompt={len(case.prompt)}", flush=True)
+                run_case(model, tok, case, configs, store, log=lambda s: print(s, flush=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The statistics behind benchmarks/evaluate.py's verdicts (no model; fast)."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import evaluate_stats as S  # noqa: E402
+
+
+def test_bootstrap_interval_covers_the_mean_of_a_known_distribution():
+    # 300 samples of n = 50 from N(1, 2^2): a 95% percentile-bootstrap interval of the mean should cover 1 in
+    # about 95% of them (the percentile interval runs slightly narrow at n = 50). Binomial(300, 0.95) has sd 3.8
+    # cases, so [0.88, 0.99] is ~±2 sd wide plus the method's known undercoverage.
+    rng = np.random.default_rng(123)
+    hits = 0
+    for i in range(300):
+        x = rng.normal(1.0, 2.0, size=50)
+        _, lo, hi = S.bootstrap_ci(x, n_boot=1000, seed=i)
+        hits += lo <= 1.0 <= hi
+    assert 0.88 <= hits / 300 <= 0.99
+
+
+def test_bootstrap_interval_width_matches_the_standard_error():
+    rng = np.random.default_rng(7)
+    x = rng.normal(0.0, 1.0, size=400)
+    est, lo, hi = S.bootstrap_ci(x, n_boot=4000, seed=1)
+    se = x.std(ddof=1) / math.sqrt(len(x))
+    assert est == pytest.approx(x.mean())
+    assert (hi - lo) == pytest.approx(2 * 1.96 * se, rel=0.1)
+    assert lo < est < hi
+
+
+def test_bootstrap_is_deterministic_and_handles_tiny_samples():
+    x = [0.1, 0.5, 0.3, 0.9]
+    assert S.bootstrap_ci(x, seed=3) == S.bootstrap_ci(x, seed=3)
+    est, lo, hi = S.bootstrap_ci([2.0])
+    assert est == 2.0 and math.isnan(lo) and math.isnan(hi)
+    # a constant sample has a zero-width interval
+    assert S.bootstrap_ci([1, 1, 1, 1])[1:] == (1.0, 1.0)
+
+
+def test_paired_bootstrap_uses_the_pairing():
+    rng = np.random.default_rng(0)
+    base = rng.normal(0, 10, size=60)  # large case-to-case spread
+    a, b = base + 0.5, base  # a constant paired improvement
+    d, lo, hi = S.paired_bootstrap(a, b)
+    assert d == pytest.approx(0.5) and lo == pytest.approx(0.5) and hi == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="same shape"):
+        S.paired_bootstrap([1, 2], [1, 2, 3])
+
+
+def test_mcnemar_on_a_hand_computed_table():
+    # 2x2 table: both right 20, only a right 10, only b right 2, both wrong 8
+    a = [1] * 20 + [1] * 10 + [0] * 2 + [0] * 8
+    b = [1] * 20 + [0] * 10 + [1] * 2 + [0] * 8
+    r = S.mcnemar(a, b)
+    assert (r["n10"], r["n01"]) == (10, 2)
+    # exact two-sided: 2 * P(X <= 2), X ~ Bin(12, 1/2) = 2 * (1 + 12 + 66) / 4096
+    assert r["p"] == pytest.approx(2 * 79 / 4096)
+    # symmetric in a and b; no discordant pair -> p = 1; a balanced table -> p = 1 (capped)
+    assert S.mcnemar(b, a)["p"] == pytest.approx(r["p"])
+    assert S.mcnemar([1, 0, 1], [1, 0, 1])["p"] == 1.0
+    assert S.mcnemar([1, 0], [0, 1])["p"] == 1.0
+
+
+def test_verdict_is_read_off_the_interval():
+    assert S.verdict(0.01, 0.2) == "reproduced"
+    assert S.verdict(-0.2, -0.01) == "not reproduced"
+    assert S.verdict(-0.1, 0.1) == "inconclusive"
+    assert S.verdict(-0.3, -0.1, better="lower") == "reproduced"
+    assert S.verdict(0.1, 0.3, better="lower") == "not reproduced"
+    assert S.verdict(float("nan"), 1.0) == "inconclusive"
+    # a claim's own bound: relative score >= 0.95
+    assert S.verdict(0.96, 1.01, margin=0.95) == "reproduced"
+    assert S.verdict(0.80, 0.94, margin=0.95) == "not reproduced"
+    assert S.verdict(0.90, 0.99, margin=0.95) == "inconclusive"
+    with pytest.raises(ValueError):
+        S.verdict(0, 1, better="bigger")
+
+
+def test_ratio_and_head_fraction():
+    r, lo, hi = S.ratio_bootstrap([1, 1, 0, 1], [1, 1, 1, 1])
+    assert r == pytest.approx(0.75) and lo <= 0.75 <= hi
+    rng = np.random.default_rng(5)
+    b = np.array([[2.0, 1.0, 3.0]]) + rng.normal(0, 0.01, size=(40, 3))
+    a = b + np.array([[-1.0, 1.0, 0.0]])
+    a[:, 2] += np.where(np.arange(40) % 2, 0.01, -0.01)  # head 2: differences of mean exactly 0
+    h = S.head_wise(a, b)
+    # head 0 clearly lower, head 1 clearly higher, head 2 indistinguishable
+    assert h["heads"] == 3 and h["sig_lower"] == pytest.approx(1 / 3) and h["sig_higher"] == pytest.approx(1 / 3)
+    assert h["sig_lower"] <= h["lower"] <= 1 - h["sig_higher"]
