@@ -21,6 +21,7 @@ After attending, the layer compresses when its schedule says so (``TritonKVLayer
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +115,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
         return _plain_attention(query, key, value, attention_mask, scaling), None
     layer = active[0]
     T = query.shape[2]
-    layer.module = module  # its o_proj is CriticalKV's W_O
+    layer.module = weakref.ref(module)  # its o_proj is CriticalKV's W_O (a weak reference: copies of a cache share it)
     if attention_mask is not None and T > 1 and not compiling:
         layer.mark_padding(attention_mask[:, -T:].bool())
     out = layer.attend(query, key, value, scaling)

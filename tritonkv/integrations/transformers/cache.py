@@ -280,8 +280,9 @@ class TritonKVLayer(CacheLayerMixin):
             inputs["num_layers"] = cache.num_layers
         if cache._wants_queries:
             inputs["queries"] = self.queries
-        if "o_proj" in policy.needs and "o_proj" not in inputs and getattr(self, "module", None) is not None:
-            inputs["o_proj"] = self.module.o_proj.weight  # CriticalKV: this layer's W_O
+        module = getattr(self, "module", lambda: None)()
+        if "o_proj" in policy.needs and "o_proj" not in inputs and module is not None:
+            inputs["o_proj"] = module.o_proj.weight  # CriticalKV: this layer's W_O
         out = compress((keys, values), policy, k, allocation=cache.allocation, **inputs)
         if isinstance(out, Compressed):
             idx = out.indices
