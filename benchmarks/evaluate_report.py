@@ -407,8 +407,9 @@ def plots(recs, out_dir: str) -> List[str]:
     return paths
 
 
-def readme_section(summary: dict, rel: str = "benchmarks/results/quality") -> str:
-    """The README's "Which policy?" quality text: one line per claim with its verdict and headline interval."""
+def readme_section(summary: dict, rel: str = "benchmarks/results/quality", plots_dir: Optional[str] = None) -> str:
+    """The README's "Which policy?" quality text: one line per claim with its verdict and headline interval, then
+    the plots found in ``plots_dir`` (linked as ``rel/<file>``)."""
     out = [f"Quality on SmolLM2-135M-Instruct (CPU): the seeds' claims tested with their own metrics at their "
            f"budgets, paired over locally generated cases, 95 % bootstrap intervals. Everything (per-case records, "
            f"every cell, plots): [{rel}/README.md]({rel}/README.md). A verdict is read off an interval: "
@@ -429,6 +430,9 @@ def readme_section(summary: dict, rel: str = "benchmarks/results/quality") -> st
             ev.append(f"{_short(h['a'])} lower in {h['fraction']:.0%} [{h['lo']:.0%}, {h['hi']:.0%}] of "
                       f"{h['heads']} heads (paper's 92 %: {h['vs_paper']})")
         out.append(f"| {c['claim']} | **{c['overall']}** | {'; '.join(ev) or '–'} |")
+    pngs = sorted(glob.glob(os.path.join(plots_dir, "*.png"))) if plots_dir else []
+    if pngs:
+        out += ["", " ".join(f"![{os.path.basename(p)[:-4]}]({rel}/{os.path.basename(p)})" for p in pngs)]
     return "\n".join(out)
 
 

@@ -24,7 +24,15 @@ SECTIONS = ("quality", "speed")
 
 
 def quality_section(results_dir: str = RESULTS) -> str:
-    """Markdown for the quality markers: the main tables and the claims from ``quality.json``."""
+    """Markdown for the quality markers. With per-case records in ``results/quality/`` (``benchmarks/evaluate.py``):
+    the claims, their verdicts and headline intervals (``evaluate_report.readme_section``) and the plots; otherwise
+    the older one-trial tables and claims from ``quality.json``."""
+    qdir = os.path.join(results_dir, "quality")
+    if [f for f in glob.glob(os.path.join(qdir, "*.jsonl")) if os.path.basename(f) != "runs.jsonl"]:
+        from evaluate_report import build, readme_section
+
+        return readme_section(build(qdir, write=False), rel=os.path.relpath(qdir, os.path.dirname(HERE)),
+                              plots_dir=qdir)
     path = os.path.join(results_dir, "quality.json")
     if not os.path.exists(path):
         return "No quality results are committed yet (run `TRITON_INTERPRET=1 python benchmarks/quality.py --quick`)."
