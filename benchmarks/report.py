@@ -1,7 +1,9 @@
 """Regenerate README.md's result tables from the committed results in ``benchmarks/results``.
 
-Writes only between ``<!-- quality:begin -->``/``<!-- quality:end -->`` and ``<!-- speed:begin -->``/
-``<!-- speed:end -->``; when the markers are absent, a "## Which policy?" section holding them is appended.
+Writes only between ``<!-- quality:begin -->``/``<!-- quality:end -->``, ``<!-- speed:begin -->``/
+``<!-- speed:end -->`` and ``<!-- memory:begin -->``/``<!-- memory:end -->``; when markers are absent, a
+"## Which policy?" section (quality, speed) or a "## Memory inside a model" section (memory) holding them is
+appended.
 
     python benchmarks/report.py             # rewrite README.md
     python benchmarks/report.py --check     # exit 1 when README.md is out of date
@@ -20,7 +22,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 RESULTS = os.path.join(HERE, "results")
 README = os.path.join(os.path.dirname(HERE), "README.md")
-SECTIONS = ("quality", "speed")
+SECTIONS = ("quality", "speed", "memory")
+HEADINGS = {"quality": "Which policy?", "speed": "Which policy?", "memory": "Memory inside a model"}
 
 
 def quality_section(results_dir: str = RESULTS) -> str:
@@ -81,13 +84,29 @@ def speed_section(results_dir: str = RESULTS) -> str:
     return "\n".join(out).strip()
 
 
+def memory_section(results_dir: str = RESULTS) -> str:
+    """Markdown for the memory markers: ``benchmarks/memory.py``'s summary of ``memory.json`` (peak RSS during
+    ``generate`` as a multiple of stock per configuration and N, resident / kept), with links to its tables and
+    plot."""
+    path = os.path.join(results_dir, "memory.json")
+    if not os.path.exists(path):
+        return "No memory results are committed yet (run `python benchmarks/memory.py`, then `python benchmarks/report.py`)."
+    from memory import readme_section
+
+    with open(path) as f:
+        return readme_section(json.load(f), results_dir)
+
+
 def render(readme: str, sections: dict) -> str:
     """``readme`` with each ``<!-- name:begin -->…<!-- name:end -->`` span replaced by ``sections[name]``."""
-    if not all(f"<!-- {n}:begin -->" in readme and f"<!-- {n}:end -->" in readme for n in sections):
-        add = ["", "## Which policy?", ""]
-        for n in sections:
-            if f"<!-- {n}:begin -->" not in readme:
-                add += [f"<!-- {n}:begin -->", f"<!-- {n}:end -->", ""]
+    missing = [n for n in sections if f"<!-- {n}:begin -->" not in readme]
+    if missing:
+        add = []
+        for heading in dict.fromkeys(HEADINGS.get(n, "Which policy?") for n in missing):
+            add += ["", f"## {heading}", ""]
+            for n in missing:
+                if HEADINGS.get(n, "Which policy?") == heading:
+                    add += [f"<!-- {n}:begin -->", f"<!-- {n}:end -->", ""]
         readme = readme.rstrip("\n") + "\n" + "\n".join(add)
     for n, body in sections.items():
         pat = re.compile(rf"(<!-- {n}:begin -->)(.*?)(<!-- {n}:end -->)", re.S)
@@ -102,7 +121,8 @@ def main(argv=None, readme_path: Optional[str] = None, results_dir: str = RESULT
     path = readme_path or README
     with open(path) as f:
         old = f.read()
-    new = render(old, {"quality": quality_section(results_dir), "speed": speed_section(results_dir)})
+    new = render(old, {"quality": quality_section(results_dir), "speed": speed_section(results_dir),
+                       "memory": memory_section(results_dir)})
     if a.check:
         if new != old:
             print(f"{path} is out of date: run python benchmarks/report.py", file=sys.stderr)

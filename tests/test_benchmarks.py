@@ -207,6 +207,54 @@ def test_kernel_stats_smoke(tmp_path):
     assert "## Issue 16 targets" in md and "--smoke" in md and "| `_knorm_kernel` |" in md
 
 
+def test_memory_smoke(tmp_path):
+    """benchmarks/memory.py --smoke (its own process, no interpreter: the CPU bodies of the kernels): stock and one
+    policy per mode at N = 512 and 1024, every measurement in a fresh process of its own, with positive peaks,
+    resident and kept bytes; the Markdown (targets), the plot, and report.py's README section from the JSON."""
+    import json
+    import subprocess
+
+    import memory
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = os.path.join(os.path.dirname(HERE), "benchmarks", "memory.py")
+    r = subprocess.run([sys.executable, script, "--smoke", "--out", str(tmp_path)], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    data = json.loads((tmp_path / "memory.json").read_text())
+    rows = data["rows"]
+    assert not [x for x in rows if "error" in x], [x["error"] for x in rows if "error" in x]
+    assert data["complete"] and not data["skipped"] and data["smoke"]
+    want = {memory.config_key("tiny", *c) for c in memory.SMOKE_CONFIGS} | {"tiny/stock/dynamic"}
+    assert set(data["configurations"]) == want and {c[0] for c in memory.SMOKE_CONFIGS} == set(memory.MODES)
+    assert sorted((x["key"], x["N"]) for x in rows) == sorted((k, n) for k in want for n in memory.SMOKE_NS)
+    assert len({x["pid"] for x in rows}) == len(rows)  # a fresh process per measurement
+    m = data["machine"]
+    assert m["cpu"] and m["cores"] >= 1 and m["torch"] and m["transformers"] and m["date"] and not m["triton_interpret"]
+    assert "--smoke" in data["command"]
+    stock = {x["N"]: x for x in rows if x["policy"] is None}
+    for x in rows:
+        assert x["peak_rss_kb"] > 0 and x["peak_increase_kb"] > 0 and x["wall_s"] > 0, x
+        assert x["generated"] == x["new_tokens"] == memory.SMOKE_NEW_TOKENS
+        for when in ("after_prompt", "after_generate", "after_prompt_in_generate"):
+            st = x[when]
+            assert st["resident_bytes"] > 0 and st["held_bytes"] > 0 and st["kept_tokens"] > 0, (x["key"], when, st)
+            assert st["kept_kv_bytes"] > 0 and st["resident_over_kept"] > 0
+        if x["policy"] is None:  # the DynamicCache: every token, nothing else
+            assert x["after_prompt"]["kept_tokens"] == 2 * 2 * x["N"]  # layers x KV heads x N
+            assert x["after_generate"]["resident_bytes"] == x["after_generate"]["kept_kv_bytes"]
+        else:  # compressed: fewer tokens than stock holds, after the prompt and after generating
+            for when in ("after_prompt", "after_generate"):
+                assert x[when]["kept_tokens"] < stock[x["N"]][when]["kept_tokens"], (x["key"], when)
+            assert x["after_prompt"]["kept_tokens"] == x["after_prompt_in_generate"]["kept_tokens"]
+    md = (tmp_path / "memory.md").read_text()
+    assert "## Targets" in md and "**Peak RSS increase" in md and "after_prefill · keydiff" in md
+    assert (tmp_path / "memory.png").stat().st_size > 0
+    section = report.memory_section(str(tmp_path))
+    assert "| stock (peak increase) |" in section and "blockwise · snapkv+adakv" in section
+    assert "No memory results" in report.memory_section(str(tmp_path / "none"))
+
+
 def test_cpu_speed_smoke(tmp_path):
     """benchmarks/cpu_speed.py --smoke in its own process without the interpreter (the ops' PyTorch bodies):
     every registered policy's compress() against its plain PyTorch pipeline at N = 1024, no errors, the same

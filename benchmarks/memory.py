@@ -1,0 +1,924 @@
+"""Memory inside a model, measured: tritonkv's transformers integration against the stock ``model.generate``.
+
+Issue 12, item 6. Every measurement runs in a fresh process (this script re-run with ``--worker``)::
+
+    python benchmarks/memory.py                     # random Llama, 3 modes x 4 policies + stock, N = 4K..32K
+    python benchmarks/memory.py --smollm2           # ... plus SmolLM2-135M-Instruct (a subset, N = 2K..8K)
+    python benchmarks/memory.py --smoke --out DIR   # N = 512, 1024, one policy per mode (the test's check)
+
+What is compared, at each prompt length N (budget 0.1 = a tenth of the prompt per KV head, 64 new tokens,
+greedy, ``min_new_tokens=64`` so that every run generates exactly 64):
+
+- ``stock``: ``model.generate`` with a ``DynamicCache`` and ``attn_implementation="sdpa"``;
+- ``tritonkv.integrations.transformers.generate(model, ids, policy, budget=0.1, mode, allocation,
+  block_size=512, max_new_tokens=64, return_cache=True)`` for each mode (``after_prefill``, ``blockwise``,
+  ``decoding``) x {keydiff, snapkv, snapkv + allocation="adakv", lagkv}.
+
+Models: a seeded random Llama (2 layers, hidden 256, intermediate 512, 8 query / 2 KV heads, head_dim 32,
+vocab 1024, fp32) at N = 4096, 8192, 16384, 32768; with ``--smollm2`` also SmolLM2-135M-Instruct (30
+layers, 9 query / 3 KV heads, head_dim 64, fp32; context limit 8192) at N = 2048, 4096, 8000 - 64 for keydiff and
+snapkv + adakv in after_prefill and blockwise, plus stock. Prompts are seeded random token ids.
+
+Per measurement (one process each; the model is built and the prompt made, then one small warm-up call of the
+same path (1024 tokens, budget 0.5, 2 new) so that lazy imports and one-time set-up are not counted, then):
+
+- CPU: ``peak_rss`` = ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after ``generate``, and ``peak_increase``
+  = that minus the RSS right before ``generate`` (``/proc/self/statm``). The high-water mark is reset to the
+  current RSS just before ``generate`` (``echo 5 > /proc/self/clear_refs``), so the model's load and the
+  warm-up do not mask the call's own peak (``peak_reset`` says whether the kernel allowed it), and the C heap's
+  free memory is handed back first (glibc ``malloc_trim(0)``), so the call cannot hide in what the warm-up freed.
+  The kernel's RSS counters are approximate to ~64 pages per thread: increases under ~1 MiB are noise.
+  glibc runs with a fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_=131072``; ``--default-malloc`` leaves its
+  dynamic threshold on): every tensor over 128 KiB is its own mapping, returned when freed, so the RSS peak is
+  the peak of live memory. With the dynamic threshold the same measurement varied by up to ~40 % between runs
+  (freed blocks kept in the heap); with the fixed one it was reproducible to < 1 MiB and matched the peak of
+  live tensor bytes from the profiler's allocation log (``--tensor-peak`` records it: the call run a second
+  time under ``torch.profiler`` with ``profile_memory``);
+- CUDA (when present): ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the bytes
+  allocated before the call;
+- resident cache bytes after the prompt, from ``tt.make_cache`` + ``tt.prefill`` (prefill only, run after
+  the measured ``generate`` in the same process; up to ``--prefill-run-max-n``, 16384 by default, to keep the
+  full run near 20 minutes on 2 cores: above it ``after_prompt`` is the state inside ``generate`` below, and
+  ``after_prompt_source`` says which), and after 64 generated tokens (the cache ``generate``
+  returns): ``cache.nbytes`` (for stock: the bytes of the ``DynamicCache``'s key/value tensors). Also
+  ``held_bytes``: the bytes of every distinct tensor storage reachable from the cache's layers, found by
+  walking them (an independent check of ``nbytes``). The state right after the prompt *inside* ``generate``
+  is recorded too (a streamer reads the cache when the first token comes out), as a cross-check of the
+  prefill-only run;
+- kept K/V: ``sum(cache.kept_tokens())`` x 2 x head_dim x element size, and the positions the store keeps for
+  them (``kept tokens x`` the element size of its position tensor: int32 dense, int64 ragged / LagKV), so
+  ``resident / kept`` is the storage's overhead; stock keeps every token and no positions;
+- wall time of ``generate`` (and of the prefill-only run).
+
+Targets (printed in the Markdown, not asserted): peak increase <= 1.2x stock at every N in after_prefill;
+blockwise below stock as N grows; resident <= 1.1x (kept K/V bytes + positions).
+
+Outputs (``--out``, default ``benchmarks/results``): ``memory.json`` (machine: CPU model, cores, torch and
+transformers versions, git commit, date, the exact command; then one row per measurement), ``memory.md``
+(tables and targets), ``memory.png`` (peak increase and resident bytes after 64 tokens against N, one line
+per configuration, stock included). ``--smoke`` writes only when ``--out`` is given. Results are rewritten
+after every measurement, so a run cut short (``--time-budget``) keeps what it measured; configurations not
+started are listed as skipped. ``benchmarks/report.py`` puts a summary in README.md between the
+``memory`` markers (``readme_section``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+
+MODES = ("after_prefill", "blockwise", "decoding")
+POLICIES = (("keydiff", None), ("snapkv", None), ("snapkv", "adakv"), ("lagkv", None))
+BUDGET, BLOCK, NEW_TOKENS, SMOKE_NEW_TOKENS = 0.1, 512, 64, 16
+WARMUP_N, WARMUP_BUDGET = 1024, 0.5  # every path runs (compressions, 2 blocks) above LagKV's protected 16 + 240
+TINY_NS = (4096, 8192, 16384, 32768)
+SMOLLM2_NS = (2048, 4096, 8000 - 64)
+SMOLLM2_CONFIGS = (("after_prefill", "keydiff", None), ("after_prefill", "snapkv", "adakv"),
+                   ("blockwise", "keydiff", None), ("blockwise", "snapkv", "adakv"))
+SMOKE_NS = (512, 1024)
+SMOKE_CONFIGS = (("after_prefill", "keydiff", None), ("blockwise", "snapkv", "adakv"), ("decoding", "lagkv", None))
+TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=32768 + 64)
+TARGET_PEAK, TARGET_RESIDENT = 1.2, 1.1
+MMAP_THRESHOLD = 128 * 1024  # glibc: a fixed threshold (no dynamic raise), so freed tensors leave the RSS
+MODEL_NAMES = {"tiny": "random Llama (2 layers, 8/2 heads, head_dim 32, fp32)",
+               "smollm2": "SmolLM2-135M-Instruct (30 layers, 9/3 heads, head_dim 64, fp32)"}
+
+
+def label(policy, allocation) -> str:
+    return "stock" if policy is None else policy + (f"+{allocation}" if allocation else "")
+
+
+def config_key(model, mode, policy, allocation) -> str:
+    """``model/mode/policy[+allocation]``; stock is ``model/stock/dynamic``."""
+    return f"{model}/stock/dynamic" if policy is None else f"{model}/{mode}/{label(policy, allocation)}"
+
+
+def plan(smoke: bool, which=("tiny",), ns=None, modes=None, policies=None) -> list:
+    """Every measurement as a spec: smallest N first, stock first at each N (a run cut short keeps whole Ns).
+    ``which``: the models ("tiny", "smollm2"); ``ns`` overrides the random Llama's lengths."""
+    if smoke:
+        models = [("tiny", tuple(ns or SMOKE_NS), SMOKE_CONFIGS)]
+    else:
+        models = []
+        if "tiny" in which:
+            models.append(("tiny", tuple(ns or TINY_NS), tuple((m, p, a) for m in MODES for p, a in POLICIES)))
+        if "smollm2" in which:
+            models.append(("smollm2", SMOLLM2_NS, SMOLLM2_CONFIGS))
+    specs = []
+    for model, model_ns, configs in models:
+        configs = [c for c in configs if (not modes or c[0] in modes)
+                   and (not policies or label(c[1], c[2]) in policies)]
+        for n in model_ns:
+            for mode, policy, allocation in [(None, None, None)] + list(configs):
+                specs.append(dict(key=config_key(model, mode, policy, allocation), model=model, N=n, mode=mode,
+                                  policy=policy, allocation=allocation, budget=BUDGET,
+                                  block_size=BLOCK if mode == "blockwise" else None,
+                                  new_tokens=SMOKE_NEW_TOKENS if smoke else NEW_TOKENS))
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker: one measurement in this (fresh) process
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _maxrss_kb() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the RSS high-water mark (and so ``ru_maxrss``) to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _maxrss_kb() <= _rss_kb() + 1024
+
+
+def tensor_peak(prof) -> int:
+    """The most bytes of CPU tensors allocated during a profiled call and alive at once: the running sum of the
+    profiler's memory events (allocations +, frees -) in time order, at its maximum."""
+    ev = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                 if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")), key=lambda x: x[0])
+    live = peak = 0
+    for _, b in ev:
+        live += b
+        peak = max(peak, live)
+    return peak
+
+
+def _malloc_trim() -> bool:
+    """Give the C heap's free memory back to the system (glibc ``malloc_trim(0)``), so that the call measured
+    next grows the RSS by what it allocates instead of reusing what the warm-up left free."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def held_bytes(cache) -> int:
+    """Bytes of every distinct tensor storage reachable from ``cache.layers`` (attributes walked recursively
+    through tritonkv / transformers objects, dicts, lists and tuples; a layer's back-reference to its cache
+    is not followed). Independent of the cache's own ``nbytes``."""
+    import torch
+
+    storages, seen = {}, set()
+
+    def visit(o, depth):
+        if id(o) in seen or depth > 10:
+            return
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            if st.nbytes():
+                storages[(o.device.type, o.device.index, st.data_ptr())] = st.nbytes()
+            return
+        if isinstance(o, dict):
+            for v in o.values():
+                visit(v, depth + 1)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v, depth + 1)
+        elif type(o).__module__.startswith(("tritonkv", "transformers.cache_utils")) and hasattr(o, "__dict__"):
+            for k, v in vars(o).items():
+                if k != "cache":
+                    visit(v, depth + 1)
+
+    for layer in cache.layers:
+        visit(layer, 0)
+    return sum(storages.values())
+
+
+def _pos_size(layer) -> int:
+    """Element size of the positions a tritonkv layer keeps for its tokens."""
+    if hasattr(layer, "state"):  # LagKV's recursive state: int64 indices of C (U's are implicit)
+        t = layer.state.c_indices
+        return t.element_size() if t is not None else 8
+    st = layer.store
+    return st.kv.positions.element_size() if st.ragged else st.pos.element_size()
+
+
+def cache_stats(cache) -> dict:
+    """Resident bytes, kept tokens and kept bytes of a TritonKVCache or a transformers DynamicCache."""
+    from tritonkv.integrations.transformers import TritonKVCache
+
+    out = dict(held_bytes=held_bytes(cache))
+    if isinstance(cache, TritonKVCache):
+        kept = [int(k.sum()) for k in cache.kept_tokens()]
+        kv = pos = 0
+        for layer, k in zip(cache.layers, kept):
+            D, es = layer.store.kv.head_dim if layer.store.ragged else layer.keys.shape[-1], layer.dtype.itemsize
+            kv += k * 2 * D * es
+            pos += k * _pos_size(layer)
+        heads = [c.numel() for c in cache.kept_tokens()]
+        out.update(resident_bytes=int(cache.nbytes), kept_tokens=sum(kept), kept_kv_bytes=kv, kept_pos_bytes=pos,
+                   kept_per_head_max=max(int(c.max()) for c in cache.kept_tokens()),
+                   kept_per_head_mean=round(sum(kept) / sum(heads), 1), slots=cache.stored_tokens(),
+                   compressions=cache.compressions)
+    else:  # DynamicCache: every token, keys and values only
+        layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
+        res = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+        kept = sum(layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2] for layer in layers)
+        out.update(resident_bytes=res, kept_tokens=kept, kept_kv_bytes=res, kept_pos_bytes=0,
+                   kept_per_head_max=max(layer.keys.shape[2] for layer in layers),
+                   kept_per_head_mean=float(layers[0].keys.shape[2]), slots=[layer.keys.shape[2] for layer in layers],
+                   compressions=0)
+    out["resident_over_kept"] = round(out["resident_bytes"] / (out["kept_kv_bytes"] + out["kept_pos_bytes"]), 4)
+    out["held_over_kept"] = round(out["held_bytes"] / (out["kept_kv_bytes"] + out["kept_pos_bytes"]), 4)
+    return out
+
+
+class AfterPrompt:
+    """A ``generate`` streamer that reads the cache when the first new token comes out (the prompt is in, the
+    first decode step has not run). The cache object is caught by a forward pre-hook on the model."""
+
+    def __init__(self, model):
+        self.cache, self.calls, self.stats = None, 0, None
+        self.hook = model.register_forward_pre_hook(self._pre, with_kwargs=True)
+
+    def _pre(self, module, args, kwargs):
+        if self.cache is None and kwargs.get("past_key_values") is not None:
+            self.cache = kwargs["past_key_values"]
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.cache is not None:  # 1: the prompt ids, 2: the first new token
+            self.stats = cache_stats(self.cache)
+
+    def end(self):
+        self.hook.remove()
+
+
+def build_model(name: str, device: str):
+    import torch
+
+    if name == "tiny":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**TINY, attn_implementation="sdpa")
+        return LlamaForCausalLM(cfg).to(device).eval()
+    from tritonkv.integrations.model import load_smollm2
+
+    return load_smollm2(attn_implementation="sdpa", device=device)[0]
+
+
+def _generate(model, ids, spec, new_tokens, streamer=None):
+    """One generate call of ``spec``'s configuration: ``(new_ids, cache)``."""
+    import torch
+    from tritonkv.integrations import transformers as tt
+
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=streamer,
+               pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
+    mask = torch.ones_like(ids)
+    if spec["policy"] is None:
+        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **gen)
+        return out.sequences[:, ids.shape[1]:], out.past_key_values
+    kw = dict(block_size=spec["block_size"]) if spec["block_size"] else {}
+    out, cache = tt.generate(model, ids, policy=spec["policy"], budget=spec["budget"], mode=spec["mode"],
+                             allocation=spec["allocation"], return_cache=True, **kw, **gen)
+    return out[:, ids.shape[1]:], cache
+
+
+def worker(spec: dict) -> dict:
+    t_import = time.perf_counter()
+    import torch
+
+    from tritonkv.integrations import transformers as tt
+
+    t_import = time.perf_counter() - t_import
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    t0 = time.perf_counter()
+    model = build_model(spec["model"], device)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, spec["N"]), generator=torch.Generator().manual_seed(1)).to(device)
+    warm = torch.randint(0, vocab, (1, WARMUP_N), generator=torch.Generator().manual_seed(2)).to(device)
+    load_s = time.perf_counter() - t0
+    t = time.perf_counter()
+    with torch.no_grad():
+        _generate(model, warm, dict(spec, budget=WARMUP_BUDGET), 2)  # lazy imports, one-time set-up of this path
+    warmup_s = time.perf_counter() - t
+    gc.collect()
+    trimmed = _malloc_trim()
+    res = dict(spec, pid=os.getpid(), device=torch.cuda.get_device_name() if cuda else "cpu",
+               threads=torch.get_num_threads(),
+               import_s=round(t_import, 2), load_s=round(load_s, 2), warmup_s=round(warmup_s, 2),
+               malloc_trim=trimmed, maxrss_before_reset_kb=_maxrss_kb())
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_base = torch.cuda.memory_allocated()
+    res["peak_reset"] = _reset_peak_rss()
+    base = _rss_kb()
+    probe = AfterPrompt(model)
+    t = time.perf_counter()
+    with torch.no_grad():
+        new, cache = _generate(model, ids, spec, spec["new_tokens"], streamer=probe)
+    if cuda:
+        torch.cuda.synchronize()
+    res["wall_s"] = round(time.perf_counter() - t, 3)
+    peak = _maxrss_kb()
+    res.update(rss_base_kb=base, peak_rss_kb=peak, peak_increase_kb=peak - base, generated=int(new.shape[1]))
+    if cuda:
+        res.update(cuda_base_bytes=cuda_base, cuda_peak_bytes=torch.cuda.max_memory_allocated(),
+                   cuda_peak_increase_bytes=torch.cuda.max_memory_allocated() - cuda_base)
+    res["after_generate"] = cache_stats(cache)
+    res["after_prompt_in_generate"] = probe.stats
+    del cache, new
+    gc.collect()
+    if spec.get("tensor_peak") and not cuda:  # the same call again, its tensor allocations logged
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.no_grad():
+            _generate(model, ids, spec, spec["new_tokens"])
+        res["tensor_peak_bytes"] = tensor_peak(prof)
+        del prof
+        gc.collect()
+    if spec["policy"] is None or spec["N"] > spec.get("prefill_run_max_n", 1 << 30):
+        res["after_prompt"], res["after_prompt_source"] = probe.stats, "generate"  # the cache inside generate
+    else:
+        res["after_prompt_source"] = "prefill"
+        c = tt.make_cache(model, spec["policy"], spec["budget"], mode=spec["mode"], allocation=spec["allocation"],
+                          block_size=spec["block_size"] or 128, prompt_length=spec["N"])
+        t = time.perf_counter()
+        tt.prefill(model, ids, c)
+        res["prefill_wall_s"] = round(time.perf_counter() - t, 3)
+        res["after_prompt"] = cache_stats(c)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver: one fresh process per measurement
+
+
+def _git_commit():
+    try:
+        root = os.path.dirname(HERE)
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "tritonkv"],
+                               capture_output=True, text=True, cwd=root).stdout.split()
+        return r.stdout.strip() or None, [f for f in dirty if f.startswith("tritonkv/")]
+    except OSError:
+        return None, None
+
+
+def machine() -> dict:
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) // 1024
+    except (OSError, StopIteration):
+        pass
+    from importlib.metadata import version
+
+    commit, dirty = _git_commit()
+    return dict(cpu=cpu or platform.processor(), cores=os.cpu_count(),
+                affinity=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                mem_total_mb=mem, python=platform.python_version(), torch=version("torch"),
+                transformers=version("transformers"), triton=version("triton"), commit=commit,
+                tritonkv_dirty=bool(dirty), tritonkv_modified=dirty, triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "transformers.generation.utils",
+           "tritonkv", "tritonkv.integrations.transformers"]
+_CTX = []
+
+
+def _context():
+    """The forkserver: a process started once that imports torch, transformers and tritonkv (and runs nothing);
+    every measurement is a child forked from it, a fresh process that skips the imports."""
+    if not _CTX:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        _CTX.append(ctx)
+    return _CTX[0]
+
+
+def _child(spec, conn):
+    import traceback
+
+    try:
+        conn.send(("ok", worker(spec)))
+    except BaseException:  # noqa: BLE001  (reported in the row)
+        conn.send(("error", traceback.format_exc()[-3000:]))
+    finally:
+        conn.close()
+
+
+def run_one(spec: dict, timeout: float, fork: bool = True) -> dict:
+    """One measurement in a fresh process: a child of the forkserver (``fork``), or ``python memory.py --worker``
+    (a new interpreter that imports everything itself)."""
+    t = time.perf_counter()
+    done = lambda **kw: dict(kw, process_s=round(time.perf_counter() - t, 1), process="fork" if fork else "exec")  # noqa: E731
+    if fork:
+        ctx = _context()
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(spec, send), daemon=True)
+        p.start()
+        send.close()
+        try:
+            if not recv.poll(timeout):
+                p.kill()
+                p.join()
+                return done(**spec, error=f"timed out after {timeout:.0f} s")
+            kind, payload = recv.recv()
+        except EOFError:
+            p.join()
+            return done(**spec, error=f"the process died (exit code {p.exitcode})")
+        p.join()
+        return done(**payload) if kind == "ok" else done(**spec, error=payload)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return done(**spec, error=f"timed out after {timeout:.0f} s")
+    line = next((x for x in reversed(r.stdout.splitlines()) if x.startswith("RESULT ")), None)
+    if r.returncode != 0 or line is None:
+        return done(**spec, error=f"exit {r.returncode}: " + (r.stderr or r.stdout)[-3000:])
+    return done(**json.loads(line[len("RESULT "):]))
+
+
+def run(args) -> dict:
+    which = args.models or (["tiny", "smollm2"] if args.smollm2 else ["tiny"])
+    specs = [dict(s, tensor_peak=args.tensor_peak, prefill_run_max_n=args.prefill_run_max_n)
+             for s in plan(args.smoke, which, args.n, args.modes, args.policies)]
+    if not args.default_malloc:  # read by glibc when the forkserver (or a --exec worker) starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    exe = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    res = dict(machine=machine(), command=" ".join([exe] + sys.argv), smoke=args.smoke, jobs=args.jobs,
+               malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+               settings=dict(budget=BUDGET, block_size=BLOCK, new_tokens=SMOKE_NEW_TOKENS if args.smoke else NEW_TOKENS,
+                             warmup_tokens=WARMUP_N, warmup_budget=WARMUP_BUDGET, models=MODEL_NAMES, tiny_config=TINY,
+                             targets=dict(peak_after_prefill=TARGET_PEAK, resident_over_kept=TARGET_RESIDENT)),
+               configurations=sorted({s["key"] for s in specs}), rows=[], skipped=[], complete=False)
+    old = []
+    if args.merge and args.out and os.path.exists(os.path.join(args.out, "memory.json")):
+        with open(os.path.join(args.out, "memory.json")) as f:
+            prev = json.load(f)
+        todo = {(s["key"], s["N"]) for s in specs}
+        old = [r for r in prev["rows"] if (r["key"], r["N"]) not in todo]
+        res["configurations"] = sorted(set(res["configurations"]) | set(prev["configurations"]))
+        res["earlier_runs"] = prev.get("earlier_runs", []) + [
+            dict(command=prev["command"], commit=prev["machine"]["commit"], date=prev["machine"]["date"],
+                 wall_s=prev.get("wall_s"), measurements=len(prev["rows"]))]
+    res["rows"] = list(old)
+    t0 = time.perf_counter()
+
+    def task(spec):
+        if time.perf_counter() - t0 > args.time_budget:
+            return None
+        return run_one(spec, args.timeout, fork=not args.exec)
+
+    # measurements run one at a time by default (their wall times are then comparable); --jobs 2 for a smoke run
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(task, spec) for spec in specs]
+        for i, (spec, fut) in enumerate(zip(specs, futures)):
+            row = fut.result()
+            if row is None:
+                res["skipped"].append(dict(key=spec["key"], N=spec["N"]))
+                continue
+            res["rows"].append(row)
+            msg = row["error"].strip().splitlines()[-1] if "error" in row else \
+                (f"peak +{row['peak_increase_kb'] / 1024:.1f} MiB, resident "
+                 f"{row['after_generate']['resident_bytes'] / 2**20:.2f} MiB, {row['wall_s']:.1f} s")
+            print(f"[{i + 1}/{len(specs)} {time.perf_counter() - t0:.0f}s] {spec['key']} N={spec['N']}: {msg}", flush=True)
+            res["wall_s"] = round(time.perf_counter() - t0, 1)
+            if args.out:
+                write(res, args.out)
+    res["complete"] = not res["skipped"]
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# tables, targets, plot
+
+
+def _ok(rows):
+    return [r for r in rows if "error" not in r]
+
+
+def _mib(kb):
+    return f"{kb / 1024:.1f}"
+
+
+def _bytes(b):
+    return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 1024:.0f} KiB"
+
+
+def _grid(rows, model):
+    """``{key: {N: row}}`` and the sorted Ns of ``model``'s measurements (stock first, then as planned)."""
+    grid = {}
+    for r in _ok(rows):
+        if r["model"] == model:
+            grid.setdefault(r["key"], {})[r["N"]] = r
+    keys = sorted(grid, key=lambda k: (not k.endswith("/stock/dynamic"),
+                                       MODES.index(k.split("/")[1]) if k.split("/")[1] in MODES else 0))
+    return {k: grid[k] for k in keys}, sorted({n for g in grid.values() for n in g})
+
+
+def _stock(grid, model):
+    return grid.get(f"{model}/stock/dynamic", {})
+
+
+def _name(key):
+    _, mode, pol = key.split("/")
+    return "stock (DynamicCache, sdpa)" if mode == "stock" else f"{mode} · {pol}"
+
+
+def peak_table(rows, model, absolute=False) -> str:
+    grid, ns = _grid(rows, model)
+    stock = _stock(grid, model)
+    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
+    for key, g in grid.items():
+        cells = []
+        for n in ns:
+            r = g.get(n)
+            if r is None:
+                cells.append("—")
+            elif absolute:
+                cells.append(_mib(r["peak_rss_kb"]))
+            else:
+                s = stock.get(n)
+                ratio = f" ({r['peak_increase_kb'] / s['peak_increase_kb']:.2f}×)" if s and key not in stock_key(model) \
+                    else ""
+                cells.append(_mib(r["peak_increase_kb"]) + ratio)
+        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def stock_key(model):
+    return (f"{model}/stock/dynamic",)
+
+
+def tensor_table(rows, model) -> str:
+    """Peak bytes of live CPU tensors during the call (profiler memory events), MiB with the ratio to stock."""
+    grid, ns = _grid(rows, model)
+    if not any("tensor_peak_bytes" in r for g in grid.values() for r in g.values()):
+        return ""
+    stock = _stock(grid, model)
+    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
+    for key, g in grid.items():
+        cells = []
+        for n in ns:
+            r, s = g.get(n), stock.get(n)
+            if r is None or "tensor_peak_bytes" not in r:
+                cells.append("—")
+                continue
+            ratio = f" ({r['tensor_peak_bytes'] / s['tensor_peak_bytes']:.2f}×)" \
+                if s and s.get("tensor_peak_bytes") and key not in stock_key(model) else ""
+            cells.append(f"{r['tensor_peak_bytes'] / 2**20:.1f}{ratio}")
+        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def cuda_table(rows, model) -> str:
+    grid, ns = _grid(rows, model)
+    if not any("cuda_peak_increase_bytes" in r for g in grid.values() for r in g.values()):
+        return ""
+    stock = _stock(grid, model)
+    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
+    for key, g in grid.items():
+        cells = []
+        for n in ns:
+            r, s = g.get(n), stock.get(n)
+            if r is None or "cuda_peak_increase_bytes" not in r:
+                cells.append("—")
+                continue
+            ratio = f" ({r['cuda_peak_increase_bytes'] / s['cuda_peak_increase_bytes']:.2f}×)" \
+                if s and key not in stock_key(model) else ""
+            cells.append(f"{r['cuda_peak_increase_bytes'] / 2**20:.1f}{ratio}")
+        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def resident_table(rows, model, when) -> str:
+    """Resident bytes (``when``: after_prompt / after_generate) with resident / kept and, where it differs by more
+    than 1 %, the bytes actually held (the storage walk)."""
+    grid, ns = _grid(rows, model)
+    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
+    for key, g in grid.items():
+        cells = []
+        for n in ns:
+            r = g.get(n)
+            st = r and r.get(when)
+            if not st:
+                cells.append("—")
+                continue
+            cell = f"{_bytes(st['resident_bytes'])} ({st['resident_over_kept']:.3f}×)"
+            if abs(st["held_bytes"] - st["resident_bytes"]) > 0.01 * st["resident_bytes"]:
+                cell += f" held {_bytes(st['held_bytes'])} ({st['held_over_kept']:.2f}×)"
+            cells.append(cell)
+        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def time_table(rows, model) -> str:
+    grid, ns = _grid(rows, model)
+    stock = _stock(grid, model)
+    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
+    for key, g in grid.items():
+        cells = []
+        for n in ns:
+            r, s = g.get(n), stock.get(n)
+            if r is None:
+                cells.append("—")
+                continue
+            ratio = f" ({r['wall_s'] / s['wall_s']:.2f}×)" if s and key not in stock_key(model) else ""
+            cells.append(f"{r['wall_s']:.2f}{ratio}")
+        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def kept_table(rows, model) -> str:
+    grid, ns = _grid(rows, model)
+    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
+    for key, g in grid.items():
+        cells = []
+        for n in ns:
+            r = g.get(n)
+            if r is None:
+                cells.append("—")
+                continue
+            a, b = r["after_prompt"], r["after_generate"]
+            cells.append(f"{a['kept_per_head_mean']:g} / {b['kept_per_head_mean']:g} (max {b['kept_per_head_max']})")
+        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def targets(data) -> list:
+    """``[{target, model, configuration, status, detail}]`` for the three targets."""
+    out = []
+    rows = data["rows"]
+    for model in sorted({r["model"] for r in _ok(rows)}):
+        grid, ns = _grid(rows, model)
+        stock = _stock(grid, model)
+        for key, g in grid.items():
+            mode = key.split("/")[1]
+            ratios = {n: g[n]["peak_increase_kb"] / stock[n]["peak_increase_kb"] for n in ns if n in g and n in stock}
+            tensor = {n: g[n]["tensor_peak_bytes"] / stock[n]["tensor_peak_bytes"] for n in ratios
+                      if g[n].get("tensor_peak_bytes") and stock[n].get("tensor_peak_bytes")}
+            detail = ", ".join(f"{n}: {x:.2f}×" + (f" (tensors {tensor[n]:.2f}×)" if n in tensor else "")
+                               for n, x in ratios.items())
+            if mode == "after_prefill" and ratios:
+                worst = max(ratios.values())
+                out.append(dict(target=f"peak ≤ {TARGET_PEAK}× stock (after_prefill, every N)", model=model,
+                                configuration=key, status="holds" if worst <= TARGET_PEAK else "misses",
+                                detail=detail))
+            if mode == "blockwise" and len(ratios) >= 2:
+                xs = [ratios[n] for n in sorted(ratios)]
+                ok = xs[-1] < 1 and xs[-1] < xs[0]
+                out.append(dict(target="blockwise peak below stock as N grows", model=model, configuration=key,
+                                status="holds" if ok else "misses", detail=detail))
+            if mode != "stock":
+                worst = []
+                for n, r in sorted(g.items()):
+                    for when in ("after_prompt", "after_generate"):
+                        st = r.get(when)
+                        if st:
+                            worst.append((st["resident_over_kept"], n, when))
+                if worst:
+                    x, n, when = max(worst)
+                    out.append(dict(target=f"resident ≤ {TARGET_RESIDENT}× kept K/V + positions", model=model,
+                                    configuration=key, status="holds" if x <= TARGET_RESIDENT else "misses",
+                                    detail=f"worst {x:.3f}× at N={n} {when.replace('_', ' ')}"))
+    return out
+
+
+def markdown(data) -> str:
+    m = data["machine"]
+    rows = data["rows"]
+    nt = data["settings"]["new_tokens"]
+    out = ["# Memory inside a model: tritonkv vs stock `model.generate`", "",
+           f"Machine: {m['cpu']}, {m['cores']} cores ({m.get('affinity')} usable), {m.get('mem_total_mb')} MiB; "
+           f"torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}"
+           f"{' (TRITON_INTERPRET=1)' if m.get('triton_interpret') else ''}; commit `{(m['commit'] or '')[:10]}`"
+           f"{' plus uncommitted changes to ' + ', '.join(m.get('tritonkv_modified') or []) if m.get('tritonkv_dirty') else ''}"
+           f"; {m['date']}; run {data.get('wall_s')} s.",
+           "", f"Command: `{data['command']}`", "",
+           f"Budget {BUDGET} of the prompt per KV head, blockwise blocks of {BLOCK}, {nt} new tokens (greedy); "
+           "every number comes from its own process. **Peak** = the growth of the process's peak RSS "
+           "(`ru_maxrss`, reset just before the call) over the RSS before `generate`, in MiB, with the ratio to "
+           "stock at the same N. **Resident** = `cache.nbytes` (stock: the DynamicCache's K/V tensors) with the "
+           "ratio to the kept K/V bytes + their positions; where the tensors reachable from the cache ('held', "
+           "an independent walk of its storages) differ from `nbytes` by more than 1 %, both are shown. "
+           "Method: the docstring of `benchmarks/memory.py`."]
+    if data.get("smoke"):
+        out += ["", "**Smoke run** (tiny N): a check of the program, not a result."]
+    for model in [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(rows))]:
+        out += ["", f"## {MODEL_NAMES[model]}", "",
+                "**Peak RSS increase during `generate` (MiB, × stock)**", "", peak_table(rows, model), "",
+                "**Absolute peak RSS (MiB; the model and the libraries included)**", "",
+                peak_table(rows, model, absolute=True), ""]
+        tt_ = tensor_table(rows, model)
+        if tt_:
+            out += ["**Peak of live tensor bytes during `generate` (MiB, × stock; the profiler's allocation log, "
+                    "independent of the C heap)**", "", tt_, ""]
+        ct = cuda_table(rows, model)
+        if ct:
+            out += ["**CUDA peak allocated increase (MiB, × stock)**", "", ct, ""]
+        gen_n = sorted({r["N"] for r in _ok(rows) if r["model"] == model and r["policy"]
+                        and r.get("after_prompt_source") == "generate"})
+        src = f"; at N={', '.join(map(str, gen_n))} the cache inside `generate` right after the prompt" if gen_n else ""
+        out += [f"**Resident cache after the prompt (prefill-only run{src}; × kept K/V + positions)**", "",
+                resident_table(rows, model, "after_prompt"), "",
+                f"**Resident cache after {nt} generated tokens (× kept K/V + positions)**", "",
+                resident_table(rows, model, "after_generate"), "",
+                f"**Kept tokens per KV head: after the prompt / after {nt} tokens (max over heads after {nt})**", "",
+                kept_table(rows, model), "",
+                "**Wall time of `generate` (s, × stock)**", "", time_table(rows, model)]
+    out += ["", "## Targets (checked, not asserted)", "", "| target | model | configuration | status | numbers |",
+            "|---|---|---|---|---|"]
+    for t in targets(data):
+        out.append(f"| {t['target']} | {t['model']} | {t['configuration'].split('/', 1)[1]} | {t['status']} | "
+                   f"{t['detail']} |")
+    checks = cross_checks(data)
+    if checks:
+        out += ["", "## Cross-checks", ""] + [f"- {c}" for c in checks]
+    errors = [r for r in rows if "error" in r]
+    if errors:
+        out += ["", "## Errors", ""] + [f"- `{r['key']}` N={r['N']}: {r['error'].strip().splitlines()[-1]}"
+                                        for r in errors]
+    if data.get("skipped"):
+        out += ["", "## Skipped (time budget)", "", ", ".join(f"`{s['key']}` N={s['N']}" for s in data["skipped"])]
+    return "\n".join(out) + "\n"
+
+
+def cross_checks(data) -> list:
+    """Where the prefill-only run and the state inside ``generate`` after the prompt disagree, and where the RSS
+    peak could not be reset."""
+    out = []
+    for r in _ok(data["rows"]):
+        a, b = r.get("after_prompt"), r.get("after_prompt_in_generate")
+        if a and b and (a["kept_tokens"] != b["kept_tokens"] or a["resident_bytes"] != b["resident_bytes"]):
+            out.append(f"`{r['key']}` N={r['N']}: after the prompt, prefill-only holds {a['resident_bytes']} B / "
+                       f"{a['kept_tokens']} tokens, inside generate {b['resident_bytes']} B / {b['kept_tokens']} tokens")
+        if not r.get("peak_reset"):
+            out.append(f"`{r['key']}` N={r['N']}: the RSS peak could not be reset before the call")
+        if r.get("generated") != r.get("new_tokens"):
+            out.append(f"`{r['key']}` N={r['N']}: generated {r.get('generated')} tokens, not {r.get('new_tokens')}")
+    return out
+
+
+def plot(data, path) -> None:
+    nt = data["settings"]["new_tokens"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(data["rows"]))]
+    if not models:
+        return
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.6 * len(models)), squeeze=False)
+    styles = {"after_prefill": "-", "blockwise": "--", "decoding": ":"}
+    colors = {"keydiff": "tab:blue", "snapkv": "tab:orange", "snapkv+adakv": "tab:green", "lagkv": "tab:red"}
+    for row, model in zip(axes, models):
+        grid, _ = _grid(data["rows"], model)
+        for key, g in grid.items():
+            _, mode, pol = key.split("/")
+            ns = sorted(g)
+            kw = dict(color="black", lw=2.2, marker="s") if mode == "stock" else \
+                dict(color=colors.get(pol, "grey"), ls=styles.get(mode, "-"), marker="o", ms=3)
+            row[0].plot(ns, [g[n]["peak_increase_kb"] / 1024 for n in ns], label=_name(key), **kw)
+            row[1].plot(ns, [g[n]["after_generate"]["resident_bytes"] / 2**20 for n in ns], label=_name(key), **kw)
+        for ax, title in zip(row, ("peak RSS increase during generate (MiB)", f"resident cache after {nt} tokens (MiB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("prompt length N (tokens)")
+            ax.set_title(f"{title}\n{MODEL_NAMES[model]}", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+        row[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(data, out_dir) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, "memory")
+    with open(base + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown(data))
+    plot(data, base + ".png")
+    return base
+
+
+def readme_section(data, results_dir=RESULTS, rel="benchmarks/results") -> str:
+    """The README summary from ``memory.json``: per configuration of the random Llama the peak RSS increase as a
+    multiple of stock at each N, the worst resident / kept, and the SmolLM2 rows when present."""
+    m = data["machine"]
+    out = [f"Memory inside a model on the CPU ({m['cpu']}), commit `{(m['commit'] or '')[:10]}`, "
+           f"{m['date'][:10]}: peak RSS increase during `generate` as a multiple of the stock `model.generate` "
+           f"(DynamicCache, sdpa) at the same prompt length, budget {BUDGET}, {NEW_TOKENS} new tokens, each in its "
+           f"own process; resident = `cache.nbytes` over the kept K/V + positions (worst over N, after the prompt and "
+           f"after {NEW_TOKENS} tokens). Full tables, method and plot: [{rel}/memory.md]({rel}/memory.md).", ""]
+    for model in [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(data["rows"]))]:
+        grid, ns = _grid(data["rows"], model)
+        stock = _stock(grid, model)
+        out += [f"**{MODEL_NAMES[model]}**", "",
+                "| configuration | " + " | ".join(f"N={n}" for n in ns) + " | resident / kept |",
+                "|---|" + "---:|" * (len(ns) + 1)]
+        for key, g in grid.items():
+            if key in stock_key(model):
+                cells = [f"{_mib(g[n]['peak_increase_kb'])} MiB" if n in g else "—" for n in ns]
+                out.append("| stock (peak increase) | " + " | ".join(cells) + " | 1 |")
+                continue
+            cells = [f"{g[n]['peak_increase_kb'] / stock[n]['peak_increase_kb']:.2f}×" if n in g and n in stock
+                     else "—" for n in ns]
+            worst = max(r[w]["resident_over_kept"] for r in g.values() for w in ("after_prompt", "after_generate")
+                        if r.get(w))
+            out.append(f"| {_name(key)} | " + " | ".join(cells) + f" | {worst:.3f} |")
+        out.append("")
+    held = sum(1 for t in targets(data) if t["status"] == "holds")
+    out.append(f"Targets: {held} of {len(targets(data))} checks hold (see the table in memory.md).")
+    out.append("")
+    if os.path.exists(os.path.join(results_dir, "memory.png")):
+        out.append(f"![peak and resident memory vs N]({rel}/memory.png)")
+    return "\n".join(out).strip()
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="N = 512, 1024, one policy per mode (writes only with --out)")
+    p.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (slow to load)")
+    p.add_argument("--models", nargs="*", choices=("tiny", "smollm2"),
+                   help="only these models (default: tiny, plus smollm2 with --smollm2)")
+    p.add_argument("--n", type=int, nargs="*", help="prompt lengths of the random Llama")
+    p.add_argument("--modes", nargs="*", choices=MODES, help="only these modes (stock always runs)")
+    p.add_argument("--policies", nargs="*", help="only these labels (keydiff snapkv snapkv+adakv lagkv)")
+    p.add_argument("--time-budget", type=float, default=1500.0,
+                   help="seconds after which no new measurement starts (the rest are listed as skipped)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one measurement may take")
+    p.add_argument("--default-malloc", action="store_true",
+                   help=f"leave glibc's dynamic mmap threshold on (default: MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD})")
+    p.add_argument("--tensor-peak", action="store_true",
+                   help="also run each call again under the profiler: the peak of live CPU tensor bytes")
+    p.add_argument("--prefill-run-max-n", type=int, default=16384,
+                   help="the prefill-only run (resident after the prompt) up to this N; above it the cache inside "
+                        "generate right after the prompt is read instead (equal wherever both ran)")
+    p.add_argument("--jobs", type=int, default=None, help="measurements at a time (default 1; --smoke: 2)")
+    p.add_argument("--exec", action="store_true",
+                   help="start each measurement as a new interpreter (default: fork it from a forkserver that "
+                        "imported torch, transformers and tritonkv once)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows of <out>/memory.json that this run does not re-measure (e.g. add --smollm2 later)")
+    p.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: none)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    if a.worker:
+        res = worker(json.loads(a.worker))
+        print("RESULT " + json.dumps(res), flush=True)
+        return res
+    if a.out is None and not a.smoke:
+        a.out = RESULTS
+    if a.jobs is None:
+        a.jobs = 2 if a.smoke else 1
+    res = run(a)
+    if a.out:
+        print("wrote", write(res, a.out) + ".{json,md,png}")
+    else:
+        print(markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
