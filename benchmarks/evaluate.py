@@ -328,8 +328,9 @@ GROUPS: Dict[str, List[Config]] = {
     # CriticalKV (Table 1 at 40 %, head analysis at 20 %): context compressed before the question
     "criticalkv": [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
                    for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")],
-    # KeyDiff vs TOVA, SnapKV, StreamingLLM under block-wise prefill (B = 128)
-    "keydiff": [Config(p, "uniform", "blockwise", "aware", b) for b in (128, 64)
+    # KeyDiff vs TOVA, SnapKV, StreamingLLM under block-wise prefill (B = 128); 512 of 2K is KeyDiff's own ratio
+    # (its smallest cache, 2K, against LongBench prompts of ~9K tokens)
+    "keydiff": [Config(p, "uniform", "blockwise", "aware", b) for b in (128, 64, 512)
                 for p in ("keydiff", "tova", "snapkv", "streaming_llm")],
     # LagKV paper mode, L = 128, S = 16, r = 1/2 and 1/4, through its recursive state
     "lagkv": [Config("lagkv", "uniform", "lagkv", "aware", r) for r in (0.5, 0.25)],

@@ -144,7 +144,7 @@ CLAIMS = [
          claim="KeyDiff beats TOVA, SnapKV and StreamingLLM under block-wise prefill (B = 128) at small cache "
                "budgets (KeyDiff §4.1–4.2: NIAH and LongBench)",
          pairs=[(cfg_name("keydiff", mode="blockwise", budget=b), cfg_name(o, mode="blockwise", budget=b))
-                for b in (128, 64) for o in ("tova", "snapkv", "streaming_llm")]),
+                for b in (128, 64, 512) for o in ("tova", "snapkv", "streaming_llm")]),
     dict(id="criticalkv_acc",
          claim="CriticalKV's selection improves SnapKV and AdaKV with the context compressed before the question "
                "(CriticalKV Table 1 at 40 %, Fig. 2 at 20 %)",
@@ -357,7 +357,7 @@ def plots(recs, out_dir: str) -> List[str]:
     panels = [  # (title, metric, [(label, config template with {b})], budgets)
         ("KeyDiff claim: block-wise prefill", "acc_ll",
          [(p, cfg_name(p, mode="blockwise", budget="{b}")) for p in ("keydiff", "tova", "snapkv", "streaming_llm")],
-         (64, 128)),
+         (64, 128, 512)),
         ("Allocation, after prefill (question in the prompt)", "acc_ll",
          [(f"{p}+{a}", cfg_name(p, a, budget="{b}")) for p, a in
           (("snapkv", "uniform"), ("snapkv", "pyramid"), ("snapkv", "adakv"), ("snapkv", "score"), ("score", "score"),

@@ -26,3 +26,5 @@ $E --tasks needle mk_needle --contexts 4096 8192 --seeds 0-4 --groups full
 for s in 10 15 20 25 30 35 40 45; do chunk "$s-$((s + 4))"; done
 # 4. 4K: the after-prefill claims on the single needle and the held-out continuation
 $E --tasks needle lm --contexts 4096 --seeds 0-29 --groups criticalkv lagkv allocation
+# 5. catch-up: cells added after a seed was measured (e.g. KeyDiff's 512-token budget) on every 2K seed
+chunk 0-49
