@@ -579,8 +579,11 @@ class Store:
         for f in glob.glob(os.path.join(out_dir, "*.jsonl")):
             with open(f) as fh:
                 for line in fh:
-                    if line.strip():
+                    try:
                         r = json.loads(line)
+                    except ValueError:  # blank, or a line cut short by a kill: that case is measured again
+                        continue
+                    if r.get("metric") == "seconds":  # the last line of a (case, configuration): complete
                         self.seen.add(self._k(r))
         self.commit = _commit()
 

@@ -51,7 +51,11 @@ def load(out_dir: str = OUT) -> List[dict]:
         if os.path.basename(f) == "runs.jsonl":
             continue
         with open(f) as fh:
-            recs += [json.loads(l) for l in fh if l.strip()]
+            for line in fh:
+                try:
+                    recs.append(json.loads(line))
+                except ValueError:  # blank, or cut short while being written
+                    pass
     return recs
 
 
