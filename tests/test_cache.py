@@ -1,4 +1,9 @@
-"""RaggedKV layout properties (kernels.md §4) against the list-of-rows oracle."""
+"""RaggedKV layout properties (kernels.md §4) against the list-of-rows oracle, with the Triton kernels
+(interpreted) and the CPU PyTorch bodies; the raw append op on both, and its graph capture."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -7,9 +12,9 @@ from hypothesis import given, settings, strategies as st
 from aot import assert_compiles
 from reference.cache import Rows
 from reference.select import select as ref_select
-from tritonkv.cache import RaggedKV
+from tritonkv.cache import RaggedKV, ragged_append
 from tritonkv.policies.base import Policy
-from helpers import assert_raises_naming  # noqa: E402
+from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -82,16 +87,18 @@ def _kept(scores, budgets, sink=0, window=0):
     return [ref_select(scores[r // H, r % H].cpu().numpy(), b, sink, window) for r, b in enumerate(budgets)]
 
 
+@both_backends
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=10)  # each build runs the select kernel (~20 ms per program interpreted)
 @given(case=selection_case())
-def test_from_selection_equals_per_row_gather(dtype, case):
+def test_from_selection_equals_per_row_gather(backend, dtype, case):
     B, H, N, D, sink, window, budgets, slack, align, exact_total, seed = case
     keys, values, scores, _ = _inputs(B, H, N, D, dtype, seed)
     kept = _kept(scores, budgets, sink, window)
     total = sum(len(k) for k in kept) if exact_total else None
-    c = RaggedKV.from_selection(scores, torch.tensor(budgets, dtype=torch.int32), keys, values, sink, window,
-                                slack=slack, total=total, align=align)
+    with on_backend(backend):
+        c = RaggedKV.from_selection(scores, torch.tensor(budgets, dtype=torch.int32), keys, values, sink, window,
+                                    slack=slack, total=total, align=align)
     _layout_ok(c)
     cap = c.capacity.flatten()
     for r, idx in enumerate(kept):
@@ -105,10 +112,16 @@ def test_from_selection_equals_per_row_gather(dtype, case):
         assert c.keys.shape[0] == total + B * H * (slack + align - 1)
 
 
+@both_backends
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=6)
 @given(case=selection_case(max_n=60), steps=st.integers(1, 12))
-def test_append_preserves_contents_and_adds_one(dtype, case, steps):
+def test_append_preserves_contents_and_adds_one(backend, dtype, case, steps):
+    with on_backend(backend):
+        _append_preserves_contents_and_adds_one(dtype, case, steps)
+
+
+def _append_preserves_contents_and_adds_one(dtype, case, steps):
     B, H, N, D, sink, window, budgets, slack, align, exact_total, seed = case
     keys, values, scores, g = _inputs(B, H, N, D, dtype, seed)
     kept = _kept(scores, budgets, sink, window)
@@ -130,24 +143,37 @@ def test_append_preserves_contents_and_adds_one(dtype, case, steps):
     assert (c.next_position == N + steps).all()
 
 
-def test_append_writes_in_place_without_repack():
+@both_backends
+def test_append_writes_in_place_without_repack(backend):
     """With slack, an append changes exactly one slot per row and reallocates nothing."""
+    with on_backend(backend):
+        _append_writes_in_place_without_repack()
+
+
+def _append_writes_in_place_without_repack():
     keys, values, scores, g = _inputs(1, 3, 40, 16, torch.float32, 0)
     c = RaggedKV.from_selection(scores, torch.tensor([16, 32, 16]), keys, values, slack=16, total=64)
     assert c.capacity.tolist() == [[32, 48, 32]]  # exactly 16 free slots per row
     storage = (c.keys.data_ptr(), c.values.data_ptr(), c.row_start.data_ptr())
+    c.keys[c.positions < 0] = 1e30  # mark the slack (uninitialised: it may hold an earlier run's values)
     old_k = c.keys.clone()
     for _ in range(16):
         c.append(*_new(1, 3, 16, g))
     assert (c.keys.data_ptr(), c.values.data_ptr(), c.row_start.data_ptr()) == storage
-    changed = (c.keys.view(torch.int32) != old_k.view(torch.int32)).any(1)  # bitwise: the slack is uninitialised
+    changed = (c.keys.view(torch.int32) != old_k.view(torch.int32)).any(1)  # bitwise
     assert int(changed.sum()) == 3 * 16 and c.lengths.tolist() == [[32, 48, 32]]
     c.append(*_new(1, 3, 16, g))  # all rows were full
     assert c.keys.data_ptr() != storage[0] and c.lengths.tolist() == [[33, 49, 33]]
     assert (c.capacity - c.lengths).min() >= 15
 
 
-def test_allocate_then_fill():
+@both_backends
+def test_allocate_then_fill(backend):
+    with on_backend(backend):
+        _allocate_then_fill()
+
+
+def _allocate_then_fill():
     cap = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
     c = RaggedKV.allocate(cap, 9, 2, 2, 16, torch.bfloat16, DEVICE, slack=2)
     assert c.row_start.tolist() == [0, 3, 3, 8, 9] and c.lengths.tolist() == [[0, 0], [0, 0]]
@@ -162,10 +188,12 @@ def test_allocate_then_fill():
     _same_as_model(c, model)
 
 
-def test_too_small_total_stays_in_bounds():
+@both_backends
+def test_too_small_total_stays_in_bounds(backend):
     """A wrong static total cannot write past T_cap: the rows that do not fit shrink."""
     keys, values, scores, _ = _inputs(1, 3, 50, 16, torch.float32, 1)
-    c = RaggedKV.from_selection(scores, torch.tensor([40, 40, 40]), keys, values, slack=0, align=1, total=50)
+    with on_backend(backend):
+        c = RaggedKV.from_selection(scores, torch.tensor([40, 40, 40]), keys, values, slack=0, align=1, total=50)
     _layout_ok(c)
     assert c.keys.shape[0] == 50 and c.lengths.tolist() == [[40, 10, 0]]
 
@@ -197,6 +225,82 @@ def test_ragged_holds_less_than_padded():
     assert K.shape == (B, H, 128, D)
     assert c.keys.nbytes + c.values.nbytes < 0.6 * (K.nbytes + V.nbytes)
     assert c.nbytes < 0.7 * (K.nbytes + V.nbytes)
+
+
+@pytest.mark.parametrize("full", [[], [1], [0, 2, 3], [0, 1, 2, 3]], ids=["none", "one", "most", "all"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_raw_append_leaves_full_rows_unchanged(full, dtype):
+    """The raw op on flat rows (row 2 of capacity 0): a row with room gets its token at
+    ``row_start + length`` with the next position; a full row, and every slot but those, keeps its
+    bits. Both backends, the same result (also when no row has room)."""
+    g = torch.Generator().manual_seed(len(full))
+    B, H, D = 2, 2, 8
+    row_start = torch.tensor([0, 3, 7, 7, 12])
+    cap = (row_start[1:] - row_start[:-1]).tolist()
+    length = torch.tensor([c if r in full else max(c - 2, 0) for r, c in enumerate(cap)], dtype=torch.int32)
+    k, v = (torch.randn(B, H, 1, D, generator=g).to(dtype) for _ in range(2))
+    state = [torch.randn(13, D, generator=g).to(dtype), torch.randn(13, D, generator=g).to(dtype),
+             torch.arange(13) * 10, row_start, length, torch.tensor([50, 60, 70, 80])]
+    res = {}
+    for backend in ("triton", "torch"):
+        s = [t.clone() for t in state]
+        with on_backend(backend):
+            ragged_append(k, v, *s, H)
+        res[backend] = s
+    for a, b in zip(res["triton"], res["torch"]):
+        assert torch.equal(a, b)
+    keys, values, pos, _, new_len, nxt = res["torch"]
+    room = [r not in full and cap[r] > 0 for r in range(4)]
+    assert new_len.tolist() == [n + f for n, f in zip(length.tolist(), room)]
+    assert nxt.tolist() == [p + f for p, f in zip([50, 60, 70, 80], room)]
+    written = torch.zeros(13, dtype=torch.bool)
+    for r in range(4):
+        if room[r]:
+            slot = int(row_start[r] + length[r])
+            written[slot] = True
+            b, h = divmod(r, H)
+            assert torch.equal(keys[slot], k[b, h, 0]) and torch.equal(values[slot], v[b, h, 0])
+            assert int(pos[slot]) == 50 + 10 * r
+    assert torch.equal(keys[~written], state[0][~written]) and torch.equal(values[~written], state[1][~written])
+    assert torch.equal(pos[~written], state[2][~written])
+
+
+_CAPTURE = r"""
+import torch
+from tritonkv.cache import RaggedKV, ragged_append
+g = torch.Generator().manual_seed(0)
+B, H, N, D = 1, 3, 40, 16
+s, k, v = torch.randn(B, H, N, generator=g), torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+c = RaggedKV.from_selection(s, torch.tensor([4, 9, 0]), k, v, slack=1, align=1, total=13)
+class Append(torch.nn.Module):
+    def forward(self, k1, v1, keys, values, pos, rs, ln, nxt):
+        ragged_append(k1, v1, keys, values, pos, rs, ln, nxt, H)
+        return ln + 0
+state = [c.keys, c.values, c.positions, c.row_start, c.length, c.next_position]
+new = [(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)) for _ in range(3)]
+ep = torch.export.export(Append(), new[0] + tuple(t.clone() for t in state), strict=True)
+ops = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+assert "tritonkv.ragged_append.default" in ops, ops
+print("exported append")
+compiled = torch.compile(Append(), fullgraph=True, backend="aot_eager")
+runs = [(Append(), [t.clone() for t in state]), (ep.module(), [t.clone() for t in state]),
+        (compiled, [t.clone() for t in state])]
+for kv in new:  # rows fill up: the second and third appends find (almost) no room
+    for m, st in runs:
+        m(*kv, *st)
+    assert all(torch.equal(a, b) for _, st in runs[1:] for a, b in zip(st, runs[0][1]))
+print("compiled append")
+"""
+
+
+def test_append_exports_and_compiles_without_graph_break():
+    """Without the interpreter CPU tensors run the PyTorch body: torch.export (strict) captures the
+    in-place ``tritonkv::ragged_append`` op and ``torch.compile(fullgraph=True)`` (aot_eager) has no
+    graph break; both mutate the cache as eager does."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITONKV_CPU_KERNELS")}
+    r = subprocess.run([sys.executable, "-c", _CAPTURE], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "exported append" in r.stdout and "compiled append" in r.stdout
 
 
 K0, V0, S0, _ = _inputs(1, 2, 10, 16, torch.float32, 0)

@@ -6,7 +6,8 @@ Per layer, keys and values are flat ``[T_cap, D]`` tensors. Row ``r = b·H_kv + 
 place and copies nothing else. Each row's capacity is ``length + slack`` rounded up to ``align``
 (16) tokens. The original position of every kept token (int64, -1 in the slack) is kept beside it:
 policies and later compressions need it. The padded ``[B, H, cap, D]`` layout is the
-equal-capacity special case; ``tritonkv.kernels.decode_attention`` serves both.
+equal-capacity special case; ``tritonkv.kernels.decode_attention`` serves both. The append op runs
+a Triton kernel on CUDA and a vectorised PyTorch body on the CPU (``_ragged_append_torch``).
 
 Static sizes. Shapes never depend on tensor values, so nothing here reads a budget back to the
 host: the flat capacity ``T_cap`` is a static int. ``from_selection`` takes it from ``total``, a
@@ -25,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .kernels import select as _select
-from .kernels._common import FLOAT_DTYPES, check_device, check_kv_tensor, launch, next_pow2, triton_op
+from .kernels._common import FLOAT_DTYPES, check_device, check_kv_tensor, launch, next_pow2, triton_op, use_triton
 
 
 @triton.jit
@@ -57,13 +58,38 @@ def _ragged_append_kernel(k_ptr, v_ptr, ko_ptr, vo_ptr, pos_ptr, start_ptr, len_
 def ragged_append(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   positions: torch.Tensor, row_start: torch.Tensor, length: torch.Tensor,
                   next_position: torch.Tensor, num_heads: int) -> None:
-    """The raw op: ``k, v [B, H, 1, D]`` (unit-stride last dim) appended in place to the flat rows."""
+    """The raw op: ``k, v [B, H, 1, D]`` (unit-stride last dim) appended in place to the flat rows.
+    CPU tensors run ``_ragged_append_torch`` (outside the Triton interpreter)."""
+    if not use_triton(k):
+        return _ragged_append_torch(k, v, keys, values, positions, row_start, length, next_position)
     R = k.shape[0] * k.shape[1]
     D = k.shape[3]
     if R > 0:
         launch(_ragged_append_kernel, (R,), k, v, keys, values, positions, row_start, length, next_position,
                num_heads, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1), keys.stride(0), values.stride(0),
                BLOCK_D=next_pow2(D))
+
+
+def _ragged_append_torch(k, v, keys, values, positions, row_start, length, next_position) -> None:
+    """``ragged_append`` in PyTorch: row r's token goes to ``row_start[r] + length[r]`` when that slot
+    is below ``row_start[r+1]`` (one ``index_copy_`` per tensor, rows without room redirected with
+    ``select.redirect_invalid``), then ``length`` and ``next_position`` grow by one where it fit."""
+    B, H, _, D = k.shape
+    R = B * H
+    if R == 0 or keys.shape[0] == 0:
+        return
+    slot = row_start[:R] + length
+    room = slot < row_start[1:R + 1]
+    pick, any_room = _select.redirect_invalid(room)
+    dst = torch.where(any_room, slot[pick], 0)
+    slot0 = [t[:1].clone() for t in (keys, values, positions)]
+    keys.index_copy_(0, dst, k.reshape(R, D)[pick])
+    values.index_copy_(0, dst, v.reshape(R, D)[pick])
+    positions.index_copy_(0, dst, next_position[pick])
+    for t, s0 in zip((keys, values, positions), slot0):  # no row had room: slot 0 was overwritten, put it back
+        t[:1].copy_(torch.where(any_room, t[:1], s0))
+    next_position.add_(room.to(next_position.dtype))
+    length.add_(room.to(length.dtype))
 
 
 def _round_up(x: torch.Tensor, align: int) -> torch.Tensor:

@@ -22,6 +22,10 @@ Two launches (``shared/notes/kernels.md`` §5):
 
 ``S`` (the split count) is a static int: ``ceil(max_capacity / SPLIT)`` from a capacity the
 caller knows (the padded cap, or ``RaggedKV.max_capacity``), never from the lengths' values.
+
+On the CPU (outside the Triton interpreter) the same op runs ``_decode_torch``: rows padded to a
+static length with a length mask (ragged rows gathered through a static index), fp32 matmuls per
+KV head for its G query heads, the same zeros / -inf for empty rows and the same natural-log LSE.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, on_host, triton_op
+from ._common import (INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, on_host, triton_op,
+                      use_triton)
 
 LOG2E = 1.4426950408889634
 
@@ -162,8 +167,10 @@ def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     or dense ``[B, H_kv, cap, D]`` with an empty ``row_start``; ``lengths`` int32 [R].
 
     Returns ``(out [B, H_q, 1, D] in q's dtype, lse fp32 [B, H_q])`` (natural-log LSE, -inf for
-    empty rows).
+    empty rows). CPU tensors run ``_decode_torch`` (outside the Triton interpreter).
     """
+    if not use_triton(q):
+        return _decode_torch(q, keys, values, row_start, lengths, scale, num_kv_heads, max_splits * split_tokens)
     B, Hq, _, D = q.shape
     H = num_kv_heads
     G = Hq // H
@@ -192,6 +199,40 @@ def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         launch(_decode_merge_kernel, (R,), part_o, part_lse, lengths, out, lse, G, D, S,
                SPLIT=split_tokens, BLOCK_D=BLOCK_D, GP=next_pow2(G))
     return out, lse
+
+
+def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, limit: int):
+    """``decode_attention_op`` in PyTorch: every row padded to the static ``L = min(limit, cap)``
+    tokens (``limit`` = splits x split tokens, the most the kernels read; ``cap`` the dense capacity or
+    the ragged storage size), ragged rows gathered through the static ``[R, L]`` index
+    ``row_start[r] + j``, tokens ``j >= length[r]`` masked (their logits -inf, their values 0, so
+    whatever the slack holds never leaks in). Then one fp32 matmul per row for the ``[G, L]`` logits of
+    the row's G query heads (no repeat_kv), a softmax and a matmul with V. Empty rows give zeros and an
+    LSE of -inf; the LSE is natural-log, as the merge kernel writes it."""
+    B, Hq, _, D = q.shape
+    G, R = Hq // H, B * H
+    ragged = row_start.numel() > 0
+    L = min(limit, keys.shape[0] if ragged else keys.shape[2])
+    dev = q.device
+    if L == 0 or R == 0:
+        return torch.zeros_like(q), torch.full((B, Hq), float("-inf"), device=dev)
+    j = torch.arange(L, device=dev)
+    valid = (j < lengths[:, None]).view(B, H, 1, L)
+    if ragged:
+        idx = (row_start[:R, None] + j).clamp(0, keys.shape[0] - 1)
+        k, v = keys[idx].view(B, H, L, D), values[idx].view(B, H, L, D)
+    else:
+        k, v = keys[:, :, :L], values[:, :, :L]
+    logits = torch.matmul(q.reshape(B, H, G, D).float(), k.float().transpose(-1, -2)) * scale  # [B, H, G, L]
+    logits = torch.where(valid, logits, float("-inf"))
+    m = logits.amax(-1, keepdim=True)
+    p = torch.exp(logits - torch.where(m == float("-inf"), 0.0, m))
+    l_sum = p.sum(-1, keepdim=True)
+    o = torch.matmul(p, torch.where(valid.transpose(-1, -2), v.float(), 0.0))  # [B, H, G, D]
+    nonempty = l_sum > 0
+    o = torch.where(nonempty, o / torch.where(nonempty, l_sum, 1.0), 0.0)
+    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l_sum, 1.0)), float("-inf"))
+    return o.to(q.dtype).view(B, Hq, 1, D), lse.view(B, Hq)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ split over many programs:
 3. count: per chunk, keys > t and keys == t for the final threshold t;
 4. compact: an exclusive prefix over earlier chunks plus a local cumsum gives each kept token its
    output slot (ties at t go to the lowest indices), and the K/V rows are copied to the slot.
+
+On the CPU (outside the Triton interpreter) the same op runs ``_select_torch``: one exact
+``torch.topk`` over int64 keys that pack the kernel's uint32 key with the reversed index (so ties go
+to the lower index), a sort of the kept indices, and ``index_select``/``index_copy_`` writes, with
+static shapes only (torch.compile and torch.export trace it).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, triton_op
+from ._common import INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, triton_op, use_triton
 
 NB = 2048  # bins per radix pass (digits of 11, 11 and 10 bits)
 
@@ -100,7 +105,9 @@ def _select_hist_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, N, sink, window, k_m
         # non-matching lanes were counted in bin 0: take them out again
         n_out = TILE - tl.sum(match.to(tl.int32), 0)
         acc += tl.histogram(digit, NB) - tl.where(bins == 0, n_out, 0)
-    tl.atomic_add(hrow + PASS * NB + bins, acc)
+    # integer counts: the order of the adds never matters and the next launch is the barrier,
+    # so no fence is needed (the default acq_rel semantics adds one per atomic)
+    tl.atomic_add(hrow + PASS * NB + bins, acc, sem="relaxed")
 
 
 @triton.jit
@@ -189,13 +196,20 @@ def _blocks(n: int, rows: int, chunk: Optional[int]):
 def select_into(scores: torch.Tensor, budgets: torch.Tensor, forced: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, out_start: torch.Tensor, out_idx: torch.Tensor, out_lengths: torch.Tensor,
                 out_mask: torch.Tensor, out_keys: torch.Tensor, out_values: torch.Tensor,
-                sink: int, window: int, k_max: int, chunk: int) -> None:
+                sink: int, window: int, k_max: int, full_rows: bool, chunk: int) -> None:
     """The raw op. Empty ``forced``/``keys``/``out_mask`` tensors mean "absent".
 
     scores fp32 [R, N] contiguous; budgets int32 [R]; forced uint8 [R, N]; keys/values [B, H, N, D]
     (last dim unit-stride); out_start int64 [R] (first slot of each row in the outputs);
     out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 [R, N]; out_keys/out_values [T, D].
+    ``full_rows``: a static promise that the outputs are the padded layout (``out_start[r] =
+    r·k_max``, ``T = R·k_max``) and every row keeps ``k_max <= N`` tokens (budgets >= k_max); the
+    PyTorch body then gathers straight into the outputs (the kernels need no hint).
+    CPU tensors run ``_select_torch`` (outside the Triton interpreter).
     """
+    if not use_triton(scores):
+        return _select_torch(scores, budgets, forced, keys, values, out_start, out_idx, out_lengths, out_mask,
+                             out_keys, out_values, sink, window, k_max, full_rows)
     R, N = scores.shape
     CHUNK, TILE = _blocks(N, R, chunk if chunk > 0 else None)
     C = triton.cdiv(N, CHUNK)
@@ -221,6 +235,123 @@ def select_into(scores: torch.Tensor, budgets: torch.Tensor, forced: torch.Tenso
            H, *kstr, *vstr, D,
            CHUNK=CHUNK, TILE=TILE, NB=NB, CP2=max(next_pow2(C), 2),
            BLOCK_D=min(next_pow2(D), 128), HAS_FORCED=has_forced, HAS_KV=has_kv, WRITE_MASK=write_mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# The PyTorch body (CPU outside the interpreter). torch.compile and torch.export trace it with fake
+# tensors, so it has static shapes only: no host reads, no data-dependent sizes.
+
+_IDX_BITS = 31  # composite key = (sortable score key << 31) | (N - 1 - index), N < 2**31
+
+
+def _composite_keys(scores: torch.Tensor, forced: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """int64 ``[R, N]``: ``(u << 31) | (N - 1 - index)`` with u the kernel's order-preserving uint32
+    key of the score (NaN -> -inf, -0 -> +0; protected tokens 0xFFFFFFFF, above a genuine +inf).
+    The keys of a row are distinct, and descending key order is the kernel's ranking (ties to the
+    lower index). Computed as ``(signed key << 31) + 2**62 + N - 1 - index``, the same number."""
+    N = scores.shape[1]
+    pos = torch.arange(N, device=scores.device)
+    s = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    b = torch.where(s == 0, 0.0, s).view(torch.int32)  # -0 -> +0
+    signed = b ^ ((b >> 31) & 0x7FFFFFFF)  # int32 order == float order
+    low = (2 ** 62 + N - 1) - pos
+    prot = (pos < sink) | (pos >= N - window)
+    if forced.numel() > 0:
+        prot = prot | (forced != 0)
+    return torch.where(prot, ((2 ** 32 - 1) << _IDX_BITS) - 2 ** 62 + low, (signed.to(torch.int64) << _IDX_BITS) + low)
+
+
+def redirect_invalid(valid: torch.Tensor):
+    """Make a masked scatter static-shaped: every entry is written, the invalid ones as copies of a
+    valid one. Returns ``(pick, any_valid)``: ``pick[e] = e`` for a valid entry, else the first valid
+    entry, whose destination and value the caller then uses (duplicated indices with identical values
+    give a defined result). When no entry is valid every write goes to slot 0, which the caller
+    restores (``any_valid`` is False)."""
+    e = torch.arange(valid.numel(), device=valid.device)
+    return torch.where(valid, e, valid.to(torch.int32).argmax()), valid.any()
+
+
+def _rows(t: torch.Tensor, tok: torch.Tensor):
+    """For ``t [B, H, N, D]`` of any strides (unit-stride last dim) and token indices ``tok [R, kk]``:
+    a ``[span, D]`` view whose row x starts x elements into ``t``, and the row of that view holding
+    ``t[b, h, tok[r, j]]`` (``r = b·H + h``) for every entry, flattened ``[R·kk]``."""
+    B, H, N, D = t.shape
+    sb, sh, sn, _ = t.stride()
+    flat = t.as_strided(((B - 1) * sb + (H - 1) * sh + (N - 1) * sn + 1, D), (1, 1))
+    r = torch.arange(B * H, device=t.device)
+    return flat, ((r // H * sb + r % H * sh)[:, None] + tok * sn).flatten()
+
+
+def _copy_rows(out: torch.Tensor, dst: torch.Tensor, t: torch.Tensor, tok: torch.Tensor, pick: torch.Tensor) -> None:
+    """``out[dst[e]] = t[b, h, tok[r, j]]`` for the entries ``(r, j) = pick[e]`` (see ``_rows``):
+    ``index_select`` then ``index_copy_``, in 512 KB pieces through one buffer (a large temporary
+    costs more in page faults than the copy itself)."""
+    flat, off = _rows(t, tok)
+    off = off[pick]
+    wide = _rows16(out)
+    step = min(max(1, (512 << 10) // (t.shape[-1] * t.element_size())), dst.numel())
+    buf = t.new_empty((step, t.shape[-1]))
+    for a in range(0, dst.numel(), step):
+        rows = torch.index_select(flat, 0, off[a:a + step], out=buf[:min(step, dst.numel() - a)])
+        wide.index_copy_(0, dst[a:a + step], rows.view(wide.dtype))
+
+
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """``t [T, D]`` viewed as 16-byte elements (complex128) when its layout allows: eager
+    ``index_copy_`` pays per element, so moving the same bits in 16-byte pieces is 2-4x faster on the
+    CPU. Not while compiling (the compiler writes its own copy; inductor has no complex codegen)."""
+    es = t.element_size()
+    if torch.compiler.is_compiling() or t.stride(-1) != 1:
+        return t
+    if all(x * es % 16 == 0 for x in (t.shape[-1], t.stride(0), t.storage_offset())):
+        return t.view(torch.complex128)
+    return t
+
+
+def _select_torch(scores, budgets, forced, keys, values, out_start, out_idx, out_lengths, out_mask, out_keys,
+                  out_values, sink: int, window: int, k_max: int, full_rows: bool) -> None:
+    """``select_into`` in PyTorch, keeping the same tokens as the kernels: an exact ``torch.topk`` of
+    ``min(k_max, N)`` distinct int64 composite keys per row (``_composite_keys``), of which the first
+    ``k_r`` are kept; their indices sorted ascending; indices, mask and K/V rows written at
+    ``out_start[r] + j`` (``j < k_r``) with ``index_copy_`` (see ``redirect_invalid``), or, with
+    ``full_rows``, gathered straight into the padded outputs with ``index_select``."""
+    R, N = scores.shape
+    kk = min(k_max, N)
+    dev = scores.device
+    k = budgets.to(torch.int64).clamp(0, kk)  # k_r = clamp(min(budget, N, k_max), 0)
+    out_lengths.copy_(k)
+    if kk == 0 or R == 0:
+        out_mask.zero_()
+        return
+    key = _composite_keys(scores, forced, sink, window)
+    top = torch.topk(key, kk, dim=1).values  # descending: row r keeps its first k_r
+    if out_mask.numel() > 0:
+        thr = top.gather(1, (k - 1).clamp(min=0)[:, None])
+        out_mask.copy_((key >= thr) & (k[:, None] > 0))
+    if out_idx.numel() == 0:
+        return
+    if full_rows and kk == k_max and out_idx.numel() == R * kk:  # every slot is written: no scatter
+        tok = ((N - 1) - (top & (2 ** _IDX_BITS - 1))).sort(dim=1).values
+        out_idx.copy_(tok.flatten())
+        if keys.numel() > 0:
+            for t, o in ((keys, out_keys), (values, out_values)):
+                flat, off = _rows(t, tok)
+                torch.index_select(flat, 0, off, out=o)
+        return
+    j = torch.arange(kk, device=dev)
+    valid = j < k[:, None]
+    # kept indices ascending, then N - 1 where j >= k_r (in bounds; those entries are redirected)
+    tok = torch.where(valid, (N - 1) - (top & (2 ** _IDX_BITS - 1)), N - 1).sort(dim=1).values
+    pick, any_valid = redirect_invalid(valid.flatten())
+    dst = torch.where(any_valid, (out_start[:, None] + j).flatten()[pick], 0)
+    outs = (out_idx, out_keys, out_values) if keys.numel() > 0 else (out_idx,)
+    slot0 = [o[:1].clone() for o in outs]
+    out_idx.index_copy_(0, dst, tok.flatten()[pick])
+    if keys.numel() > 0:
+        _copy_rows(out_keys, dst, keys, tok, pick)
+        _copy_rows(out_values, dst, values, tok, pick)
+    for o, s0 in zip(outs, slot0):  # no valid entry: slot 0 was overwritten, put it back
+        o[:1].copy_(torch.where(any_valid, o[:1], s0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -295,6 +426,11 @@ def _static_args(k_max, chunk) -> int:
     return check_int("k_max", k_max)
 
 
+def _full_rows(budgets, n: int, k_max: int) -> bool:
+    """Static: an int budget keeps ``k_max <= n`` tokens in every row (``select_into``'s ``full_rows``)."""
+    return isinstance(budgets, int) and not isinstance(budgets, bool) and k_max <= n and min(budgets, n) >= k_max
+
+
 def _empty(device, dtype=torch.float32):
     return torch.empty(0, dtype=dtype, device=device)
 
@@ -315,7 +451,7 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
     start = torch.arange(R, device=dev, dtype=torch.int64) * k_max
     if N > 0 and R > 0:
         select_into(s, b, _forced_2d(forced, (R, N), dev), _empty(dev), _empty(dev), start, idx, lengths,
-                    mask, _empty(dev), _empty(dev), sink, window, k_max, chunk or 0)
+                    mask, _empty(dev), _empty(dev), sink, window, k_max, _full_rows(budgets, N, k_max), chunk or 0)
     else:
         lengths.zero_()
         mask.zero_()
@@ -361,9 +497,9 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
     b = budget_tensor(budgets, R, dev)
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()
+    full = out is None and _full_rows(budgets, N, k_max)
     if out is None:
-        exact = isinstance(budgets, int) and min(budgets, N) == k_max
-        alloc = torch.empty if exact else torch.zeros
+        alloc = torch.empty if full else torch.zeros
         ko = alloc((R * k_max, D), dtype=keys.dtype, device=dev)
         vo = alloc((R * k_max, values.shape[-1]), dtype=values.dtype, device=dev)
         idx = torch.full((R * k_max,), -1, dtype=torch.int64, device=dev)
@@ -374,7 +510,7 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
         dst = out
     if N > 0 and R > 0:
         select_into(s, b, _forced_2d(forced, (R, N), dev), keys, values, dst.start, dst.indices, dst.lengths,
-                    _empty(dev, torch.int8), dst.keys, dst.values, sink, window, k_max, chunk or 0)
+                    _empty(dev, torch.int8), dst.keys, dst.values, sink, window, k_max, full, chunk or 0)
     else:
         dst.lengths.zero_()
     if out is not None:
