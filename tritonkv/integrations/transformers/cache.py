@@ -241,8 +241,8 @@ class TritonKVLayer(CacheLayerMixin):
         T = query.shape[2]
         if cache._wants_queries:
             W = cache.q_window
-            self.queries = query[:, :, -W:] if self.queries is None or T >= W else \
-                torch.cat([self.queries, query], dim=2)[:, :, -W:]
+            recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
+            self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
         cache._maybe_compress(self, prefill=T > 1)
         if cache.mode == "after_prefill" and self.since == 0:  # compressed for good: no later scoring reads them
             self.queries = None
