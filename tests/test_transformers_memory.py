@@ -131,3 +131,26 @@ def test_blockwise_float_budget_is_a_fraction_of_tokens_seen(policy):
     tt.prefill(model, _ids(n, seed=2), cache)
     assert cache.kept_tokens()[0].tolist() == [[3276] * H_KV]
     assert max(m for _, m in cache.trace) <= 3276 - 102 + block  # the bound before the last block: 0.1·31744 + block
+
+
+def _held_bytes(cache) -> int:
+    """Bytes of every storage a tensor held by the cache keeps alive (views count their whole storage)."""
+    seen, total = set(), 0
+    for layer in cache.layers:
+        st = layer.store
+        ts = [st.kv.keys, st.kv.values, st.kv.positions, st.kv.row_start, st.kv.length, st.kv.next_position] \
+            if st.ragged else [st.keys, st.values, st.pos]
+        for t in ts + [layer.fill, layer.seen_dev, layer.queries]:
+            if t is not None and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+@pytest.mark.parametrize("allocation", [None, "adakv"])
+def test_nbytes_is_what_the_cache_keeps_alive(model, allocation):
+    """Block-wise SnapKV (it keeps its last window of queries between blocks): the storages the cache keeps alive
+    add up to ``nbytes`` — no view of a whole prefill block (queries, keys) hides behind a small tensor."""
+    cache = tt.make_cache(model, "snapkv", 0.1, mode="blockwise", block_size=512, allocation=allocation)
+    tt.prefill(model, _ids(2048), cache)
+    assert _held_bytes(cache) == cache.nbytes
