@@ -1,7 +1,7 @@
 """Oracle of CriticalKV's perturbation-constrained selection (CriticalKV §3.4, Algorithms 1–2;
 docs/algorithms.md §1.6), written from the paper and the notes. NumPy only, one row (b, h) at a time.
 
-    n_j  = (1/G) Σ_{q∈G(h)} ‖ W_O[:, q·d:(q+1)·d] · v_j ‖₁
+    n_j  = (1/G) Σ_{q∈G(h)} ‖ W_O[:, q·d:(q+1)·d] · v_j ‖₁        (the paper; ‖·‖₂ with norm="l2")
     S1   = top-⌊α·b⌋ non-protected tokens by s                 b = budget − |P|
     S2   = top-(b − |S1|) of the remaining by (s_j + ε)·n_j
     kept = P ∪ S1 ∪ S2
@@ -14,14 +14,17 @@ import math
 import numpy as np
 
 
-def value_norms(V: np.ndarray, W: np.ndarray, h: int, G: int) -> np.ndarray:
-    """n [N] for KV head h: V [N, d] its values, W [D_model, H_q·d] the o_proj weight."""
+def value_norms(V: np.ndarray, W: np.ndarray, h: int, G: int, norm: str = "l1") -> np.ndarray:
+    """n [N] for KV head h: V [N, d] its values, W [D_model, H_q·d] the o_proj weight. ``norm``:
+    "l1" (the paper) or "l2" (the Euclidean norm of the same projection, computed directly, not
+    through a Gram matrix)."""
     d = V.shape[1]
     V = np.asarray(V, dtype=np.float64)
     W = np.asarray(W, dtype=np.float64)
     n = np.zeros(V.shape[0])
     for q in range(h * G, (h + 1) * G):
-        n += np.abs(V @ W[:, q * d:(q + 1) * d].T).sum(axis=1)  # ‖W_O^q v_j‖₁ for every j
+        p = V @ W[:, q * d:(q + 1) * d].T  # W_O^q v_j for every j
+        n += np.abs(p).sum(axis=1) if norm == "l1" else np.sqrt((p * p).sum(axis=1))
     return n / G
 
 

@@ -14,6 +14,23 @@ whose bf16 ``tl.dot`` is wrong) both are cast to fp32 and multiplied in IEEE fp3
 
 On the CPU (outside the interpreter) the op runs ``_value_norms_torch``: the same projections as
 batched fp32 matmuls over token chunks.
+
+**The L2 option** (``norm="l2"``): n_j = (1/G) Σ_q ‖W_O^q v_j‖₂. With W_O^q = Q_q R_q (QR, R_q
+``[d, d]`` triangular), ‖W_O^q v‖₂ = ‖R_q v‖₂ and R_qᵀ R_q = (W_O^q)ᵀ W_O^q is the head's Gram
+matrix: per token G·d² multiply-adds instead of G·d·D_model (d = 128, D_model = 4096, G = 4,
+N = 32K, H_kv = 8: about 34 GFLOP instead of 1.1 TFLOP). The factor, not the Gram matrix itself,
+because ‖u R_qᵀ‖² is a sum of squares (the quadratic form u Γ uᵀ cancels in fp32 where W_O^q is
+ill-conditioned) and needs no second pass over u. ``head_factors`` computes R_qᵀ for every query
+head in float64 (once per call: 2·D_model·d² flops per head), ``split_factors`` stores it as two
+bf16 halves hi + lo. ``_value_norm_l2_kernel`` (grid: token chunks, rows) scales each token by the
+power of two at the top of its largest magnitude (exact; keeps the squares in fp32 range for any
+finite value), splits u into bf16 hi (its first 8 significant bits, exact) + lo, and forms
+u R_qᵀ ≈ u_hi·hi + u_hi·lo + u_lo·hi on the tensor cores with fp32 accumulation (u_lo = 0 for
+bf16 values, so two products), in 32-channel slices; the interpreter runs the same bf16 operands
+multiplied in fp32. Error: |Δ‖p‖| ≤ (3d·ε₃₂ + 5·2⁻¹⁶)·‖|u| |R_qᵀ|‖ + (d + 4)·ε₃₂·‖p‖ per head
+(measured ~10⁻⁵ relative on random heads; the L1 kernel's is ~10⁻⁶). A NaN value gives
+NaN, an infinite one +inf. The L2 norm is a different criterion from the paper's L1 norm: see
+``tritonkv.policies.criticalkv`` for what it changes in the selection.
 """
 from __future__ import annotations
 
@@ -112,6 +129,139 @@ def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _value_norm_l2_kernel(v_ptr, f_ptr, out_ptr, H, G, N, D, svb, svh, svn, sfs,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                          SPLIT_U: tl.constexpr, NATIVE_DOT: tl.constexpr):
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    h = r % H
+    offs = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = offs < N
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    row = v_ptr + (r // H) * svb + h * svh + offs.to(tl.int64)[:, None] * svn
+    v = tl.load(row + d[None, :], mask=nmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    # u = v / m, m the power of two at the top of the token's largest magnitude: exact (u has the
+    # bits of v), and |u| < 2 keeps ‖u R_qᵀ‖² in range whatever the value's scale
+    nan = tl.sum(tl.where(v != v, 1, 0), 1) > 0
+    e = (tl.max(tl.abs(v), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    inf = e == 0xFF
+    m = tl.where((e > 0) & (e < 0xFF), (e << 23).to(tl.float32, bitcast=True), 1.0)
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for q in range(G):
+        fq = f_ptr + (h * G + q) * D * D
+        # p = u R_qᵀ over BLOCK_K-channel slices of u; R_qᵀ = f_hi + f_lo (bf16) and u = u_hi + u_lo:
+        # u_hi its first 8 significant bits (exact in bf16), u_lo the rest rounded to bf16 (zero for
+        # bf16 values: SPLIT_U = 0); p = u_hi f_hi + u_hi f_lo (+ u_lo f_hi), fp32 accumulation
+        p = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for k0 in range(0, BLOCK_D, BLOCK_K):
+            kmask = (k0 + kk) < D
+            uk = tl.math.div_rn(tl.load(row + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :],
+                                        other=0.0).to(tl.float32), m[:, None])
+            u_hi = (uk.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+            fk = fq + (k0 + kk).to(tl.int64)[:, None] * D + d[None, :]
+            fmask = kmask[:, None] & dmask[None, :]
+            f_hi = tl.load(fk, mask=fmask, other=0.0)
+            f_lo = tl.load(fk + sfs, mask=fmask, other=0.0)
+            if NATIVE_DOT:
+                a_hi = u_hi.to(tl.bfloat16)
+            else:  # the interpreter: the same bf16 operands, multiplied in fp32 (products of bf16 are exact)
+                a_hi = u_hi
+                f_hi = f_hi.to(tl.float32)
+                f_lo = f_lo.to(tl.float32)
+            p = tl.dot(a_hi, f_hi, p, out_dtype=tl.float32)
+            p = tl.dot(a_hi, f_lo, p, out_dtype=tl.float32)
+            if SPLIT_U:
+                a_lo = (uk - u_hi).to(tl.bfloat16)
+                if not NATIVE_DOT:
+                    a_lo = a_lo.to(tl.float32)
+                p = tl.dot(a_lo, f_hi, p, out_dtype=tl.float32)
+        acc += tl.sqrt(tl.sum(p * p, 1))
+    n = tl.where(inf, float("inf"), acc * m / G)
+    tl.store(out_ptr + r * N + offs, tl.where(nan, float("nan"), n), mask=nmask)
+
+
+def _blocks_l2(n: int, d: int):
+    """(BLOCK_N, BLOCK_D, BLOCK_K, num_warps) of the L2 kernel; tl.dot needs every block >= 16."""
+    block_d = max(next_pow2(d), 16)
+    if INTERPRET:  # ~0.5 ms per program: one program per row, one channel slice
+        return max(min(next_pow2(n), 1024), 16), block_d, block_d, 4
+    # sm_90 at d = 128: 168 registers, no spill, 16 KB shared (3 CTAs/SM, 18.8 %); 8 warps or
+    # 64-channel slices take more registers (187-220), [128, 128] u tiles spill at 4 warps
+    return 64, block_d, min(block_d, 32), 4
+
+
+#: elements of W_O factorised per float64 QR in ``head_factors`` (bounds the float64 copy of W_O
+#: to 64 MiB whatever its size)
+FACTOR_BLOCK = 1 << 23
+
+
+def head_factors(o_proj, head_dim: int) -> torch.Tensor:
+    """R_qᵀ for every query head q, float64 ``[H_q, d, d]``: R_q the triangular factor of the QR
+    decomposition of W_O^q = W_O[:, q·d:(q+1)·d] (zero rows appended when D_model < d), so that
+    ‖W_O^q v‖₂ = ‖R_q v‖₂ and R_qᵀ R_q = (W_O^q)ᵀ W_O^q, the head's Gram matrix. Computed in float64,
+    a few heads at a time."""
+    w = o_proj_weight(o_proj).detach()
+    DM, HD = w.shape
+    hq = HD // head_dim
+    out = torch.zeros((hq, head_dim, head_dim), dtype=torch.float64, device=w.device)
+    step = max(1, FACTOR_BLOCK // max(DM * head_dim, 1))
+    for q0 in range(0, hq, step):
+        q1 = min(q0 + step, hq)
+        blk = w[:, q0 * head_dim:q1 * head_dim].double().reshape(DM, q1 - q0, head_dim).transpose(0, 1)
+        rf = torch.linalg.qr(blk, mode="r").R  # [heads, min(DM, d), d]
+        out[q0:q1, :, :rf.shape[1]] = rf.transpose(1, 2)
+    return out
+
+
+def split_factors(factors: torch.Tensor) -> torch.Tensor:
+    """bf16 ``[2, H_q, d, d]``: F ≈ hi + lo with hi = bf16(F), lo = bf16(F − hi), so hi + lo is F to
+    about 2⁻¹⁶ of each entry (two roundings to 8 significant bits; the sum is exact in fp32), and both go to the tensor cores as bf16."""
+    hi = factors.to(torch.bfloat16)
+    return torch.stack([hi, (factors - hi.to(factors.dtype)).to(torch.bfloat16)])
+
+
+def _value_norms_l2_torch(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """The L2 op's CPU body: R_qᵀ = hi + lo in fp32, the kernel's scaling by a power of two, u R_qᵀ
+    as batched fp32 matmuls (no split of u) over token chunks of at most ``TORCH_BLOCK`` elements of
+    ``[B, H, G, n, d]``, the norm, the group mean, and the kernel's NaN/inf rules."""
+    B, H, N, D = values.shape
+    G = factors.shape[1] // H
+    f = (factors[0].float() + factors[1].float()).reshape(H, G, D, D)
+    out = torch.empty((B, H, N), dtype=torch.float32, device=values.device)
+    chunk = max(1, TORCH_BLOCK // max(B * H * G * D, 1))
+    for t0 in range(0, N, chunk):
+        v = values[:, :, t0:t0 + chunk].float()
+        nan = torch.isnan(v).any(-1)
+        e = (v.abs().amax(-1).view(torch.int32) >> 23) & 0xFF
+        inf = e == 0xFF
+        m = torch.where((e > 0) & (e < 0xFF), (e << 23).view(torch.float32), 1.0).unsqueeze(-1)
+        p = (v / m).unsqueeze(2) @ f  # [B, H, G, n, d]
+        n = torch.linalg.vector_norm(p, dim=-1).sum(2) * m.squeeze(-1) / G
+        out[:, :, t0:t0 + chunk] = torch.where(nan, float("nan"), torch.where(inf, float("inf"), n))
+    return out
+
+
+@triton_op("tritonkv::value_norms_l2", mutates_args=())
+def value_norms_l2_op(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """The raw L2 op: values ``[B, H, N, d]`` (last dim unit-stride), factors bf16 contiguous
+    ``[2, H_q, d, d]`` (``split_factors(head_factors(W_O, d))``) -> fp32 ``[B, H, N]``."""
+    if not use_triton(values):
+        return _value_norms_l2_torch(values, factors)
+    B, H, N, D = values.shape
+    G = factors.shape[1] // H
+    out = torch.empty((B, H, N), dtype=torch.float32, device=values.device)
+    if B * H * N > 0:
+        BLOCK_N, BLOCK_D, BLOCK_K, warps = _blocks_l2(N, D)
+        launch(_value_norm_l2_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, factors, out, H, G, N, D,
+               values.stride(0), values.stride(1), values.stride(2), factors.stride(0),
+               BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, SPLIT_U=values.dtype != torch.bfloat16,
+               NATIVE_DOT=not INTERPRET, num_warps=warps, num_stages=1)
+    return out
+
+
 def o_proj_weight(o_proj) -> torch.Tensor:
     """The W_O tensor from a tensor or an ``nn.Linear``-like module (its ``.weight``)."""
     w = getattr(o_proj, "weight", o_proj)
@@ -121,12 +271,18 @@ def o_proj_weight(o_proj) -> torch.Tensor:
     return w
 
 
-def value_norms(values: torch.Tensor, o_proj) -> torch.Tensor:
+NORMS = ("l1", "l2")
+
+
+def value_norms(values: torch.Tensor, o_proj, *, norm: str = "l1") -> torch.Tensor:
     """CriticalKV's n_j = (1/G) Σ_{q∈G(h)} ‖W_O[:, q·d:(q+1)·d] · v_j‖₁, fp32 ``[B, H_kv, N]``.
 
     ``values`` ``[B, H_kv, N, d]``; ``o_proj`` W_O ``[D_model, H_q·d]`` (nn.Linear layout, or the
-    module itself) with H_q = G·H_kv: query head q belongs to KV head q // G.
+    module itself) with H_q = G·H_kv: query head q belongs to KV head q // G. ``norm="l2"``: the
+    group mean of ‖W_O^q v_j‖₂ instead, through the per-head Gram matrices (module docstring).
     """
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     check_kv_tensor("values", values)
     w = o_proj_weight(o_proj)
     B, H, N, D = values.shape
@@ -135,4 +291,6 @@ def value_norms(values: torch.Tensor, o_proj) -> torch.Tensor:
                          f"and d = {D}, got {tuple(w.shape)} {w.dtype}")
     if w.device != values.device:
         raise ValueError(f"o_proj must be on the device of values ({values.device}), got {w.device}")
+    if norm == "l2":
+        return value_norms_l2_op(row_major(values), split_factors(head_factors(w, D)))
     return value_norms_op(row_major(values), w.detach())
