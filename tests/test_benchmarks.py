@@ -279,4 +279,5 @@ def test_cpu_speed_smoke(tmp_path):
     assert m["cpu"] and m["cores"] >= 1 and m["torch_threads"] >= 1 and not data["triton_interpret"]
     assert data["torch"] and data["commit"] and data["date"] and "--smoke" in data["command"]
     md = (tmp_path / "cpu_speed.md").read_text()
-    assert "| policy | N | tritonkv ms | plain ms | ratio |" in md and all(f"| {p} | 1024 |" in md for p in tritonkv.POLICIES)
+    assert "| policy | N | tritonkv ms | plain ms | ratio | runs |" in md
+    assert all(f"| {p} | 1024 |" in md for p in tritonkv.POLICIES)
