@@ -138,8 +138,13 @@ def _held_bytes(cache) -> int:
     seen, total = set(), 0
     for layer in cache.layers:
         st = layer.store
-        ts = [st.kv.keys, st.kv.values, st.kv.positions, st.kv.row_start, st.kv.length, st.kv.next_position] \
-            if st.ragged else [st.keys, st.values, st.pos]
+        if isinstance(layer, tt.LagKVLayer):  # the recursive state is the storage
+            ts = [getattr(layer.state, a) for a in ("c_keys", "c_values", "c_indices", "u_keys", "u_values")]
+            assert st is None  # no materialised copy of the state between forwards
+        elif st.ragged:
+            ts = [st.kv.keys, st.kv.values, st.kv.positions, st.kv.row_start, st.kv.length, st.kv.next_position]
+        else:
+            ts = [st.keys, st.values, st.pos]
         for t in ts + [layer.fill, layer.seen_dev, layer.queries]:
             if t is not None and t.untyped_storage().data_ptr() not in seen:
                 seen.add(t.untyped_storage().data_ptr())
@@ -147,10 +152,14 @@ def _held_bytes(cache) -> int:
     return total
 
 
-@pytest.mark.parametrize("allocation", [None, "adakv"])
-def test_nbytes_is_what_the_cache_keeps_alive(model, allocation):
-    """Block-wise SnapKV (it keeps its last window of queries between blocks): the storages the cache keeps alive
-    add up to ``nbytes`` — no view of a whole prefill block (queries, keys) hides behind a small tensor."""
-    cache = tt.make_cache(model, "snapkv", 0.1, mode="blockwise", block_size=512, allocation=allocation)
-    tt.prefill(model, _ids(2048), cache)
+@pytest.mark.parametrize("policy,mode,allocation", [("snapkv", "blockwise", None), ("snapkv", "blockwise", "adakv"),
+                                                    ("snapkv", "after_prefill", None), ("lagkv", "decoding", None)])
+def test_nbytes_is_what_the_cache_keeps_alive(model, policy, mode, allocation):
+    """Block-wise SnapKV (it keeps its last window of queries between blocks), after-prefill, recursive LagKV: the
+    storages the cache keeps alive add up to ``nbytes`` — no view of a whole prefill block (queries, keys) hides
+    behind a small tensor — through the prompt and a few decode steps."""
+    cache = tt.make_cache(model, policy, 0.1, mode=mode, block_size=512, allocation=allocation)
+    logits = tt.prefill(model, _ids(2048), cache)[:, -1]
+    assert _held_bytes(cache) == cache.nbytes
+    tt.decode(model, cache, logits, 3)
     assert _held_bytes(cache) == cache.nbytes

@@ -145,7 +145,9 @@ class LagKVState:
 
     @staticmethod
     def _cat(a, b):
-        return b if a is None else torch.cat([a, b], dim=2)
+        """``a`` then ``b`` along the tokens; always a new tensor (a view of ``b`` would keep its whole storage —
+        e.g. the prompt's keys — alive)."""
+        return b.clone() if a is None else torch.cat([a, b], dim=2)
 
     def _to_c(self, keys, values, indices):
         self.c_keys = self._cat(self.c_keys, keys)
@@ -173,8 +175,8 @@ class LagKVState:
                 ko, vo, idx, _ = _select.select_kv(ranks[:, :, :n], self.m * (q - 1), self.u_keys[:, :, :n],
                                                    self.u_values[:, :, :n], self.m * (q - 1))
                 self._to_c(ko, vo, idx + self.u_start)
-            self.u_keys = self.u_keys[:, :, n:].contiguous()
-            self.u_values = self.u_values[:, :, n:].contiguous()
+            self.u_keys = self.u_keys[:, :, n:].clone()  # a copy, not a view of the compressed partitions
+            self.u_values = self.u_values[:, :, n:].clone()
             self.u_start += n
         return self
 

@@ -93,6 +93,7 @@ class TritonKVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         self.dtype, self.device = key_states.dtype, key_states.device
         B, H, _, D = key_states.shape
+        self._shape = (B, H, D)
         self._empty = (key_states.new_zeros(B, H, 0, D), value_states.new_zeros(B, H, 0, value_states.shape[-1]),
                        torch.full((B, H, 0), SENTINEL, dtype=torch.int32, device=self.device))
         self.store = DenseStore.wrap(*self._empty)
@@ -244,7 +245,7 @@ class TritonKVLayer(CacheLayerMixin):
             recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
             self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
         cache._maybe_compress(self, prefill=T > 1)
-        if cache.mode == "after_prefill" and self.since == 0:  # compressed for good: no later scoring reads them
+        if cache.mode == "after_prefill":  # only this forward's compression reads them: keep none between forwards
             self.queries = None
 
     def kept_tokens(self) -> torch.Tensor:
@@ -340,26 +341,33 @@ class LagKVLayer(TritonKVLayer):
     def after_attention(self, query):
         self.state.append(*self.pending)
         self.pending = None
-        n = self.n
-        self.store = DenseStore.wrap(self.state.keys, self.state.values, self.state.indices.to(torch.int32))
+        n = self.store.n
+        self.store = None  # the forward's working view goes; the state holds the tokens
         if self.n < n:
             self.cache.compressions += 1
             self.since = 0
         self.cache._record(self.layer_idx, self.n)
 
+    n = property(lambda self: self.store.n if self.store is not None else len(self.state) if self.is_initialized else 0)
+
+    def kept_tokens(self) -> torch.Tensor:
+        B, H, _ = self._shape
+        return torch.full((B, H), self.n, dtype=torch.int64)
+
     @property
     def nbytes(self) -> int:
         st = self.state
         parts = [getattr(st, a) for a in ("c_keys", "c_values", "c_indices", "u_keys", "u_values")]
-        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return sum(t.numel() * t.element_size() for t in parts + [self.fill, self.seen_dev] if t is not None)
 
     def reserve(self, capacity):
         pass
 
     def reset(self):
-        super().reset()
         if self.is_initialized:
+            self.store = DenseStore.wrap(*self._empty)
             self.state = self.cache.policy.new_state()
+        super().reset()
 
 
 class TritonKVCache(Cache):
@@ -492,9 +500,7 @@ class TritonKVCache(Cache):
         total = 0
         for layer in self.layers:
             if layer.is_initialized:
-                st = layer.store
-                B, H, D = (st.kv.batch, st.kv.num_heads, st.kv.head_dim) if st.ragged else \
-                    (st.keys.shape[0], st.keys.shape[1], st.keys.shape[3])
+                B, H, D = layer._shape
                 total += (layer.peak if peak else layer.n) * B * H * D * 2 * layer.dtype.itemsize
         return total
 
