@@ -690,7 +690,8 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
         errs = wo_errors(model, kv, [sel(l, [n_all - 1]) for l in range(L)], qwin_ctx, n_ctx, wo_cfgs,
                          {})
         per_cfg_t = (time.time() - t) / len(wo_cfgs)
-        wo_metrics = {c.name: {"value": float(torch.tensor(errs[c.name]).mean()), "per_head": errs[c.name]}
+        wo_metrics = {c.name: {"value": float(torch.tensor(errs[c.name]).mean()),
+                               "per_head": [[float(f"{x:.5g}") for x in row] for row in errs[c.name]]}
                       for c in wo_cfgs}
     else:
         wo_metrics, per_cfg_t = {}, 0.0

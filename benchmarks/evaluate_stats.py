@@ -78,31 +78,70 @@ def mcnemar(a: Sequence[int], b: Sequence[int]) -> Dict[str, float]:
     return {"n10": n10, "n01": n01, "p": min(1.0, 2.0 * tail)}
 
 
-def verdict(lo: float, hi: float, *, better: str = "higher", margin: float = 0.0) -> str:
-    """The verdict of a claim "a beats b" (``better="higher"``: the difference a − b, or a ratio minus ``margin``,
-    should be > 0; ``"lower"``: < 0) from the interval ``[lo, hi]`` of that difference:
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X ≤ k) for X ~ Binomial(n, p)."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    return sum(math.comb(n, i) * p ** i * (1.0 - p) ** (n - i) for i in range(k + 1))
 
-    - ``"reproduced"``: the whole interval is on the claimed side of ``margin``;
-    - ``"not reproduced"``: the whole interval is on the other side (or touches ``margin`` from it);
-    - ``"inconclusive"``: the interval contains ``margin`` (or is undefined).
+
+def clopper_pearson(k: int, n: int, level: float = LEVEL) -> Tuple[float, float]:
+    """The exact (Clopper–Pearson) interval of a binomial proportion ``k / n`` (bisection, no scipy)."""
+    if n <= 0:
+        return float("nan"), float("nan")
+    a = (1.0 - level) / 2.0
+
+    def solve(f):  # the p in (0, 1) where the decreasing f(p) crosses a
+        lo, hi = 0.0, 1.0
+        for _ in range(80):
+            mid = (lo + hi) / 2.0
+            if f(mid) > a:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2.0
+
+    lower = 0.0 if k == 0 else 1.0 - solve(lambda p: 1.0 - _binom_cdf(k - 1, n, 1.0 - p))
+    upper = 1.0 if k == n else solve(lambda p: _binom_cdf(k, n, p))
+    return lower, upper
+
+
+def paired_accuracy(a: Sequence[int], b: Sequence[int], level: float = LEVEL) -> Dict[str, float]:
+    """Accuracy difference of paired 0/1 outcomes with an interval consistent with McNemar's exact test:
+    ``diff = (n10 − n01) / n``; conditional on the ``d = n10 + n01`` discordant cases, the Clopper–Pearson interval
+    ``[πL, πU]`` of ``π = n10 / d`` gives ``[(d/n)(2πL − 1), (d/n)(2πU − 1)]``, which excludes 0 exactly when the
+    exact test's two-sided p < 1 − level. No discordant case: ``[0, 0]`` (nothing to tell the two apart)."""
+    m = mcnemar(a, b)
+    n = len(a)
+    d = m["n10"] + m["n01"]
+    diff = (m["n10"] - m["n01"]) / n if n else float("nan")
+    if d == 0:
+        return {**m, "n": n, "diff": diff, "lo": 0.0, "hi": 0.0}
+    pl, pu = clopper_pearson(m["n10"], d, level)
+    return {**m, "n": n, "diff": diff, "lo": d / n * (2 * pl - 1), "hi": d / n * (2 * pu - 1)}
+
+
+def verdict(lo: float, hi: float, *, better: str = "higher", margin: float = 0.0) -> str:
+    """The verdict of a claim "a beats b" (``better="higher"``: the difference a − b, or a ratio, should exceed
+    ``margin``; ``"lower"``: stay below it) from the interval ``[lo, hi]`` of that difference:
+
+    - ``"reproduced"``: the whole interval is strictly on the claimed side of ``margin``;
+    - ``"not reproduced"``: the whole interval is strictly on the other side;
+    - ``"inconclusive"``: the interval contains or touches ``margin``, or is undefined (a zero-width interval at
+      ``margin``, e.g. two configurations right on the same cases, tells nothing apart).
 
     ``margin`` is where a claim states its own bound (LagKV: "< 5 % loss" → a ratio of 0.95), never a tolerance
     picked here."""
     if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
         return "inconclusive"
+    if better not in ("higher", "lower"):
+        raise ValueError(f"better must be 'higher' or 'lower', got {better!r}")
+    above, below = lo > margin, hi < margin
     if better == "higher":
-        if lo > margin:
-            return "reproduced"
-        if hi <= margin:
-            return "not reproduced"
-        return "inconclusive"
-    if better == "lower":
-        if hi < margin:
-            return "reproduced"
-        if lo >= margin:
-            return "not reproduced"
-        return "inconclusive"
-    raise ValueError(f"better must be 'higher' or 'lower', got {better!r}")
+        return "reproduced" if above else "not reproduced" if below else "inconclusive"
+    return "reproduced" if below else "not reproduced" if above else "inconclusive"
 
 
 def head_wise(a: np.ndarray, b: np.ndarray, *, n_boot: int = N_BOOT, level: float = LEVEL,

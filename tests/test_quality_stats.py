@@ -72,6 +72,7 @@ def test_mcnemar_on_a_hand_computed_table():
 def test_verdict_is_read_off_the_interval():
     assert S.verdict(0.01, 0.2) == "reproduced"
     assert S.verdict(-0.2, -0.01) == "not reproduced"
+    assert S.verdict(-0.5, 0.0) == "inconclusive" and S.verdict(0.0, 0.0) == "inconclusive"  # touching 0
     assert S.verdict(-0.1, 0.1) == "inconclusive"
     assert S.verdict(-0.3, -0.1, better="lower") == "reproduced"
     assert S.verdict(0.1, 0.3, better="lower") == "not reproduced"
@@ -79,6 +80,7 @@ def test_verdict_is_read_off_the_interval():
     # a claim's own bound: relative score >= 0.95
     assert S.verdict(0.96, 1.01, margin=0.95) == "reproduced"
     assert S.verdict(0.80, 0.94, margin=0.95) == "not reproduced"
+    assert S.verdict(1.0, 1.0, margin=0.95) == "reproduced"
     assert S.verdict(0.90, 0.99, margin=0.95) == "inconclusive"
     with pytest.raises(ValueError):
         S.verdict(0, 1, better="bigger")
@@ -95,3 +97,33 @@ def test_ratio_and_head_fraction():
     # head 0 clearly lower, head 1 clearly higher, head 2 indistinguishable
     assert h["heads"] == 3 and h["sig_lower"] == pytest.approx(1 / 3) and h["sig_higher"] == pytest.approx(1 / 3)
     assert h["sig_lower"] <= h["lower"] <= 1 - h["sig_higher"]
+
+
+def test_clopper_pearson_known_values():
+    # published exact intervals: 10/12 -> [0.5159, 0.9791]; 0/10 -> [0, 0.3085]; 5/10 -> [0.1871, 0.8129]
+    assert S.clopper_pearson(10, 12) == pytest.approx((0.5159, 0.9791), abs=1e-4)
+    assert S.clopper_pearson(0, 10) == pytest.approx((0.0, 0.3085), abs=1e-4)
+    assert S.clopper_pearson(5, 10) == pytest.approx((0.1871, 0.8129), abs=1e-4)
+
+
+def test_paired_accuracy_interval_agrees_with_mcnemar():
+    a = [1] * 20 + [1] * 10 + [0] * 2 + [0] * 8  # the hand table above: n10 = 10, n01 = 2, n = 40
+    b = [1] * 20 + [0] * 10 + [1] * 2 + [0] * 8
+    r = S.paired_accuracy(a, b)
+    assert r["diff"] == pytest.approx(8 / 40)
+    assert (r["lo"], r["hi"]) == pytest.approx((0.3 * (2 * 0.5159 - 1), 0.3 * (2 * 0.9791 - 1)), abs=1e-4)
+    assert r["p"] < 0.05 and r["lo"] > 0  # consistent with the exact test
+    # 2 discordant cases, both for b: p = 0.5, and the interval contains 0
+    r = S.paired_accuracy([1, 1, 0, 0, 1], [1, 1, 1, 1, 1])
+    assert r["p"] == 0.5 and r["lo"] < 0 < r["hi"] and S.verdict(r["lo"], r["hi"]) == "inconclusive"
+    # every case the same: nothing tells them apart
+    r = S.paired_accuracy([1, 1, 1], [1, 1, 1])
+    assert (r["lo"], r["hi"]) == (0.0, 0.0) and S.verdict(r["lo"], r["hi"]) == "inconclusive"
+    # exhaustively: the interval excludes 0 exactly when p < 0.05
+    for n10 in range(0, 12):
+        for n01 in range(0, 12):
+            x = [1] * n10 + [0] * n01
+            y = [0] * n10 + [1] * n01
+            r = S.paired_accuracy(x, y)
+            if n10 + n01:
+                assert (r["lo"] > 0 or r["hi"] < 0) == (r["p"] < 0.05), (n10, n01, r)
