@@ -551,8 +551,10 @@ def _grid(rows, model):
     for r in _ok(rows):
         if r["model"] == model:
             grid.setdefault(r["key"], {})[r["N"]] = r
+    order = [label(p, a) for p, a in POLICIES]
     keys = sorted(grid, key=lambda k: (not k.endswith("/stock/dynamic"),
-                                       MODES.index(k.split("/")[1]) if k.split("/")[1] in MODES else 0))
+                                       MODES.index(k.split("/")[1]) if k.split("/")[1] in MODES else 0,
+                                       order.index(k.split("/")[2]) if k.split("/")[2] in order else 0))
     return {k: grid[k] for k in keys}, sorted({n for g in grid.values() for n in g})
 
 
@@ -743,8 +745,10 @@ def markdown(data) -> str:
     if len(commits) > 1:  # a --merge of runs at different commits: say which rows come from which
         for c, rs in commits.items():
             where = sorted({r["key"].split("/", 1)[1] if r["policy"] else "stock" for r in rs})
-            run = next((e for e in data.get("earlier_runs", []) if e["commit"] == c), None)
-            how = f" (`{run['command']}`, {run['date']})" if run else " (the command above)"
+            cmds = [f"`{e['command']}` ({e['date']})" for e in data.get("earlier_runs", []) if e["commit"] == c]
+            if c == m["commit"]:
+                cmds.append("the command above")
+            how = f" ({'; '.join(cmds)})" if cmds else ""
             out.append(f"Rows measured at commit `{(c or '')[:10]}`{how}: {', '.join(where)}.")
         out.append("")
     out += [
