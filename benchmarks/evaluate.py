@@ -338,7 +338,10 @@ GROUPS: Dict[str, List[Config]] = {
     "allocation": [Config(p, a, "after_prefill", "aware", b) for b in (128, 64)
                    for p, a in (("snapkv", "uniform"), ("snapkv", "pyramid"), ("snapkv", "adakv"),
                                 ("snapkv", "score"), ("score", "score"), ("snapkv", "surfacelogic"),
-                                ("surfacelogic", "surfacelogic"))],
+                                ("surfacelogic", "surfacelogic"),
+                                # ablation: SnapKV without pooling (kernel 1), the base SCORE's and SurfaceLogicKV's
+                                # selections use
+                                ("snapkv_k1", "uniform"))],
 }
 WO_GROUP = [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
             for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")]
@@ -410,6 +413,8 @@ def _policy_object(model, cfg: Config, hd=None):
         return LayerInputs(get_policy("score"), {"hd": [h for h in hd]})
     if cfg.policy == "full":
         return get_policy("streaming_llm")
+    if cfg.policy == "snapkv_k1":
+        return dataclasses.replace(get_policy("snapkv"), kernel_size=1)
     return get_policy(cfg.policy)
 
 

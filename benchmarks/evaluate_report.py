@@ -370,7 +370,7 @@ def plots(recs, out_dir: str) -> List[str]:
         ("Allocation, after prefill (question in the prompt)", "acc_ll",
          [(f"{p}+{a}", cfg_name(p, a, budget="{b}")) for p, a in
           (("snapkv", "uniform"), ("snapkv", "pyramid"), ("snapkv", "adakv"), ("snapkv", "score"), ("score", "score"),
-           ("snapkv", "surfacelogic"), ("surfacelogic", "surfacelogic"))], (64, 128)),
+           ("snapkv", "surfacelogic"), ("surfacelogic", "surfacelogic"), ("snapkv_k1", "uniform"))], (64, 128)),
         ("CriticalKV: context compressed before the question", "acc_ll",
          [(f"{p}+{a}", cfg_name(p, a, setting="agnostic", budget="{b}")) for a in ("uniform", "adakv")
           for p in ("snapkv", "criticalkv")], (0.2, 0.4)),
@@ -418,6 +418,19 @@ def plots(recs, out_dir: str) -> List[str]:
     return paths
 
 
+def _headline(comps: Sequence[dict], per_task: int = 3) -> List[dict]:
+    """The comparisons the README shows for a claim: the primary metric of each task (accuracy by likelihood, KL of
+    the continuation, the error after W_O, the LagKV ratio), context by context, at most ``per_task`` each."""
+    primary = ("acc_ll", "kl", "wo_err")
+    out, count = [], defaultdict(int)
+    for x in sorted(comps, key=lambda x: (x["context"], x["task"] != "needle", x["task"])):
+        k = (x["task"], x["context"])
+        if x["metric"] in primary and count[k] < per_task:
+            out.append(x)
+            count[k] += 1
+    return out
+
+
 def readme_section(summary: dict, rel: str = "benchmarks/results/quality", plots_dir: Optional[str] = None) -> str:
     """The README's "Which policy?" quality text: one line per claim with its verdict and headline interval, then
     the plots found in ``plots_dir`` (linked as ``rel/<file>``)."""
@@ -429,7 +442,7 @@ def readme_section(summary: dict, rel: str = "benchmarks/results/quality", plots
            "about the papers' 8B models at 32K.", "", "| claim | verdict | headline evidence |", "|---|---|---|"]
     for c in summary["claims"]:
         ev = []
-        for x in c["comparisons"][:4]:
+        for x in _headline(c["comparisons"]):
             m = x["metric"]
             if x["stat"] == "a − b":
                 ev.append(f"{x['task']}@{x['context']} {m}: {_short(x['a'])} − {_short(x['b'])} = "
