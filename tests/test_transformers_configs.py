@@ -159,7 +159,7 @@ def test_criticalkv_reads_each_layers_o_proj(model, ids, monkeypatch):
 
     seen = []
     real = criticalkv.value_norms
-    monkeypatch.setattr(criticalkv, "value_norms", lambda v, w: seen.append(w) or real(v, w))
+    monkeypatch.setattr(criticalkv, "value_norms", lambda v, w, **kw: seen.append(w) or real(v, w, **kw))
     out, cache = tt.generate(model, ids[:1], policy="criticalkv", budget=40, mode="blockwise", block_size=32,
                              max_new_tokens=2, do_sample=False, return_cache=True)
     layers = model.model.layers
