@@ -865,7 +865,9 @@ def readme_section(data, results_dir=RESULTS, rel="benchmarks/results") -> str:
     """The README summary from ``memory.json``: per configuration of the random Llama the peak RSS increase as a
     multiple of stock at each N, the worst resident / kept, and the SmolLM2 rows when present."""
     m = data["machine"]
-    out = [f"Memory inside a model on the CPU ({m['cpu']}), commit `{(m['commit'] or '')[:10]}`, "
+    commits = sorted({(r.get("commit") or m["commit"] or "")[:10] for r in _ok(data["rows"])})
+    out = [f"Memory inside a model on the CPU ({m['cpu']}), commit{'s' if len(commits) > 1 else ''} "
+           f"{', '.join(f'`{c}`' for c in commits)} (memory.md says which rows come from which), "
            f"{m['date'][:10]}: peak RSS increase during `generate` as a multiple of the stock `model.generate` "
            f"(DynamicCache, sdpa) at the same prompt length, budget {BUDGET}, {NEW_TOKENS} new tokens, each in its "
            f"own process; resident = the larger of `cache.nbytes` and the bytes of the storages it holds, over the "
