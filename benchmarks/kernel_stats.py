@@ -226,8 +226,9 @@ def workloads(N: int) -> list[dict]:
     inp = make_inputs(N)
     keys, values, pool = inp["keys"], inp["values"], inp["pool"]
     out = []
-    for name in sorted(tritonkv.POLICIES):
-        pol = tritonkv.POLICIES[name]()
+    variants = [(name, tritonkv.POLICIES[name]()) for name in sorted(tritonkv.POLICIES)]
+    variants.append(("criticalkv_l2", tritonkv.POLICIES["criticalkv"](norm="l2")))  # its own norm kernel
+    for name, pol in variants:
         missing = [n for n in pol.needs if n not in pool]
         if missing:
             out.append(dict(name=name, kind="compress", launches=[], ops=[], error=f"no input {missing}"))
@@ -453,7 +454,7 @@ def floor_bytes(name: str, N: int) -> int | None:
     B, H, D = SHAPE["B"], SHAPE["H"], SHAPE["D"]
     k_bytes = B * H * N * D * 2
     kept = 2 * B * H * tritonkv.resolve_budget(KEEP, N) * D * 2
-    reads = {"streaming_llm": 0, "lagkv": 2 * k_bytes, "criticalkv": 2 * k_bytes}.get(name, k_bytes)
+    reads = {"streaming_llm": 0, "lagkv": 2 * k_bytes, "criticalkv": 2 * k_bytes, "criticalkv_l2": 2 * k_bytes}.get(name, k_bytes)
     return reads + 2 * kept
 
 

@@ -194,7 +194,7 @@ def test_kernel_stats_smoke(tmp_path):
         assert st["regs"] > 0 and st["num_warps"] >= 1 and st["num_stages"] >= 1 and st["smem"] >= 0, k
         assert 0 < st["occupancy"] <= 1 and st["ctas_per_sm"] >= 1, k
     work = {w["name"]: w for w in res["workloads"]}
-    assert {n for n, w in work.items() if w["kind"] == "compress"} == set(POLICIES)
+    assert {n for n, w in work.items() if w["kind"] == "compress"} == set(POLICIES) | {"criticalkv_l2"}
     assert {"decode_attention", "ragged_append"} <= set(work)
     for name in POLICIES:  # every compress ends in the shared select pipeline
         seq = [x["kernel"] for x in work[name]["kernel_launches"]]
