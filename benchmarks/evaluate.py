@@ -66,7 +66,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import ClassVar, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -75,7 +75,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import tritonkv  # noqa: E402
-from tritonkv.policies import Policy, get_policy  # noqa: E402
+from tritonkv.policies import POLICIES, KeyDiff, Policy, get_policy  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "quality")
 Q_WINDOW = 32
@@ -343,6 +343,13 @@ GROUPS: Dict[str, List[Config]] = {
                                 # selections use
                                 ("snapkv_k1", "uniform"))],
 }
+# Beyond the seeds (issue 14's compass): KeyDiff's anchor scores (block-wise, no queries needed) + CriticalKV's
+# value-aware second stage (‖v W_O‖₁) + SurfaceLogicKV's allocation, at 64 tokens per head, against every single
+# seed method measured block-wise at the same budget, and the composition's ablations (one ingredient removed).
+GROUPS["compose"] = [Config(p, a, "blockwise", "aware", b) for b in (64,)
+                     for p, a in (("keydiff_critical", "surfacelogic"), ("keydiff_critical", "uniform"),
+                                  ("keydiff", "surfacelogic"), ("criticalkv", "uniform"), ("snapkv", "surfacelogic"),
+                                  ("surfacelogic", "surfacelogic"))]
 WO_GROUP = [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
             for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")]
 
@@ -404,8 +411,26 @@ def capture(model, ids: List[int], q_rows: Sequence[int]):
     return kv, qs, out.logits[0, -1].float()
 
 
+@dataclasses.dataclass
+class ShiftedKeyDiff(KeyDiff):
+    """KeyDiff's score plus one: 1 − cos(k, anchor) ∈ [0, 2], the same ranking, non-negative as CriticalKV's
+    stage-2 product (s + ε)·‖v W_O‖₁ requires of its base."""
+
+    nonnegative: ClassVar[bool] = True
+
+    def score(self, keys, values, **inputs):
+        return super().score(keys, values, **inputs) + 1.0
+
+
+def keydiff_critical(alpha: float = 0.5):
+    """The composition: CriticalKV's two-stage selection over KeyDiff's (shifted) scores."""
+    return POLICIES["criticalkv"](base=ShiftedKeyDiff(), alpha=alpha)
+
+
 def _policy_object(model, cfg: Config, hd=None):
     """The policy for ``cfg`` with its per-layer inputs attached."""
+    if cfg.policy == "keydiff_critical":
+        return keydiff_critical()
     if cfg.policy == "criticalkv":
         wo = [l.self_attn.o_proj.weight.detach() for l in model.model.layers]
         return LayerInputs(get_policy("criticalkv"), {"o_proj": wo})
@@ -652,8 +677,11 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
             inputs["head_means"] = hm
         if cfg.mode == "blockwise":
             from tritonkv.integrations.transformers import make_cache, prefill
-            cache = make_cache(model, cfg.policy, int(cfg.budget) if cfg.budget > 1 else float(cfg.budget),
-                               mode="blockwise", block_size=BLOCK, prompt_length=n_all)
+            # W_O comes from each layer's module inside the forward (the cache reads o_proj itself)
+            pol = get_policy(cfg.policy) if cfg.policy in POLICIES else _policy_object(model, cfg, hd)
+            cache = make_cache(model, pol, int(cfg.budget) if cfg.budget > 1 else float(cfg.budget),
+                               mode="blockwise", block_size=BLOCK, prompt_length=n_all,
+                               allocation=None if cfg.allocation == "uniform" else cfg.allocation)
             first = prefill(model, torch.tensor([case.prompt]), cache)[0, -1].float()
             cache.freeze()
         elif cfg.setting == "agnostic" and not lm:
