@@ -286,23 +286,96 @@ def test_bad_input(what, call, exc, words):
 
 def test_decode_kernels_compile_ahead_of_time():
     mod = "tritonkv.kernels.decode_attention"
-    names = ["q_ptr", "k_ptr", "v_ptr", "start_ptr", "len_ptr", "po_ptr", "plse_ptr", "H", "G", "D", "S", "sqb", "sqh",
-             "skb", "skh", "skn", "svb", "svh", "svn", "qk_scale"]
-    consts = ["SPLIT", "BLOCK_N", "BLOCK_D", "GP", "HAS_START", "NATIVE_DOT"]
+    names = ["q_ptr", "k_ptr", "v_ptr", "start_ptr", "len_ptr", "po_ptr", "plse_ptr", "H", "G", "D", "S", "SPLIT",
+             "sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "qk_scale"]
+    consts = ["BLOCK_N", "BLOCK_D", "GP", "HAS_START", "NATIVE_DOT"]
 
     def split(dt, has_start, native):
-        types = ["*" + dt] * 3 + ["*i64", "*i32", "*fp32", "*fp32"] + ["i32"] * 4 + ["i64"] * 8 + ["fp32"]
+        types = ["*" + dt] * 3 + ["*i64", "*i32", "*fp32", "*fp32"] + ["i32"] * 5 + ["i64"] * 8 + ["fp32"]
         sig = dict(zip(names, types)) | {c: "constexpr" for c in consts}
         return {"module": mod, "kernel": "_decode_split_kernel", "signature": sig,
-                "constexprs": {"SPLIT": 512, "BLOCK_N": 64, "BLOCK_D": 128, "GP": 16, "HAS_START": has_start,
-                               "NATIVE_DOT": native}}
+                "constexprs": {"BLOCK_N": 64, "BLOCK_D": 128, "GP": 16, "HAS_START": has_start, "NATIVE_DOT": native}}
 
-    merge = {"module": mod, "kernel": "_decode_merge_kernel",
-             "signature": {"po_ptr": "*fp32", "plse_ptr": "*fp32", "len_ptr": "*i32", "o_ptr": "*bf16",
-                           "lse_ptr": "*fp32", "G": "i32", "D": "i32", "S": "i32", "SPLIT": "constexpr",
-                           "BLOCK_D": "constexpr", "GP": "constexpr"},
-             "constexprs": {"SPLIT": 512, "BLOCK_D": 128, "GP": 4}}
-    assert_compiles(split("bf16", True, True), split("fp16", False, True), split("fp32", True, False), merge)
+    def merge(dt, block_s, block_d, hb):
+        return {"module": mod, "kernel": "_decode_merge_kernel",
+                "signature": {"po_ptr": "*fp32", "plse_ptr": "*fp32", "len_ptr": "*i32", "o_ptr": "*" + dt,
+                              "lse_ptr": "*fp32", "G": "i32", "D": "i32", "S": "i32", "SPLIT": "i32", "NH": "i32",
+                              "BLOCK_S": "constexpr", "BLOCK_D": "constexpr", "HB": "constexpr"},
+                "constexprs": {"BLOCK_S": block_s, "BLOCK_D": block_d, "HB": hb}}
+    assert_compiles(split("bf16", True, True), split("fp16", False, True), split("fp32", True, False),
+                    merge("bf16", 64, 32, 1), merge("fp32", 16, 128, 4))
+
+
+_MERGE_CONFIGS = {"interpreter": None, "gpu (1 head, 32 channels, 64 splits a step)": (64, 32, 1, 2),
+                  "4 splits a step, 4 heads (across rows when G = 3)": (4, 16, 4, 4), "1 split a step": (1, 64, 2, 4)}
+
+
+@pytest.mark.parametrize("config", list(_MERGE_CONFIGS), ids=list(_MERGE_CONFIGS))
+@settings(max_examples=5)
+@given(data=st.data())
+def test_merge_of_many_splits_matches_oracle(config, data):
+    """The merge over many splits (more than one step of BLOCK_S: up to 80 splits of 4 tokens), in the
+    GPU's layout (one query head and a channel block per program) and others, with empty rows and
+    rows of one token next to long ones: equal to the oracle (the interpreted kernels)."""
+    from tritonkv.kernels import decode_attention as mod
+
+    dtype = torch.bfloat16  # the merge is fp32 whatever the dtype
+    B, H = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    G, D = data.draw(st.sampled_from([1, 3, 4])), data.draw(st.sampled_from([16, 64]))
+    R = B * H
+    lengths = [data.draw(st.sampled_from([0, 1, 5, 64, 257, 320])) for _ in range(R)]
+    lengths[data.draw(st.integers(0, R - 1))] = 320  # 80 splits of 4 tokens
+    case = (B, H, G, D, lengths, [0] * R, 4, None, data.draw(st.integers(0, 2 ** 31 - 1)))
+    q, keys, values, row_start, ln, max_cap = _ragged_inputs(dtype, case)
+    with on_backend("triton"), pytest.MonkeyPatch.context() as mp:
+        if _MERGE_CONFIGS[config] is not None:
+            mp.setattr(mod, "merge_blocks", lambda S, G, D: _MERGE_CONFIGS[config])
+        out, lse = decode_attention_ragged(q, keys, values, row_start, ln, H, max_cap, split_tokens=4,
+                                           return_lse=True)
+    ref_o, ref_lse = decode_ragged(_np(q)[:, :, 0], _np(keys), _np(values), row_start.cpu().numpy(), lengths, H)
+    _check(out[:, :, 0], lse, ref_o, ref_lse, dtype)
+    for r, n in enumerate(lengths):
+        if n == 0:
+            b, h = divmod(r, H)
+            assert (out[b, h * G:(h + 1) * G] == 0).all() and (lse[b, h * G:(h + 1) * G] == -math.inf).all()
+
+
+_NO_RECOMPILE = r"""
+import json, os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+import kernel_stats as ks  # drops TRITON_INTERPRET; Triton's own JIT binder gives the compiled variant
+import torch
+from tritonkv.kernels.decode_attention import decode_attention_ragged
+keys, splits = {}, {}
+for n in (4096, 30000, 131072, 524288):  # tokens per row: four different split sizes / counts
+    row_start = torch.arange(9, dtype=torch.int64) * n
+    k = torch.empty(8 * n, 128, dtype=torch.bfloat16)
+    q = torch.randn(1, 32, 1, 128).to(torch.bfloat16)
+    lengths = torch.full((8,), n, dtype=torch.int32)
+    log, _, err = ks.dry(lambda: decode_attention_ragged(q, k, k, row_start, lengths, 8, n))
+    assert err is None, err
+    for rec in log:
+        keys.setdefault(rec.name, set()).add(ks.config_key(rec)[0])
+        splits.setdefault(rec.name, set()).add((rec.args["S"], rec.args["SPLIT"]))
+print(json.dumps({k: [len(v), len(splits[k])] for k, v in keys.items()}))
+"""
+
+
+def test_new_length_bucket_compiles_nothing_new():
+    """Decode over caches of 4K to 512K tokens per row (different split sizes and counts): each kernel
+    has one compiled variant (the constexprs and Triton's argument specialisation of every launch are
+    the same; S and SPLIT are runtime values), as Triton's JIT binder computes it without a GPU."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITONKV_CPU_KERNELS")}
+    root = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run([sys.executable, "-c", _NO_RECOMPILE], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(res) == {"_decode_split_kernel", "_decode_merge_kernel"}
+    for name, (variants, split_sizes) in res.items():
+        assert variants == 1 and split_sizes == 4, (name, variants, split_sizes)
 
 
 _EXPORT = r"""

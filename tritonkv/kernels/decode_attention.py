@@ -15,13 +15,19 @@ Two launches (``shared/notes/kernels.md`` §5):
    r, so rows of very different lengths get balanced work; a split past the row's length exits at
    once. It loads the G query heads of KV head r together (padded to 16 for ``tl.dot`` on the
    GPU), streams its tokens in ``BLOCK_N`` tiles with an online softmax (base 2) and writes the
-   normalised partial output ``[R, S, G, D]`` and its log-sum-exp ``[R, S, G]``;
-2. grid ``(R,)``: merges the partials of the row's non-empty splits (their count is re-derived
-   from ``length``, so nothing is read back on the host). A row of length 0 gives zeros and an
-   LSE of -inf, never NaN.
+   normalised partial output ``[R, S, G, D]`` and its log-sum-exp ``[R, S, G]``. Two pipeline
+   stages (one K/V tile in flight): 38 KB of shared memory at D = 128, 5 CTAs per H100 SM;
+2. grid ``(D / BLOCK_D, R·G / HB)``: each program merges, for HB query heads and BLOCK_D channels
+   (on the GPU one head and 32 channels: R·G·D/32 programs), the partials of the row's non-empty
+   splits, BLOCK_S splits at a time (a tree sum within a step, an online rescaling between steps;
+   the split count is re-derived from ``length``, so nothing is read back on the host). A row of
+   length 0 gives zeros and an LSE of -inf, never NaN.
 
 ``S`` (the split count) is a static int: ``ceil(max_capacity / SPLIT)`` from a capacity the
 caller knows (the padded cap, or ``RaggedKV.max_capacity``), never from the lengths' values.
+``S`` and ``SPLIT`` are runtime kernel arguments that Triton does not specialise
+(``do_not_specialize``) and the GPU block sizes do not depend on them, so a cache of a new size
+(a new split size or count) launches the kernels already compiled.
 
 On the CPU (outside the Triton interpreter) the same op runs ``_decode_torch``: rows padded to a
 static length with a length mask (ragged rows gathered through a static index), fp32 matmuls per
@@ -42,10 +48,12 @@ from ._common import (INTERPRET, check_device, check_int, check_kv_tensor, launc
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# S and SPLIT change with the cache's size: runtime values, never specialised (no "=1" constant, no
+# divisibility variant), so a new length bucket reuses the compiled kernels; block sizes stay constexpr
+@triton.jit(do_not_specialize=["S", "SPLIT"])
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_ptr,
-                         H, G, D, S, sqb, sqh, skb, skh, skn, svb, svh, svn, qk_scale,
-                         SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         H, G, D, S, SPLIT, sqb, sqh, skb, skh, skn, svb, svh, svn, qk_scale,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          GP: tl.constexpr, HAS_START: tl.constexpr, NATIVE_DOT: tl.constexpr):
     """Stage 1: one (split, row) -> partial O [G, D] and LSE (base 2) [G]."""
     s = tl.program_id(0).to(tl.int64)
@@ -103,37 +111,60 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_p
         tl.store(plse_ptr + part, m_i + tl.log2(l_i), mask=gmask)
 
 
-@triton.jit
-def _decode_merge_kernel(po_ptr, plse_ptr, len_ptr, o_ptr, lse_ptr, G, D, S,
-                         SPLIT: tl.constexpr, BLOCK_D: tl.constexpr, GP: tl.constexpr):
-    """Stage 2: merge the non-empty splits of row r into O [G, D] and LSE (natural log) [G]."""
-    r = tl.program_id(0).to(tl.int64)
-    length = tl.load(len_ptr + r).to(tl.int64)
-    n_split = tl.minimum((length + SPLIT - 1) // SPLIT, S)
-    g = tl.arange(0, GP)
-    d = tl.arange(0, BLOCK_D)
-    gmask = g < G
-    m2 = gmask[:, None] & (d < D)[None, :]
-    m = tl.full([GP], float("-inf"), dtype=tl.float32)
-    l_sum = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
-    for s in range(0, n_split):
-        part = (r * S + s) * G + g.to(tl.int64)
-        lse = tl.load(plse_ptr + part, mask=gmask, other=0.0)
-        o = tl.load(po_ptr + part[:, None] * D + d[None, :], mask=m2, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        l_sum = l_sum * alpha + w
+@triton.jit(do_not_specialize=["S", "SPLIT"])
+def _decode_merge_kernel(po_ptr, plse_ptr, len_ptr, o_ptr, lse_ptr, G, D, S, SPLIT, NH,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr):
+    """Stage 2: program ``(c, i)`` merges, for the HB query heads ``j = i·HB + [0, HB)`` (global
+    index ``j = r·G + g`` over ``NH = R·G``) and the channels ``[c·BLOCK_D, (c+1)·BLOCK_D)``, the
+    non-empty splits of row ``r = j // G`` into O and the LSE (natural log). Splits are taken BLOCK_S
+    at a time (a tree reduction per chunk, an online rescaling across chunks); their count is
+    re-derived from ``length``. A row of length 0 gives zeros and -inf."""
+    c = tl.program_id(0)
+    j = tl.program_id(1).to(tl.int64) * HB + tl.arange(0, HB)
+    jmask = j < NH
+    r = j // G
+    g = j % G
+    length = tl.load(len_ptr + r, mask=jmask, other=0).to(tl.int64)
+    n_split = tl.minimum((length + SPLIT - 1) // SPLIT, S)  # [HB]; 0 for masked heads
+    n_max = tl.max(n_split, 0)
+    d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+    dmask = d < D
+    sl = tl.arange(0, BLOCK_S)
+    m = tl.full([HB], float("-inf"), dtype=tl.float32)
+    l_sum = tl.zeros([HB], dtype=tl.float32)
+    acc = tl.zeros([HB, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, n_max, BLOCK_S):
+        s = s0 + sl
+        smask = s[None, :] < n_split[:, None]  # [HB, BLOCK_S]
+        part = (r[:, None] * S + s[None, :]) * G + g[:, None]
+        lse = tl.load(plse_ptr + part, mask=smask, other=float("-inf"))
+        o = tl.load(po_ptr + part[:, :, None] * D + d[None, None, :],
+                    mask=smask[:, :, None] & dmask[None, None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with no split yet: weights 0, not NaN
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref[:, None])  # [HB, BLOCK_S], 0 for masked splits
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        l_sum = l_sum * alpha + tl.sum(w, 1)
         m = m_new
     nonempty = l_sum > 0.0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_sum, 1.0)[:, None], 0.0)
-    rows = r * G + g.to(tl.int64)
-    tl.store(o_ptr + rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=m2)
-    lse_out = tl.where(nonempty, (m + tl.log2(tl.where(nonempty, l_sum, 1.0))) * 0.6931471805599453,
-                       float("-inf"))
-    tl.store(lse_ptr + rows, lse_out, mask=gmask)
+    tl.store(o_ptr + j[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=jmask[:, None] & dmask[None, :])
+    if c == 0:
+        lse_out = tl.where(nonempty, (m + tl.log2(tl.where(nonempty, l_sum, 1.0))) * 0.6931471805599453,
+                           float("-inf"))
+        tl.store(lse_ptr + j, lse_out, mask=jmask)
+
+
+def merge_blocks(S: int, G: int, D: int):
+    """``(BLOCK_S, BLOCK_D, HB, num_warps)`` of the merge. On the GPU they are fixed (a new split
+    count ``S`` compiles nothing new): one query head and 32 channels per program, 64 splits per
+    step, so R·G·D/32 programs share the merge. Under the interpreter (~0.5 ms per program) the
+    fewest programs: every head of a group and all channels at once."""
+    if INTERPRET:
+        return min(next_pow2(S), 64), next_pow2(D), next_pow2(G), 4
+    return 64, 32, 1, 2
 
 
 def plan(max_capacity: int, total_tokens: int, split_tokens: Optional[int] = None, D: int = 128):
@@ -192,12 +223,16 @@ def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     GP = next_pow2(G) if INTERPRET else max(16, next_pow2(G))
     BLOCK_D = next_pow2(D) if INTERPRET else max(16, next_pow2(D))
     if R > 0:
+        # 2 stages: one K/V tile in flight while the current one is used (3 stages take 70 KB of
+        # shared memory at D = 128: 3 CTAs/SM on an H100; 2 stages: 38 KB, 5 CTAs/SM)
         launch(_decode_split_kernel, (S, R), q, keys, values, row_start, lengths, part_o, part_lse,
-               H, G, D, S, q.stride(0), q.stride(1), *kstr, *vstr, scale * LOG2E,
-               SPLIT=split_tokens, BLOCK_N=block_n, BLOCK_D=BLOCK_D, GP=GP, HAS_START=has_start,
-               NATIVE_DOT=native)
-        launch(_decode_merge_kernel, (R,), part_o, part_lse, lengths, out, lse, G, D, S,
-               SPLIT=split_tokens, BLOCK_D=BLOCK_D, GP=next_pow2(G))
+               H, G, D, S, split_tokens, q.stride(0), q.stride(1), *kstr, *vstr, scale * LOG2E,
+               BLOCK_N=block_n, BLOCK_D=BLOCK_D, GP=GP, HAS_START=has_start, NATIVE_DOT=native,
+               num_warps=4, num_stages=2)
+        BLOCK_S, BLOCK_DM, HB, warps = merge_blocks(S, G, D)
+        NH = R * G
+        launch(_decode_merge_kernel, (triton.cdiv(D, BLOCK_DM), triton.cdiv(NH, HB)), part_o, part_lse, lengths,
+               out, lse, G, D, S, split_tokens, NH, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_DM, HB=HB, num_warps=warps)
     return out, lse
 
 
