@@ -376,14 +376,16 @@ def test_registered():
 
 
 def test_aot_compiles():
-    common = {"H": "i32", "skb": "i32", "skh": "i32", "skn": "i32", "N": "i32", "D": "i32", "C": "i32"}
+    common = {"H": "i32", "skb": "i32", "skh": "i32", "skn": "i32", "N": "i32", "D": "i32", "C": "i32", "CHUNK": "i32"}
     assert_compiles(
         {"module": "tritonkv.kernels.keydiff", "kernel": "_keydiff_anchor_kernel",
-         "signature": {"k_ptr": "*bf16", "part_ptr": "*fp32", **common, "skb": "i64",
-                       "CHUNK": "constexpr", "TILE": "constexpr", "BLOCK_D": "constexpr", "NORMALIZE": "constexpr"},
-         "constexprs": {"CHUNK": 1024, "TILE": 64, "BLOCK_D": 128, "NORMALIZE": True}},
+         "signature": {"k_ptr": "*bf16", "part_ptr": "*fp32", "hist_ptr": "*i32", **common, "skb": "i64",
+                       "TILE": "constexpr", "BLOCK_D": "constexpr", "NORMALIZE": "constexpr", "HIST": "constexpr",
+                       "NB": "constexpr"},
+         "constexprs": {"TILE": 64, "BLOCK_D": 128, "NORMALIZE": True, "HIST": True, "NB": 2048}},
         {"module": "tritonkv.kernels.keydiff", "kernel": "_keydiff_score_kernel",
-         "signature": {"k_ptr": "*fp16", "part_ptr": "*fp32", "out_ptr": "*fp32", **common,
-                       "CHUNK": "constexpr", "TILE": "constexpr", "BLOCK_D": "constexpr", "BLOCK_C": "constexpr"},
-         "constexprs": {"CHUNK": 1024, "TILE": 64, "BLOCK_D": 128, "BLOCK_C": 32}},
+         "signature": {"k_ptr": "*fp16", "part_ptr": "*fp32", "out_ptr": "*fp32", "hist_ptr": "*i32", **common,
+                       "sink": "i32", "window": "i32", "TILE": "constexpr", "BLOCK_D": "constexpr",
+                       "BLOCK_C": "constexpr", "HIST": "constexpr", "NB": "constexpr"},
+         "constexprs": {"TILE": 64, "BLOCK_D": 128, "BLOCK_C": 32, "HIST": True, "NB": 2048}},
     )

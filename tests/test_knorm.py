@@ -185,7 +185,50 @@ def test_registered():
 
 def test_aot_compiles():
     assert_compiles({"module": "tritonkv.kernels.knorm", "kernel": "_knorm_kernel",
-                     "signature": {"k_ptr": "*bf16", "out_ptr": "*fp32", "H": "i32", "skb": "i64", "skh": "i32",
-                                   "skn": "i32", "N": "i32", "D": "i32",
-                                   "CHUNK": "constexpr", "TILE": "constexpr", "BLOCK_D": "constexpr"},
-                     "constexprs": {"CHUNK": 2048, "TILE": 64, "BLOCK_D": 128}})
+                     "signature": {"k_ptr": "*bf16", "out_ptr": "*fp32", "hist_ptr": "*i32", "H": "i32", "skb": "i64",
+                                   "skh": "i32", "skn": "i32", "N": "i32", "D": "i32", "CHUNK": "i32", "sink": "i32",
+                                   "window": "i32", "TILE": "constexpr", "BLOCK_D": "constexpr", "HIST": "constexpr",
+                                   "NB": "constexpr"},
+                     "constexprs": {"TILE": 64, "BLOCK_D": 128, "HIST": True, "NB": 2048}})
+
+
+def test_first_pass_in_the_score_is_used_only_for_its_scores():
+    """``protect=`` makes the scoring kernel count the select's first radix pass for the next
+    ``select_kv`` of those very scores: used there (one histogram launch fewer, same kept tokens), and
+    ignored for other protection, a ``forced`` mask, or scores changed in place since."""
+    from tritonkv.kernels._common import record_launches
+    from tritonkv.kernels.select import select_kv
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randint(-2, 3, (1, 3, 90, 16), generator=g).to(torch.bfloat16)  # many exact ties
+    values = torch.randn(1, 3, 90, 16, generator=g).to(torch.bfloat16)
+    b = torch.tensor([30, 30, 30], dtype=torch.int32)
+
+    def kept(scores, sink, window, forced=None):
+        with record_launches() as log:
+            idx = select_kv(scores, 30, keys, values, 30, sink=sink, window=window, forced=forced)[2]
+        return idx, sum(x.name == "_select_hist_kernel" for x in log)
+
+    def want(scores, sink, window, forced=None):
+        return select_indices(scores.clone(), b, 30, sink=sink, window=window, forced=forced)[0]
+
+    with on_backend("triton"):
+        s = knorm_scores(keys, protect=(2, 5))
+        idx, passes = kept(s, 2, 5)
+        assert passes == 2 and torch.equal(idx, want(s, 2, 5))
+        s = knorm_scores(keys, protect=(2, 5))
+        idx, passes = kept(s, 0, 5)  # other protection: the full pipeline
+        assert passes == 3 and torch.equal(idx, want(s, 0, 5))
+        s = knorm_scores(keys, protect=(2, 5))
+        forced = torch.zeros(1, 3, 90, dtype=torch.bool)
+        forced[..., 40] = True
+        idx, passes = kept(s, 2, 5, forced)
+        assert passes == 3 and torch.equal(idx, want(s, 2, 5, forced))
+        s = knorm_scores(keys, protect=(2, 5))
+        s[..., 10:20] = 0.0  # changed in place after scoring
+        idx, passes = kept(s, 2, 5)
+        assert passes == 3 and torch.equal(idx, want(s, 2, 5))
+        s = knorm_scores(keys, protect=(2, 5))
+        kept(s, 2, 5)
+        idx, passes = kept(s, 2, 5)  # the histogram serves one select only (the next one adds into it)
+        assert passes == 3 and torch.equal(idx, want(s, 2, 5))

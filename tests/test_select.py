@@ -283,24 +283,83 @@ def test_budget_tensor_errors():
 def test_select_kernels_compile_ahead_of_time():
     common = {"s_ptr": "*fp32", "f_ptr": "*u8", "budget_ptr": "*i32", "hist_ptr": "*i32", "N": "i32",
               "sink": "i32", "window": "i32", "k_max": "i32"}
-    consts = {"CHUNK": 1024, "TILE": 256, "NB": 2048, "HAS_FORCED": True}
+    consts = {"TILE": 256, "NB": 2048, "HAS_FORCED": True, "UNIFORM": False}
+    flags = {"TILE": "constexpr", "NB": "constexpr", "HAS_FORCED": "constexpr", "UNIFORM": "constexpr"}
     hist = {"module": "tritonkv.kernels.select", "kernel": "_select_hist_kernel",
-            "signature": {**common, "PASS": "constexpr", "CHUNK": "constexpr", "TILE": "constexpr",
-                          "NB": "constexpr", "HAS_FORCED": "constexpr"}, "constexprs": {**consts, "PASS": 2}}
-    count = {"module": "tritonkv.kernels.select", "kernel": "_select_count_kernel",
-             "signature": {**common, "cnt_ptr": "*i32", "C": "i32", "CHUNK": "constexpr", "TILE": "constexpr",
-                           "NB": "constexpr", "HAS_FORCED": "constexpr"}, "constexprs": consts}
-    count["signature"] = {k: count["signature"][k] for k in
-                          ["s_ptr", "f_ptr", "budget_ptr", "hist_ptr", "cnt_ptr", "N", "sink", "window", "k_max", "C",
-                           "CHUNK", "TILE", "NB", "HAS_FORCED"]}
-    compact_sig = {k: common[k] for k in ["s_ptr", "f_ptr", "budget_ptr", "hist_ptr"]}
-    compact_sig.update({"cnt_ptr": "*i32", "N": "i32", "sink": "i32", "window": "i32", "k_max": "i32", "C": "i32",
-                        "start_ptr": "*i64", "idx_ptr": "*i64", "len_ptr": "*i32", "mask_ptr": "*i8",
+            "signature": {**common, "CHUNK": "i32", "PASS": "constexpr", **flags}, "constexprs": {**consts, "PASS": 2}}
+    count_sig = {k: common[k] for k in ["s_ptr", "f_ptr", "budget_ptr", "hist_ptr"]}
+    count_sig.update({"cnt_ptr": "*i32", "N": "i32", "sink": "i32", "window": "i32", "k_max": "i32", "C": "i32",
+                      "CHUNK": "i32", **flags})
+    count = {"module": "tritonkv.kernels.select", "kernel": "_select_count_kernel", "signature": count_sig,
+             "constexprs": consts}
+    compact_sig = dict(count_sig)
+    for f in flags:
+        del compact_sig[f]
+    compact_sig.update({"start_ptr": "*i64", "stride": "i32", "idx_ptr": "*i64", "len_ptr": "*i32", "mask_ptr": "*i8",
                         "k_ptr": "*bf16", "v_ptr": "*bf16", "ko_ptr": "*bf16", "vo_ptr": "*bf16", "H": "i32",
                         "skb": "i64", "skh": "i64", "skn": "i64", "svb": "i64", "svh": "i64", "svn": "i64", "D": "i32",
-                        "CHUNK": "constexpr", "TILE": "constexpr", "NB": "constexpr", "CP2": "constexpr",
-                        "BLOCK_D": "constexpr", "HAS_FORCED": "constexpr", "HAS_KV": "constexpr",
-                        "WRITE_MASK": "constexpr"})
+                        "TILE": "constexpr", "NB": "constexpr", "CB": "constexpr", "BLOCK_D": "constexpr",
+                        "HAS_FORCED": "constexpr", "HAS_KV": "constexpr", "WRITE_MASK": "constexpr",
+                        "UNIFORM": "constexpr", "HAS_START": "constexpr", "PROTECTED_ONLY": "constexpr"})
     compact = {"module": "tritonkv.kernels.select", "kernel": "_select_compact_kernel", "signature": compact_sig,
-               "constexprs": {**consts, "CP2": 64, "BLOCK_D": 128, "HAS_KV": True, "WRITE_MASK": True}}
-    assert_compiles(hist, count, compact)
+               "constexprs": {**consts, "TILE": 32, "CB": 64, "BLOCK_D": 128, "HAS_KV": True, "WRITE_MASK": True,
+                              "HAS_START": True, "PROTECTED_ONLY": False}}
+    direct = {**compact, "constexprs": {**compact["constexprs"], "HAS_FORCED": False, "UNIFORM": True,
+                                        "WRITE_MASK": False, "HAS_START": False, "PROTECTED_ONLY": True}}
+    assert_compiles(hist, count, compact, direct)
+
+
+_GPU_LAUNCHES = r"""
+import json, os, sys
+sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+import kernel_stats as ks  # drops TRITON_INTERPRET: the launchers take their GPU branch
+import torch, tritonkv
+from tritonkv.kernels import select as sel
+
+def variant(rec):
+    # what picks a compiled kernel: constexprs, launch options, and the specialisation of the ints
+    # Triton specialises on (== 1, divisible by 16)
+    params = {p.name: p for p in rec.kernel.params}
+    ints = sorted((n, v == 1, v % 16 == 0) for n, v in rec.args.items()
+                  if isinstance(v, int) and not isinstance(v, bool) and not params[n].do_not_specialize)
+    return [rec.name, sorted((k, repr(v)) for k, v in rec.constexprs.items()), sorted(rec.options.items()), ints]
+
+out = {}
+for n in (1040, 5008, 40000):  # three power-of-two buckets (all multiples of 16, as N is specialised on)
+    inp = ks.make_inputs(n)
+    k, v = inp["keys"], inp["values"]
+    runs = {name: (lambda name=name: tritonkv.compress((k, v), name, 0.25)) for name in ks.KEY_ONLY}
+    runs["knorm_window"] = lambda: tritonkv.compress((k, v), tritonkv.POLICIES["knorm"](sink=4, window=n // 10), 0.3)
+    runs["select_kv_budgets"] = lambda: sel.select_kv(torch.empty(1, 8, n), torch.arange(8, dtype=torch.int32) * 7,
+                                                      k, v, n // 3, sink=3, window=5)
+    runs["select_mask"] = lambda: sel.select_mask(torch.empty(1, 8, n), n // 5, sink=1, window=9)
+    for name, fn in runs.items():
+        log, ops, err = ks.dry(fn)
+        assert err is None, (name, err)
+        launches = len(log) + sum(o["kind"] in ("fill", "compute") for o in ops)
+        out.setdefault(name, []).append(dict(variants=[variant(r) for r in log], triton=len(log), all=launches,
+                                             syncs=sum(o["kind"] == "sync" for o in ops)))
+print(json.dumps(out))
+"""
+
+
+def test_gpu_launches_compile_once_and_stay_few():
+    """The launches a GPU run makes (logged, not run; ``benchmarks/kernel_stats.py``'s dry run, no
+    interpreter): a new N in another power-of-two bucket picks no new compiled variant of any kernel
+    (CHUNK, C and the budget-dependent scalars are runtime, unspecialised arguments), and a compress
+    by a key-only policy makes at most 6 device launches (Triton + torch-side), with no host sync."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITONKV_CPU_KERNELS")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _GPU_LAUNCHES], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    for name, per_n in res.items():
+        assert all(x["variants"] == per_n[0]["variants"] for x in per_n), name
+        assert all(x["syncs"] == 0 for x in per_n), name
+    for name in ("keydiff", "knorm", "streaming_llm"):
+        assert all(x["triton"] <= 6 and x["all"] <= 6 for x in res[name]), (name, res[name])
+    assert res["streaming_llm"][0]["triton"] == 1  # only protected tokens: one direct copy
+    assert res["knorm"][0]["triton"] == 5 and res["keydiff"][0]["triton"] == 6  # first radix pass in the score

@@ -27,6 +27,7 @@ static shapes only (torch.compile and torch.export trace it).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -39,23 +40,69 @@ NB = 2048  # bins per radix pass (digits of 11, 11 and 10 bits)
 
 
 @triton.jit
-def _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED: tl.constexpr):
-    """Order-preserving uint32 keys of one tile of scores; protected tokens get the maximum."""
-    s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+def _keys_of(s, offs, N, sink, window):
+    """Order-preserving uint32 keys of a tile of fp32 scores ``s`` at tokens ``offs``; the first
+    ``sink`` and the last ``window`` tokens of a row of ``N`` get the maximum."""
     s = tl.where(s != s, float("-inf"), s)  # NaN ranks lowest
     s = tl.where(s == 0.0, 0.0, s)  # -0 == +0
     b = s.to(tl.uint32, bitcast=True)
     u = tl.where((b >> 31) != 0, ~b, b | 0x80000000)
     prot = (offs < sink) | (offs >= N - window)
-    if HAS_FORCED:
-        prot = prot | (tl.load(f_ptr + offs, mask=mask, other=0) != 0)
     return tl.where(prot, 0xFFFFFFFF, u)
 
 
 @triton.jit
-def _row_budget(budget_ptr, r, N, k_max):
-    k = tl.load(budget_ptr + r)
-    return tl.maximum(tl.minimum(tl.minimum(k, N), k_max), 0)
+def _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED: tl.constexpr):
+    """Order-preserving uint32 keys of one tile of scores; protected tokens get the maximum."""
+    s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = _keys_of(s, offs, N, sink, window)
+    if HAS_FORCED:
+        u = tl.where(tl.load(f_ptr + offs, mask=mask, other=0) != 0, 0xFFFFFFFF, u)
+    return u
+
+
+@triton.jit
+def _digit_hist(digit, match, NB: tl.constexpr):
+    """Histogram over NB bins of the int32 ``digit``s of the lanes where ``match`` (no ``mask=``
+    argument: the non-matching lanes are counted in bin 0 and taken out again)."""
+    digit = tl.where(match, digit, 0)
+    n_out = tl.sum(tl.where(match, 0, 1), 0)
+    return tl.histogram(digit, NB) - tl.where(tl.arange(0, NB) == 0, n_out, 0)
+
+
+@triton.jit
+def score_hist0(s, offs, mask, N, sink, window, NB: tl.constexpr):
+    """For scoring kernels that feed the select (``remember_pass0``): the first radix pass's
+    ``[NB]`` histogram of a tile of fp32 scores, exactly as ``_select_hist_kernel[PASS=0]`` counts
+    them once the scores are stored (the key of the in-register score is the key of the stored one).
+    Accumulate over the program's tiles, then ``add_hist0`` once."""
+    u = _keys_of(s, offs, N, sink, window)
+    return _digit_hist((u >> 21).to(tl.int32), mask, NB)
+
+
+@triton.jit
+def add_hist0(hist_ptr, r, acc, NB: tl.constexpr):
+    """Add a program's pass-0 counts into row ``r`` (int64) of the ``[R, 3, NB]`` histogram."""
+    tl.atomic_add(hist_ptr + r * 3 * NB + tl.arange(0, NB), acc, sem="relaxed")
+
+
+@triton.jit
+def zero_hist(hist_ptr, r, c, C, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``c`` of the ``C`` of row ``r`` zeroes its share of the row's ``[3, NB]`` histogram
+    (for a kernel that runs before the first histogram pass: the launch boundary orders it)."""
+    for i0 in range(c * BLOCK, 3 * NB, C * BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        tl.store(hist_ptr + r * 3 * NB + i, tl.zeros([BLOCK], dtype=tl.int32), mask=i < 3 * NB)
+
+
+@triton.jit
+def _row_budget(budget_ptr, r, N, k_max, UNIFORM: tl.constexpr):
+    """k_r = clamp(min(budget[r], N, k_max), 0); ``UNIFORM``: no budget tensor, k_max is the budget."""
+    if UNIFORM:
+        k = k_max
+    else:
+        k = tl.minimum(tl.load(budget_ptr + r), k_max)
+    return tl.maximum(tl.minimum(k, N), 0)
 
 
 @triton.jit
@@ -77,16 +124,23 @@ def _radix_prefix(hist_ptr, k, PASSES: tl.constexpr, NB: tl.constexpr):
     return prefix, k_rem
 
 
-@triton.jit
-def _select_hist_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, N, sink, window, k_max,
-                        PASS: tl.constexpr, CHUNK: tl.constexpr, TILE: tl.constexpr,
-                        NB: tl.constexpr, HAS_FORCED: tl.constexpr):
+# CHUNK (tokens per program) and C (programs per row) are runtime arguments: a new N, or a new
+# power-of-two bucket of N, reuses the compiled kernels. Loop steps (TILE) stay constexpr.
+
+# Scalars that vary with N or the budget are not specialised on (divisibility by 16, == 1), so they
+# never pick a new compiled variant either; N itself is (it aligns the rows of scores).
+_RUNTIME = ["sink", "window", "k_max", "C", "CHUNK", "stride"]
+
+
+@triton.jit(do_not_specialize=_RUNTIME[:3] + ["CHUNK"])
+def _select_hist_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, N, sink, window, k_max, CHUNK,
+                        PASS: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
+                        HAS_FORCED: tl.constexpr, UNIFORM: tl.constexpr):
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
-    k = _row_budget(budget_ptr, r, N, k_max)
+    k = _row_budget(budget_ptr, r, N, k_max, UNIFORM)
     hrow = hist_ptr + r * 3 * NB
     prefix, k_rem = _radix_prefix(hrow, k, PASS, NB)
-    bins = tl.arange(0, NB)
     acc = tl.zeros([NB], dtype=tl.int32)
     for t0 in range(0, CHUNK, TILE):
         offs = c * CHUNK + t0 + tl.arange(0, TILE)
@@ -101,22 +155,19 @@ def _select_hist_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, N, sink, window, k_m
         else:
             match = mask & ((u >> 10) == prefix)
             digit = u & 0x3FF
-        digit = tl.where(match, digit, 0).to(tl.int32)
-        # non-matching lanes were counted in bin 0: take them out again
-        n_out = TILE - tl.sum(match.to(tl.int32), 0)
-        acc += tl.histogram(digit, NB) - tl.where(bins == 0, n_out, 0)
+        acc += _digit_hist(digit.to(tl.int32), match, NB)
     # integer counts: the order of the adds never matters and the next launch is the barrier,
     # so no fence is needed (the default acq_rel semantics adds one per atomic)
-    tl.atomic_add(hrow + PASS * NB + bins, acc, sem="relaxed")
+    tl.atomic_add(hrow + PASS * NB + tl.arange(0, NB), acc, sem="relaxed")
 
 
-@triton.jit
-def _select_count_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, window, k_max, C,
-                         CHUNK: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
-                         HAS_FORCED: tl.constexpr):
+@triton.jit(do_not_specialize=_RUNTIME[:5])
+def _select_count_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, window, k_max, C, CHUNK,
+                         TILE: tl.constexpr, NB: tl.constexpr, HAS_FORCED: tl.constexpr,
+                         UNIFORM: tl.constexpr):
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
-    k = _row_budget(budget_ptr, r, N, k_max)
+    k = _row_budget(budget_ptr, r, N, k_max, UNIFORM)
     t, need_eq = _radix_prefix(hist_ptr + r * 3 * NB, k, 3, NB)
     n_gt = 0
     n_eq = 0
@@ -131,53 +182,85 @@ def _select_count_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, w
 
 
 @triton.jit
-def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, window, k_max, C,
-                           start_ptr, idx_ptr, len_ptr, mask_ptr,
+def _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, keep, D,
+                  BLOCK_D: tl.constexpr):
+    """``ko[dst] = k[src]`` and ``vo[dst] = v[src]`` for the rows where ``keep`` (int64 ``src``
+    token and ``dst`` slot per row); both tiles are loaded before either is stored."""
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m2 = keep[:, None] & (d < D)[None, :]
+        kv = tl.load(k_ptr + bh_k + src[:, None] * skn + d[None, :], mask=m2)
+        vv = tl.load(v_ptr + bh_v + src[:, None] * svn + d[None, :], mask=m2)
+        tl.store(ko_ptr + dst[:, None] * D + d[None, :], kv, mask=m2)
+        tl.store(vo_ptr + dst[:, None] * D + d[None, :], vv, mask=m2)
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, window, k_max, C, CHUNK,
+                           start_ptr, stride, idx_ptr, len_ptr, mask_ptr,
                            k_ptr, v_ptr, ko_ptr, vo_ptr, H, skb, skh, skn, svb, svh, svn, D,
-                           CHUNK: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr, CP2: tl.constexpr,
+                           TILE: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr,
                            BLOCK_D: tl.constexpr, HAS_FORCED: tl.constexpr, HAS_KV: tl.constexpr,
-                           WRITE_MASK: tl.constexpr):
+                           WRITE_MASK: tl.constexpr, UNIFORM: tl.constexpr, HAS_START: tl.constexpr,
+                           PROTECTED_ONLY: tl.constexpr):
+    """Writes row r's kept tokens at ``start[r]`` (or ``r·stride`` without ``HAS_START``).
+
+    ``PROTECTED_ONLY``: every kept token is protected (no forced tokens, and the protected count
+    equals k_r), so nothing is ranked: program c writes output slots ``[c·TILE, (c+1)·TILE)``
+    (the first ``sink`` tokens, then the last ``k_r − sink``), with no histogram and no scores read."""
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
-    k = _row_budget(budget_ptr, r, N, k_max)
-    t, need_eq = _radix_prefix(hist_ptr + r * 3 * NB, k, 3, NB)
-    cs = tl.arange(0, CP2)
-    before = cs < c
-    gt_before = tl.sum(tl.load(cnt_ptr + (r * C + cs) * 2, mask=before, other=0), 0)
-    eq_seen = tl.sum(tl.load(cnt_ptr + (r * C + cs) * 2 + 1, mask=before, other=0), 0)
-    slot = gt_before + tl.minimum(eq_seen, need_eq)
+    k = _row_budget(budget_ptr, r, N, k_max, UNIFORM)
+    if HAS_START:
+        base = tl.load(start_ptr + r)  # int64 first output slot of this row
+    else:
+        base = r * stride
     if c == 0:
         tl.store(len_ptr + r, k)
-    base = tl.load(start_ptr + r)  # int64 first output slot of this row
     bh_k = (r // H) * skb + (r % H) * skh
     bh_v = (r // H) * svb + (r % H) * svh
-    for t0 in range(0, CHUNK, TILE):
-        offs = c * CHUNK + t0 + tl.arange(0, TILE)
-        mask = offs < N
-        u = _sortable_keys(s_ptr + r * N, f_ptr + r * N, offs, mask, N, sink, window, HAS_FORCED)
-        eq = (mask & (u == t)).to(tl.int32)
-        eq_rank = eq_seen + tl.cumsum(eq, 0) - eq
-        keep = (mask & (u > t)) | ((eq != 0) & (eq_rank < need_eq))
-        keep_i = keep.to(tl.int32)
-        dst = base + (slot + tl.cumsum(keep_i, 0) - keep_i).to(tl.int64)
-        tl.store(idx_ptr + dst, offs.to(tl.int64), mask=keep)
-        if WRITE_MASK:
-            tl.store(mask_ptr + r * N + offs, keep.to(tl.int8), mask=mask)
+    if PROTECTED_ONLY:
+        j = c * TILE + tl.arange(0, TILE)
+        keep = j < k
+        src = tl.where(j < sink, j, j + (N - k)).to(tl.int64)
+        dst = base + j.to(tl.int64)
+        tl.store(idx_ptr + dst, src, mask=keep)
         if HAS_KV:
-            src = offs.to(tl.int64)
-            for d0 in range(0, D, BLOCK_D):
-                d = d0 + tl.arange(0, BLOCK_D)
-                m2 = keep[:, None] & (d < D)[None, :]
-                kv = tl.load(k_ptr + bh_k + src[:, None] * skn + d[None, :], mask=m2)
-                tl.store(ko_ptr + dst[:, None] * D + d[None, :], kv, mask=m2)
-                vv = tl.load(v_ptr + bh_v + src[:, None] * svn + d[None, :], mask=m2)
-                tl.store(vo_ptr + dst[:, None] * D + d[None, :], vv, mask=m2)
-        slot += tl.sum(keep_i, 0)
-        eq_seen += tl.sum(eq, 0)
+            _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, keep, D, BLOCK_D)
+    else:
+        t, need_eq = _radix_prefix(hist_ptr + r * 3 * NB, k, 3, NB)
+        # keys > t and keys == t in the earlier chunks of the row
+        gt_before = 0
+        eq_seen = 0
+        for c0 in range(0, c, CB):
+            cs = c0 + tl.arange(0, CB)
+            before = cs < c
+            gt_before += tl.sum(tl.load(cnt_ptr + (r * C + cs) * 2, mask=before, other=0), 0)
+            eq_seen += tl.sum(tl.load(cnt_ptr + (r * C + cs) * 2 + 1, mask=before, other=0), 0)
+        slot = gt_before + tl.minimum(eq_seen, need_eq)
+        for t0 in range(0, CHUNK, TILE):
+            offs = c * CHUNK + t0 + tl.arange(0, TILE)
+            mask = offs < N
+            u = _sortable_keys(s_ptr + r * N, f_ptr + r * N, offs, mask, N, sink, window, HAS_FORCED)
+            eq = (mask & (u == t)).to(tl.int32)
+            eq_rank = eq_seen + tl.cumsum(eq, 0) - eq
+            keep = (mask & (u > t)) | ((eq != 0) & (eq_rank < need_eq))
+            keep_i = keep.to(tl.int32)
+            dst = base + (slot + tl.cumsum(keep_i, 0) - keep_i).to(tl.int64)
+            tl.store(idx_ptr + dst, offs.to(tl.int64), mask=keep)
+            if WRITE_MASK:
+                tl.store(mask_ptr + r * N + offs, keep.to(tl.int8), mask=mask)
+            if HAS_KV:
+                _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, offs.to(tl.int64), dst, keep,
+                              D, BLOCK_D)
+            slot += tl.sum(keep_i, 0)
+            eq_seen += tl.sum(eq, 0)
 
 
 def _blocks(n: int, rows: int, chunk: Optional[int]):
-    """(CHUNK, TILE): tokens per program and per loop step."""
+    """(CHUNK, TILE, COMPACT_TILE): tokens per program, per loop step of the histogram and count
+    passes, and per loop step of the compaction (which also moves K/V rows: a smaller tile keeps
+    the K and V tiles in registers)."""
     if INTERPRET:  # one program costs ~0.5 ms: few, large programs
         tile = min(next_pow2(n), 4096)
     else:
@@ -189,52 +272,138 @@ def _blocks(n: int, rows: int, chunk: Optional[int]):
             want = max(1, -(-264 // rows))
             chunk = min(max(next_pow2(-(-n // want)), tile), 32768)
     chunk = next_pow2(chunk)
-    return chunk, min(tile, chunk)
+    tile = min(tile, chunk)
+    return chunk, tile, tile if INTERPRET else min(COMPACT_TILE, tile)
 
 
-@triton_op("tritonkv::select_into", mutates_args={"out_idx", "out_lengths", "out_mask", "out_keys", "out_values"})
+COMPACT_TILE = 32  # tokens per step of the compaction on the GPU (K and V tiles of 32 x 128 stay in registers)
+COMPACT_WARPS = 8
+CB = 64  # earlier chunks' counts summed per step of the compaction's prefix
+
+
+def _protected_only(n: int, sink: int, window: int, k_max: int, full_rows: bool, has_forced: bool,
+                    write_mask: bool) -> bool:
+    """Static: every kept token is protected (each row keeps k_max = min(sink + window, n) tokens)."""
+    return full_rows and not has_forced and not write_mask and k_max == min(sink + window, n)
+
+
+@triton_op("tritonkv::select_into",
+           mutates_args={"out_idx", "out_lengths", "out_mask", "out_keys", "out_values", "hist"})
 def select_into(scores: torch.Tensor, budgets: torch.Tensor, forced: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, out_start: torch.Tensor, out_idx: torch.Tensor, out_lengths: torch.Tensor,
-                out_mask: torch.Tensor, out_keys: torch.Tensor, out_values: torch.Tensor,
-                sink: int, window: int, k_max: int, full_rows: bool, chunk: int) -> None:
+                out_mask: torch.Tensor, out_keys: torch.Tensor, out_values: torch.Tensor, hist: torch.Tensor,
+                sink: int, window: int, k_max: int, budget: int, full_rows: bool, chunk: int) -> None:
     """The raw op. Empty ``forced``/``keys``/``out_mask`` tensors mean "absent".
 
-    scores fp32 [R, N] contiguous; budgets int32 [R]; forced uint8 [R, N]; keys/values [B, H, N, D]
-    (last dim unit-stride); out_start int64 [R] (first slot of each row in the outputs);
-    out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 [R, N]; out_keys/out_values [T, D].
+    scores fp32 [R, N] contiguous; budgets int32 [R], or empty: every row's budget is the int
+    ``budget``; forced uint8 [R, N]; keys/values [B, H, N, D] (last dim unit-stride); out_start
+    int64 [R] (first slot of each row in the outputs), or empty: the padded layout, row r at
+    ``r·k_max``; out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 [R, N]; out_keys/out_values
+    [T, D]. ``hist``: empty, or int32 [R, 3, NB] holding the first radix pass of these scores
+    (``score_hist0``) in ``hist[:, 0]`` and zeros in ``hist[:, 1:]`` (then that pass is skipped).
     ``full_rows``: a static promise that the outputs are the padded layout (``out_start[r] =
     r·k_max``, ``T = R·k_max``) and every row keeps ``k_max <= N`` tokens (budgets >= k_max); the
-    PyTorch body then gathers straight into the outputs (the kernels need no hint).
-    CPU tensors run ``_select_torch`` (outside the Triton interpreter).
+    PyTorch body then gathers straight into the outputs, and the kernels copy protected rows directly
+    when they are all that is kept. CPU tensors run ``_select_torch`` (outside the Triton interpreter).
     """
+    R, N = scores.shape
     if not use_triton(scores):
+        if budgets.numel() == 0:
+            budgets = torch.full((R,), budget, dtype=torch.int32, device=scores.device)
+        if out_start.numel() == 0:
+            out_start = torch.arange(R, device=scores.device, dtype=torch.int64) * k_max
         return _select_torch(scores, budgets, forced, keys, values, out_start, out_idx, out_lengths, out_mask,
                              out_keys, out_values, sink, window, k_max, full_rows)
-    R, N = scores.shape
-    CHUNK, TILE = _blocks(N, R, chunk if chunk > 0 else None)
+    CHUNK, TILE, CTILE = _blocks(N, R, chunk if chunk > 0 else None)
     C = triton.cdiv(N, CHUNK)
     has_forced = forced.numel() > 0
     has_kv = keys.numel() > 0
     write_mask = out_mask.numel() > 0
-    hist = torch.zeros((R, 3, NB), dtype=torch.int32, device=scores.device)
-    cnt = torch.empty((R, C, 2), dtype=torch.int32, device=scores.device)
-    common = (N, sink, window, k_max)
-    for p in range(3):
-        launch(_select_hist_kernel, (C, R), scores, forced, budgets, hist, *common,
-               PASS=p, CHUNK=CHUNK, TILE=TILE, NB=NB, HAS_FORCED=has_forced)
-    launch(_select_count_kernel, (C, R), scores, forced, budgets, hist, cnt, *common, C,
-           CHUNK=CHUNK, TILE=TILE, NB=NB, HAS_FORCED=has_forced)
+    uniform = budgets.numel() == 0
+    kb = min(budget, k_max) if uniform else k_max  # the kernels' k_max: the uniform budget folded in
     if has_kv:
         H, D = keys.shape[1], keys.shape[3]
         kstr = (keys.stride(0), keys.stride(1), keys.stride(2))
         vstr = (values.stride(0), values.stride(1), values.stride(2))
     else:
         H, D, kstr, vstr = 1, 1, (0, 0, 0), (0, 0, 0)
-    launch(_select_compact_kernel, (C, R), scores, forced, budgets, hist, cnt, *common, C,
-           out_start, out_idx, out_lengths, out_mask, keys, values, out_keys, out_values,
-           H, *kstr, *vstr, D,
-           CHUNK=CHUNK, TILE=TILE, NB=NB, CP2=max(next_pow2(C), 2),
-           BLOCK_D=min(next_pow2(D), 128), HAS_FORCED=has_forced, HAS_KV=has_kv, WRITE_MASK=write_mask)
+    flags = dict(HAS_FORCED=has_forced, UNIFORM=uniform)
+    compact = dict(NB=NB, CB=CB, BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv, WRITE_MASK=write_mask,
+                   HAS_START=out_start.numel() > 0, num_warps=COMPACT_WARPS, **flags)
+    tail = (out_start, k_max, out_idx, out_lengths, out_mask, keys, values, out_keys, out_values, H, *kstr, *vstr, D)
+    if _protected_only(N, sink, window, k_max, full_rows, has_forced, write_mask):
+        launch(_select_compact_kernel, (max(triton.cdiv(k_max, CTILE), 1), R), scores, forced, budgets, hist, hist,
+               N, sink, window, kb, 1, CHUNK, *tail, TILE=CTILE, PROTECTED_ONLY=True, **compact)
+        return
+    common = (N, sink, window, kb)
+    if hist.numel() == 0:
+        hist = torch.zeros((R, 3, NB), dtype=torch.int32, device=scores.device)
+        passes = range(3)
+    else:
+        passes = range(1, 3)
+    for p in passes:
+        launch(_select_hist_kernel, (C, R), scores, forced, budgets, hist, *common, CHUNK,
+               PASS=p, TILE=TILE, NB=NB, **flags)
+    cnt = torch.empty((R, C, 2), dtype=torch.int32, device=scores.device)
+    launch(_select_count_kernel, (C, R), scores, forced, budgets, hist, cnt, *common, C, CHUNK,
+           TILE=TILE, NB=NB, **flags)
+    launch(_select_compact_kernel, (C, R), scores, forced, budgets, hist, cnt, *common, C, CHUNK, *tail,
+           TILE=CTILE, PROTECTED_ONLY=False, **compact)
+
+
+# ------------------------------------------------------------------------------------------------
+# The first radix pass, fused into a scoring kernel. A policy whose score kernel also histograms its
+# scores (``score_hist0``) registers the histogram with the scores; the next ``select_kv`` of those
+# very scores (same tensor, not modified since: its version counter is unchanged) with the same sink
+# and window and no ``forced`` mask takes it and skips the pass. Anything else (another tensor,
+# different protection, an in-place change, tracing) runs the full pipeline: same result.
+
+_pass0: list = [None]  # (weakref to the scores, their version, hist, sink, window)
+
+
+def pass0_buffer(rows: int, device, zeroed: bool = True) -> torch.Tensor:
+    """An int32 ``[rows, 3, NB]`` histogram for ``select_into``'s ``hist`` (zeroed, or to be zeroed
+    by a kernel with ``zero_hist`` before the scoring kernel adds into it)."""
+    return (torch.zeros if zeroed else torch.empty)((rows, 3, NB), dtype=torch.int32, device=device)
+
+
+def protect_for(policy, keys, budget):
+    """``(sink, window)`` that ``policy`` protects in rows of ``keys [B, H, N, D]`` at an int
+    ``budget`` (what ``compress()`` passes the select), or None without one: a policy's ``score``
+    then counts the select's first pass for exactly that protection."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0 or keys.dim() != 4:
+        return None
+    n = keys.shape[2]
+    return policy.protected(n, min(budget, n))
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter: never remembered
+        return None
+
+
+def remember_pass0(scores: torch.Tensor, hist: torch.Tensor, sink: int, window: int) -> None:
+    """Register ``hist`` (``select_into``'s layout, pass 0 of ``scores`` with these protected tokens)
+    for the next select of ``scores``. Eager calls only."""
+    v = _version(scores) if type(scores) is torch.Tensor and not torch.compiler.is_compiling() else None
+    _pass0[0] = None if v is None else (weakref.ref(scores), v, hist, int(sink), int(window))
+
+
+def _take_pass0(scores, sink: int, window: int, forced) -> torch.Tensor:
+    """The registered pass-0 histogram of ``scores`` (then forgotten), or an empty tensor."""
+    m = _pass0[0]
+    if m is not None and type(scores) is torch.Tensor and not torch.compiler.is_compiling():
+        ref, v, hist, s, w = m
+        obj = ref()
+        if obj is None:
+            _pass0[0] = None
+        elif obj is scores:
+            _pass0[0] = None
+            if forced is None and (s, w) == (sink, window) and _version(scores) == v:
+                return hist
+    return torch.empty(0, dtype=torch.int32, device=scores.device)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -435,6 +604,23 @@ def _empty(device, dtype=torch.float32):
     return torch.empty(0, dtype=dtype, device=device)
 
 
+def _budget_args(budget, rows: int, device):
+    """``select_into``'s ``(budgets, budget)``: a tensor budget as ``budget_tensor``; an int one as an
+    empty tensor and the int (no device fill)."""
+    if isinstance(budget, torch.Tensor):
+        return budget_tensor(budget, rows, device), 0
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise TypeError(f"budget must be an int or an int tensor, got {type(budget).__name__}")
+    return _empty(device, torch.int32), check_int("budget", budget)
+
+
+def _indices(rows: int, k_max: int, full: bool, device) -> torch.Tensor:
+    """int64 ``[rows·k_max]`` output indices: unwritten when every slot is written (``full``), else -1."""
+    if full:
+        return torch.empty((rows * k_max,), dtype=torch.int64, device=device)
+    return torch.full((rows * k_max,), -1, dtype=torch.int64, device=device)
+
+
 def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 0, forced=None,
                    with_mask: bool = False, chunk: Optional[int] = None):
     """Kept indices only. Returns ``(indices int64 [..., k_max] padded with -1, lengths int32 [...])``
@@ -444,14 +630,15 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
     dev = s.device
     k_max = _static_args(k_max, chunk)
     check_protected(budgets, N, k_max, sink, window)
-    b = budget_tensor(budgets, R, dev)
-    idx = torch.full((R * k_max,), -1, dtype=torch.int64, device=dev)
+    b, bi = _budget_args(budgets, R, dev)
+    full = _full_rows(budgets, N, k_max)
+    idx = _indices(R, k_max, full and R > 0 and N > 0, dev)
     lengths = torch.empty(R, dtype=torch.int32, device=dev)
     mask = torch.empty((R, N) if with_mask else (0,), dtype=torch.int8, device=dev)
-    start = torch.arange(R, device=dev, dtype=torch.int64) * k_max
-    if N > 0 and R > 0:
-        select_into(s, b, _forced_2d(forced, (R, N), dev), _empty(dev), _empty(dev), start, idx, lengths,
-                    mask, _empty(dev), _empty(dev), sink, window, k_max, _full_rows(budgets, N, k_max), chunk or 0)
+    if N > 0 and R > 0:  # empty out_start: the padded layout
+        select_into(s, b, _forced_2d(forced, (R, N), dev), _empty(dev), _empty(dev), _empty(dev, torch.int64), idx,
+                    lengths, mask, _empty(dev), _empty(dev), _empty(dev, torch.int32), sink, window, k_max, bi, full,
+                    chunk or 0)
     else:
         lengths.zero_()
         mask.zero_()
@@ -494,7 +681,7 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
     k_max = _static_args(k_max, chunk)
     check_protected(budgets, N, k_max, sink, window)
     k_max = min(k_max, N)
-    b = budget_tensor(budgets, R, dev)
+    b, bi = _budget_args(budgets, R, dev)
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()
     full = out is None and _full_rows(budgets, N, k_max)
@@ -502,15 +689,15 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
         alloc = torch.empty if full else torch.zeros
         ko = alloc((R * k_max, D), dtype=keys.dtype, device=dev)
         vo = alloc((R * k_max, values.shape[-1]), dtype=values.dtype, device=dev)
-        idx = torch.full((R * k_max,), -1, dtype=torch.int64, device=dev)
-        start = torch.arange(R, device=dev, dtype=torch.int64) * k_max
+        idx = _indices(R, k_max, full and R > 0 and N > 0, dev)
         lengths = torch.empty(R, dtype=torch.int32, device=dev)
-        dst = Out(ko, vo, idx, start, lengths)
+        dst = Out(ko, vo, idx, _empty(dev, torch.int64), lengths)  # empty start: the padded layout
     else:
         dst = out
     if N > 0 and R > 0:
+        hist = _take_pass0(scores, sink, window, forced)
         select_into(s, b, _forced_2d(forced, (R, N), dev), keys, values, dst.start, dst.indices, dst.lengths,
-                    _empty(dev, torch.int8), dst.keys, dst.values, sink, window, k_max, full, chunk or 0)
+                    _empty(dev, torch.int8), dst.keys, dst.values, hist, sink, window, k_max, bi, full, chunk or 0)
     else:
         dst.lengths.zero_()
     if out is not None:

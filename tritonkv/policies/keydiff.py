@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels.keydiff import ANCHORS, keydiff_scores
+from ..kernels.select import protect_for
 from .base import Policy, register_policy
 
 
@@ -53,5 +54,6 @@ class KeyDiff(Policy):
         return sink, min(window, n - sink)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
-        """fp32 ``[B, H_kv, N]`` = −cos(k_i, a), in [−1, 1]."""
-        return keydiff_scores(keys, anchor=self.anchor)
+        """fp32 ``[B, H_kv, N]`` = −cos(k_i, a), in [−1, 1]. Given the ``budget`` (as ``compress()``
+        does), the kernels also count the select's first pass for this budget's protected tokens."""
+        return keydiff_scores(keys, anchor=self.anchor, protect=protect_for(self, keys, inputs.get("budget")))

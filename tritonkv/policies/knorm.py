@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels.knorm import knorm_scores
+from ..kernels.select import protect_for
 from .base import Policy, register_policy
 
 
@@ -25,5 +26,6 @@ class Knorm(Policy):
     name: ClassVar[str] = "knorm"
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
-        """fp32 ``[B, H_kv, N]`` = −‖k_i‖₂ (≤ 0)."""
-        return knorm_scores(keys)
+        """fp32 ``[B, H_kv, N]`` = −‖k_i‖₂ (≤ 0). Given the ``budget`` (as ``compress()`` does), the
+        kernel also counts the select's first pass for this budget's protected tokens."""
+        return knorm_scores(keys, protect=protect_for(self, keys, inputs.get("budget")))
