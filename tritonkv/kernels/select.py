@@ -19,6 +19,13 @@ split over many programs:
 4. compact: an exclusive prefix over earlier chunks plus a local cumsum gives each kept token its
    output slot (ties at t go to the lowest indices), and the K/V rows are copied to the slot.
 
+Fewer launches where shapes allow (issue 16): a scoring kernel may count the first radix pass itself
+(``score_hist0``/``remember_pass0``: knorm, keydiff), an int budget and the padded layout need no
+device fill (the kernels read the scalar and compute ``r·k_max``), and when every kept token is
+protected (StreamingLLM) one launch copies them with nothing ranked. ``CHUNK``, ``C`` and the
+budget-dependent scalars are runtime arguments that Triton does not specialise on, so a new N
+compiles nothing new.
+
 On the CPU (outside the Triton interpreter) the same op runs ``_select_torch``: one exact
 ``torch.topk`` over int64 keys that pack the kernel's uint32 key with the reversed index (so ties go
 to the lower index), a sort of the kept indices, and ``index_select``/``index_copy_`` writes, with

@@ -1,6 +1,7 @@
 """StreamingLLM (``docs/algorithms.md`` §1.3): the first ``sink`` tokens (attention sinks)
-and the most recent ``k − sink``. No kernel: everything kept is protected, so the shared select
-only copies the protected rows; the scores are constant zeros."""
+and the most recent ``k − sink``. No kernel of its own: everything kept is protected, so the shared
+select copies the protected rows directly (one launch, ``PROTECTED_ONLY``: no ranking, the scores
+are never read); the scores are constant zeros."""
 from __future__ import annotations
 
 import dataclasses
