@@ -4,6 +4,7 @@ the NumPy oracle and each other."""
 import numpy as np
 import pytest
 import torch
+import triton
 from hypothesis import given, settings, strategies as st
 
 import tritonkv
@@ -165,6 +166,27 @@ def test_l2_norms_match_oracle(backend, case, block):
         kcrit.TORCH_BLOCK = orig
     want, tol = oracle_norms_l2(values, w, G)
     assert n.dtype == torch.float32 and n.shape == values.shape[:3]
+    err = np.abs(n.numpy().astype(np.float64) - want)
+    assert (err <= tol).all(), f"max error / bound {np.max(err / tol):.3g}"
+
+
+@settings(max_examples=10)
+@given(case=cases(max_n=100), blocks=st.sampled_from([(16, 16, 16, 4), (32, 16, 32, 4), (16, 32, 16, 2)]))
+def test_l2_kernel_in_blocks_matches_oracle(case, blocks):
+    """The L2 kernel as the GPU runs it, in pieces (the interpreter's default is one block of every
+    kind): several token chunks, channel slices of u and output-column blocks (‖p‖² summed over the
+    blocks), within the oracle bound."""
+    _, values, w, G, *_ = case
+    bn, bk, bc, warps = blocks
+
+    def blocks_l2(n, d):
+        block_d = max(triton.next_power_of_2(d), 16)
+        return bn, block_d, min(bk, block_d), min(bc, block_d), warps
+
+    with on_backend("triton"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kcrit, "_blocks_l2", blocks_l2)
+        n = value_norms(values, w, norm="l2")
+    want, tol = oracle_norms_l2(values, w, G)
     err = np.abs(n.numpy().astype(np.float64) - want)
     assert (err <= tol).all(), f"max error / bound {np.max(err / tol):.3g}"
 
@@ -478,9 +500,10 @@ def test_value_norm_kernel_compiles_ahead_of_time():
 def test_value_norm_l2_kernel_compiles_ahead_of_time():
     sig = {"v_ptr": "*bf16", "f_ptr": "*bf16", "out_ptr": "*fp32", "H": "i32", "G": "i32", "N": "i32", "D": "i32",
            "svb": "i64", "svh": "i64", "svn": "i64", "sfs": "i64", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr",
-           "BLOCK_K": "constexpr", "SPLIT_U": "constexpr", "NATIVE_DOT": "constexpr"}
+           "BLOCK_K": "constexpr", "BLOCK_C": "constexpr", "SPLIT_U": "constexpr", "NATIVE_DOT": "constexpr"}
     spec = {"module": "tritonkv.kernels.critical", "kernel": "_value_norm_l2_kernel", "signature": sig}
-    assert_compiles({**spec, "constexprs": {"BLOCK_N": 64, "BLOCK_D": 128, "BLOCK_K": 32, "SPLIT_U": False,
-                                            "NATIVE_DOT": True}},
+    assert_compiles({**spec, "constexprs": {"BLOCK_N": 128, "BLOCK_D": 128, "BLOCK_K": 32, "BLOCK_C": 64,
+                                            "SPLIT_U": False, "NATIVE_DOT": True}},
                     {**spec, "signature": {**sig, "v_ptr": "*fp32"},
-                     "constexprs": {"BLOCK_N": 64, "BLOCK_D": 64, "BLOCK_K": 32, "SPLIT_U": True, "NATIVE_DOT": True}})
+                     "constexprs": {"BLOCK_N": 64, "BLOCK_D": 64, "BLOCK_K": 32, "BLOCK_C": 64, "SPLIT_U": True,
+                                    "NATIVE_DOT": True}})

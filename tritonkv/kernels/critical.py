@@ -26,8 +26,9 @@ bf16 halves hi + lo. ``_value_norm_l2_kernel`` (grid: token chunks, rows) scales
 power of two at the top of its largest magnitude (exact; keeps the squares in fp32 range for any
 finite value), splits u into bf16 hi (its first 8 significant bits, exact) + lo, and forms
 u R_qᵀ ≈ u_hi·hi + u_hi·lo + u_lo·hi on the tensor cores with fp32 accumulation (u_lo = 0 for
-bf16 values, so two products), in 32-channel slices; the interpreter runs the same bf16 operands
-multiplied in fp32. Error: |Δ‖p‖| ≤ (3d·ε₃₂ + 5·2⁻¹⁶)·‖|u| |R_qᵀ|‖ + (d + 4)·ε₃₂·‖p‖ per head
+bf16 values, so two products), in 32-channel slices of u and 64-column blocks of the product
+(‖p‖² summed over the blocks; on the GPU 128 tokens a program); the interpreter runs the same bf16
+operands multiplied in fp32. Error: |Δ‖p‖| ≤ (3d·ε₃₂ + 5·2⁻¹⁶)·‖|u| |R_qᵀ|‖ + (d + 4)·ε₃₂·‖p‖ per head
 (measured ~10⁻⁵ relative on random heads; the L1 kernel's is ~10⁻⁶). A NaN value gives
 NaN, an infinite one +inf. The L2 norm is a different criterion from the paper's L1 norm: see
 ``tritonkv.policies.criticalkv`` for what it changes in the selection.
@@ -132,7 +133,7 @@ def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _value_norm_l2_kernel(v_ptr, f_ptr, out_ptr, H, G, N, D, svb, svh, svn, sfs,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_U: tl.constexpr, NATIVE_DOT: tl.constexpr):
+                          BLOCK_C: tl.constexpr, SPLIT_U: tl.constexpr, NATIVE_DOT: tl.constexpr):
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     h = r % H
@@ -150,47 +151,60 @@ def _value_norm_l2_kernel(v_ptr, f_ptr, out_ptr, H, G, N, D, svb, svh, svn, sfs,
     m = tl.where((e > 0) & (e < 0xFF), (e << 23).to(tl.float32, bitcast=True), 1.0)
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    cc = tl.arange(0, BLOCK_C)
     for q in range(G):
         fq = f_ptr + (h * G + q) * D * D
-        # p = u R_qᵀ over BLOCK_K-channel slices of u; R_qᵀ = f_hi + f_lo (bf16) and u = u_hi + u_lo:
-        # u_hi its first 8 significant bits (exact in bf16), u_lo the rest rounded to bf16 (zero for
-        # bf16 values: SPLIT_U = 0); p = u_hi f_hi + u_hi f_lo (+ u_lo f_hi), fp32 accumulation
-        p = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        for k0 in range(0, BLOCK_D, BLOCK_K):
-            kmask = (k0 + kk) < D
-            uk = tl.math.div_rn(tl.load(row + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :],
-                                        other=0.0).to(tl.float32), m[:, None])
-            u_hi = (uk.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
-            fk = fq + (k0 + kk).to(tl.int64)[:, None] * D + d[None, :]
-            fmask = kmask[:, None] & dmask[None, :]
-            f_hi = tl.load(fk, mask=fmask, other=0.0)
-            f_lo = tl.load(fk + sfs, mask=fmask, other=0.0)
-            if NATIVE_DOT:
-                a_hi = u_hi.to(tl.bfloat16)
-            else:  # the interpreter: the same bf16 operands, multiplied in fp32 (products of bf16 are exact)
-                a_hi = u_hi
-                f_hi = f_hi.to(tl.float32)
-                f_lo = f_lo.to(tl.float32)
-            p = tl.dot(a_hi, f_hi, p, out_dtype=tl.float32)
-            p = tl.dot(a_hi, f_lo, p, out_dtype=tl.float32)
-            if SPLIT_U:
-                a_lo = (uk - u_hi).to(tl.bfloat16)
-                if not NATIVE_DOT:
-                    a_lo = a_lo.to(tl.float32)
-                p = tl.dot(a_lo, f_hi, p, out_dtype=tl.float32)
-        acc += tl.sqrt(tl.sum(p * p, 1))
+        # p = u R_qᵀ, BLOCK_C output channels at a time (the [BLOCK_N, BLOCK_C] accumulator is what
+        # sets the registers), each over BLOCK_K-channel slices of u (re-read from L1/L2 per column
+        # block); R_qᵀ = f_hi + f_lo (bf16) and u = u_hi + u_lo: u_hi its first 8 significant bits
+        # (exact in bf16), u_lo the rest rounded to bf16 (zero for bf16 values: SPLIT_U = 0);
+        # p = u_hi f_hi + u_hi f_lo (+ u_lo f_hi), fp32 accumulation; ‖p‖² summed over the blocks
+        sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c0 in range(0, BLOCK_D, BLOCK_C):
+            col = c0 + cc
+            cmask = col < D
+            p = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+            for k0 in range(0, BLOCK_D, BLOCK_K):
+                kmask = (k0 + kk) < D
+                uk = tl.math.div_rn(tl.load(row + k0 + kk[None, :], mask=nmask[:, None] & kmask[None, :],
+                                            other=0.0).to(tl.float32), m[:, None])
+                u_hi = (uk.to(tl.int32, bitcast=True) & -65536).to(tl.float32, bitcast=True)
+                fk = fq + (k0 + kk).to(tl.int64)[:, None] * D + col[None, :]
+                fmask = kmask[:, None] & cmask[None, :]
+                f_hi = tl.load(fk, mask=fmask, other=0.0)
+                f_lo = tl.load(fk + sfs, mask=fmask, other=0.0)
+                if NATIVE_DOT:
+                    a_hi = u_hi.to(tl.bfloat16)
+                else:  # the interpreter: the same bf16 operands, multiplied in fp32 (products of bf16 are exact)
+                    a_hi = u_hi
+                    f_hi = f_hi.to(tl.float32)
+                    f_lo = f_lo.to(tl.float32)
+                p = tl.dot(a_hi, f_hi, p, out_dtype=tl.float32)
+                p = tl.dot(a_hi, f_lo, p, out_dtype=tl.float32)
+                if SPLIT_U:
+                    a_lo = (uk - u_hi).to(tl.bfloat16)
+                    if not NATIVE_DOT:
+                        a_lo = a_lo.to(tl.float32)
+                    p = tl.dot(a_lo, f_hi, p, out_dtype=tl.float32)
+            sq += tl.sum(p * p, 1)
+        acc += tl.sqrt(sq)
     n = tl.where(inf, float("inf"), acc * m / G)
     tl.store(out_ptr + r * N + offs, tl.where(nan, float("nan"), n), mask=nmask)
 
 
 def _blocks_l2(n: int, d: int):
-    """(BLOCK_N, BLOCK_D, BLOCK_K, num_warps) of the L2 kernel; tl.dot needs every block >= 16."""
+    """(BLOCK_N, BLOCK_D, BLOCK_K, BLOCK_C, num_warps) of the L2 kernel; tl.dot needs every block >= 16."""
     block_d = max(next_pow2(d), 16)
-    if INTERPRET:  # ~0.5 ms per program: one program per row, one channel slice
-        return max(min(next_pow2(n), 1024), 16), block_d, block_d, 4
-    # sm_90 at d = 128: 168 registers, no spill, 16 KB shared (3 CTAs/SM, 18.8 %); 8 warps or
-    # 64-channel slices take more registers (187-220), [128, 128] u tiles spill at 4 warps
-    return 64, block_d, min(block_d, 32), 4
+    if INTERPRET:  # ~0.5 ms per program: one program per row, one channel slice, one column block
+        return max(min(next_pow2(n), 1024), 16), block_d, block_d, block_d, 4
+    # Each program reads its group's factors (G·2·d² bf16 = 256 KB at G = 4, d = 128) from L2, so
+    # the token tile is as tall as registers allow: 128 tokens over 8 warps, with the output channels
+    # 64 at a time (the [128, 64] fp32 accumulator is 32 registers a thread). sm_90 at d = 128 (triton
+    # 3.9): 122 registers, no spill, 8 KB shared, 2 CTAs/SM = 25 %; sm_80: 126, 25 %. The whole
+    # [BLOCK_N, 128] accumulator took 168 registers at 64 tokens / 4 warps (18.8 %), 255 on sm_80;
+    # 64 tokens and 32-channel blocks at 4 warps reach 31 % (95 registers) but read the factors twice
+    # as often and split each u slice four times.
+    return 128, block_d, min(block_d, 32), min(block_d, 64), 8
 
 
 #: elements of W_O factorised per float64 QR in ``head_factors`` (bounds the float64 copy of W_O
@@ -254,10 +268,11 @@ def value_norms_l2_op(values: torch.Tensor, factors: torch.Tensor) -> torch.Tens
     G = factors.shape[1] // H
     out = torch.empty((B, H, N), dtype=torch.float32, device=values.device)
     if B * H * N > 0:
-        BLOCK_N, BLOCK_D, BLOCK_K, warps = _blocks_l2(N, D)
+        BLOCK_N, BLOCK_D, BLOCK_K, BLOCK_C, warps = _blocks_l2(N, D)
         launch(_value_norm_l2_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, factors, out, H, G, N, D,
                values.stride(0), values.stride(1), values.stride(2), factors.stride(0),
-               BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, SPLIT_U=values.dtype != torch.bfloat16,
+               BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
+               SPLIT_U=values.dtype != torch.bfloat16,
                NATIVE_DOT=not INTERPRET, num_warps=warps, num_stages=1)
     return out
 
