@@ -146,6 +146,8 @@ def _metrics_for(task: str) -> List[str]:
     return ["kl", "dll"] if task == "lm" else ["acc_ll", "acc_greedy", "kl_answer"]
 
 
+COMPOSE = cfg_name("keydiff_critical", "surfacelogic", mode="blockwise", budget=64)
+
 CLAIMS = [
     dict(id="keydiff",
          claim="KeyDiff beats TOVA, SnapKV and StreamingLLM under block-wise prefill (B = 128) at small cache "
@@ -170,6 +172,22 @@ CLAIMS = [
                 for b in (128, 64) for o in ("uniform", "pyramid", "adakv")]
                + [(cfg_name("snapkv", "surfacelogic", budget=b), cfg_name("snapkv", "uniform", budget=b))
                   for b in (128, 64)]),
+    dict(id="compose",
+         claim="Beyond the seeds: KeyDiff's scores + CriticalKV's value-aware second stage + SurfaceLogicKV's "
+               "allocation, block-wise (B = 128) at 64 tokens per head, beats every single seed method run "
+               "block-wise at 64 (KeyDiff, TOVA, SnapKV, StreamingLLM, CriticalKV, SurfaceLogicKV). Not a claim of "
+               "any paper: a composition none of them tried",
+         pairs=[(COMPOSE, cfg_name(o, a, mode="blockwise", budget=64))
+                for o, a in (("keydiff", "uniform"), ("tova", "uniform"), ("snapkv", "uniform"),
+                             ("streaming_llm", "uniform"), ("criticalkv", "uniform"),
+                             ("surfacelogic", "surfacelogic"))]),
+    dict(id="compose_ablation",
+         claim="Each ingredient of the composition helps: the composition against itself without the "
+               "allocation (uniform), without CriticalKV's second stage (KeyDiff + SurfaceLogicKV allocation), "
+               "and with SnapKV's scores instead of KeyDiff's (SnapKV + SurfaceLogicKV allocation)",
+         pairs=[(COMPOSE, cfg_name(o, a, mode="blockwise", budget=64))
+                for o, a in (("keydiff_critical", "uniform"), ("keydiff", "surfacelogic"),
+                             ("snapkv", "surfacelogic"))]),
 ]
 
 
