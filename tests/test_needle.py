@@ -1,5 +1,7 @@
 """Needle-in-a-haystack utilities (tritonkv/integrations/needle.py; docs/architecture.md, "The real model and the
 needle check")."""
+import contextlib
+
 import pytest
 import torch
 
@@ -81,6 +83,19 @@ def test_build_case_candidates_and_determinism():
     assert len({build_case(tok, 400, 0.5, seed=s, source="synthetic").answer for s in range(8)}) > 1
 
 
+def test_build_case_with_a_subject():
+    """``subject=`` words the fact and the question for it (benchmarks/evaluate.py's wording); the random draws do
+    not depend on it."""
+    tok = CharTok()
+    plain = build_case(tok, 400, 0.5, seed=7, source="synthetic")
+    case = build_case(tok, 400, 0.5, seed=7, source="synthetic", subject="apple")
+    assert case.length == 400 and case.key == plain.key and case.candidates == plain.candidates
+    pos = case.needle_positions.tolist()
+    assert tok.decode(case.input_ids[0, pos].tolist()) == " " + needle.NEEDLE_FOR.format(k=case.key, s="apple")
+    assert tok.decode(case.input_ids[0, case.question_start:].tolist()) == "\n" + needle.QUESTION_FOR.format(s="apple")
+    assert "pass key for the apple is" in needle.QUESTION_FOR.format(s="apple")
+
+
 def test_build_case_bad_input():
     tok = CharTok()
     with pytest.raises(ValueError, match="depth"):
@@ -118,3 +133,38 @@ def test_needle_removed_control_is_near_chance(smollm2):
     cases = [build_case(tok, 1024, d, seed=s, source="synthetic") for s, d in enumerate((0.1, 0.5, 0.9))]
     hits = [rank_candidates(model, drop_positions_prefill(c.needle_positions), c).top1 for c in cases]
     assert sum(hits) <= 1, hits
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("policy", [None, "keydiff", "snapkv"])
+def test_batched_ranking_matches_one_copy_per_candidate(policy):
+    """``rank_candidates(..., batched=True)`` (one forward over the cache expanded along the batch) gives the
+    per-candidate scores, on the full cache and on a compressed ``TritonKVCache``; candidates of different lengths
+    are padded at their end."""
+    from tritonkv.integrations.transformers import make_cache, prefill, use_tritonkv
+
+    model = _tiny_llama()
+    case = build_case(CharTok(), 300, 0.5, seed=2, source="synthetic")
+    case.candidate_ids[1] = case.candidate_ids[1][:3]  # a shorter candidate
+    if policy is None:
+        fn = full_prefill
+        ctx = contextlib.nullcontext()
+    else:
+        cache = make_cache(model, policy, 0.25, mode="blockwise", block_size=64, prompt_length=300)
+        logits = prefill(model, case.input_ids, cache)[:, -1]
+        cache.freeze()
+        fn = lambda m, x: (logits, cache)  # noqa: E731
+        ctx = use_tritonkv(model)
+    with ctx:
+        one = rank_candidates(model, fn, case)
+        batched = rank_candidates(model, fn, case, batched=True)
+    torch.testing.assert_close(torch.tensor(batched.scores), torch.tensor(one.scores), rtol=1e-5, atol=1e-4)
+    assert batched.rank == one.rank

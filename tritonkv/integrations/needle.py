@@ -12,6 +12,11 @@ how a compression mode plugs in::
     case = build_case(tok, 1024, depth=0.5, seed=0)
     result = rank_candidates(model, full_prefill, case)      # result.top1 -> True
 
+``build_case(..., subject="apple")`` words the fact and the question for a subject ("The pass key for the
+apple is ..."; ``NEEDLE_FOR``/``QUESTION_FOR``): the wording SmolLM2 also answers greedily with the key on
+real prose, which the demo uses. ``rank_candidates(..., batched=True)`` scores the 10 candidates in one
+forward.
+
 The haystack is the King James Bible from Debian's ``bible-kjv`` (the ``bible`` CLI), or, when that
 is not installed, the classic synthetic pass-key filler.
 """
@@ -30,6 +35,12 @@ import torch
 
 NEEDLE = "The pass key is {k}. Remember it. {k} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
+# the same fact and question naming what the key is for (``build_case(..., subject=...)``): SmolLM2's greedy answer
+# then states the key on real prose as well, where with NEEDLE/QUESTION it often paraphrases ("a key that is used
+# to ..."); the likelihood rank is unaffected. The wording of benchmarks/evaluate.py's needle task.
+NEEDLE_FOR = "The pass key for the {s} is {k}. Remember it. {k} is the pass key for the {s}."
+QUESTION_FOR = "What is the pass key for the {s}? The pass key for the {s} is"
+SUBJECTS = ("apple", "river", "violin", "lantern", "garden", "rocket", "castle", "harbor", "meadow", "walnut")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 N_CANDIDATES = 10
 KJV_RANGE = "gen1:1-rev22:21"
@@ -141,21 +152,27 @@ def _keys(rng: random.Random, n: int) -> List[str]:
 
 
 def build_case(tok, n_tokens: int, depth: float, seed: int = 0, *, source: str = "auto",
-               text: Optional[str] = None) -> NeedleCase:
+               text: Optional[str] = None, subject: Optional[str] = None) -> NeedleCase:
     """A needle case of exactly ``n_tokens`` prompt tokens.
 
     The haystack is a window of the text starting at a seeded random offset, tokenised
     (``add_special_tokens=False``) and cut to ``n_tokens`` minus the needle and the question; the
     needle is inserted after haystack token ``round(depth * n_haystack)``. The true key and 9
     distinct distractors are drawn from ``random.Random(seed)``; the true key's slot among the
-    candidates is seeded too. ``text`` overrides ``haystack_text(source)``."""
+    candidates is seeded too. ``text`` overrides ``haystack_text(source)``. ``subject`` (e.g. ``"apple"``)
+    words the needle and question with ``NEEDLE_FOR``/``QUESTION_FOR`` ("the pass key for the apple"), which the
+    model answers greedily with the key; the random draws (keys, cut, candidate order) do not depend on it."""
     if not 0.0 <= float(depth) <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = random.Random(seed)
     keys = _keys(rng, N_CANDIDATES)
     key = keys[0]
-    needle = _encode(tok, " " + NEEDLE.format(k=key))
-    question = _encode(tok, "\n" + QUESTION)
+    if subject is None:
+        needle = _encode(tok, " " + NEEDLE.format(k=key))
+        question = _encode(tok, "\n" + QUESTION)
+    else:
+        needle = _encode(tok, " " + NEEDLE_FOR.format(k=key, s=subject))
+        question = _encode(tok, "\n" + QUESTION_FOR.format(s=subject))
     n_hay = int(n_tokens) - len(needle) - len(question)
     if n_hay < 1:
         raise ValueError(f"n_tokens must exceed the needle and question ({len(needle) + len(question)} tokens), got {n_tokens}")
@@ -229,27 +246,50 @@ class RankResult:
 
 
 @torch.no_grad()
-def rank_candidates(model, prefill_fn: PrefillFn, case: NeedleCase) -> RankResult:
+def rank_candidates(model, prefill_fn: PrefillFn, case: NeedleCase, *, batched: bool = False) -> RankResult:
     """Prefill ``case.input_ids`` once with ``prefill_fn(model, input_ids) -> (logits, cache)`` (the
     last position's logits ``[1, V]`` or ``[1, T, V]``, and the resulting cache), then score every
     candidate on a deep copy of the cache. The cache's ``get_seq_length()`` must count tokens seen,
-    so the candidates get their true RoPE positions."""
+    so the candidates get their true RoPE positions.
+
+    ``batched=True`` scores all candidates in one forward over one copy of the cache expanded along the
+    batch (``cache.batch_repeat_interleave``; shorter candidates are padded at their end, which no scored
+    token attends to): one forward instead of one per candidate, the same scores up to float round-off.
+    Caches that cannot be expanded (per-head ragged rows) fall back to a copy per candidate."""
     dev = next(model.parameters()).device
     logits, cache = prefill_fn(model, case.input_ids.to(dev))
     if logits.dim() == 3:
         logits = logits[:, -1]
     first = torch.log_softmax(logits[0].float(), -1)
-    scores = []
-    for ids in case.candidate_ids:
-        s = float(first[ids[0]])
+    scores = [float(first[ids[0]]) for ids in case.candidate_ids]
+    longest = max(len(ids) for ids in case.candidate_ids)
+    if longest == 1:
+        return RankResult(scores=scores, answer=case.answer)
+    if batched and _expandable(cache):
+        c = copy.deepcopy(cache)
+        c.batch_repeat_interleave(len(case.candidate_ids))
+        rows = [ids[:-1] + [ids[-1]] * (longest - len(ids)) for ids in case.candidate_ids]
+        out = model(input_ids=torch.tensor(rows, dtype=torch.long, device=dev), past_key_values=c, use_cache=True)
+        lp = torch.log_softmax(out.logits.float(), -1)
+        for i, ids in enumerate(case.candidate_ids):
+            n = len(ids) - 1
+            scores[i] += float(lp[i, torch.arange(n, device=dev), torch.tensor(ids[1:], device=dev)].sum())
+        return RankResult(scores=scores, answer=case.answer)
+    for i, ids in enumerate(case.candidate_ids):
         if len(ids) > 1:
             c = copy.deepcopy(cache)
             x = torch.tensor([ids[:-1]], dtype=torch.long, device=dev)
             out = model(input_ids=x, past_key_values=c, use_cache=True)
             lp = torch.log_softmax(out.logits[0].float(), -1)
-            s += float(lp[torch.arange(len(ids) - 1, device=dev), torch.tensor(ids[1:], device=dev)].sum())
-        scores.append(s)
+            scores[i] += float(lp[torch.arange(len(ids) - 1, device=dev), torch.tensor(ids[1:], device=dev)].sum())
     return RankResult(scores=scores, answer=case.answer)
+
+
+def _expandable(cache) -> bool:
+    """Whether ``cache`` can be expanded along the batch for batched scoring."""
+    if not hasattr(cache, "batch_repeat_interleave"):
+        return False
+    return not any(getattr(getattr(layer, "store", None), "ragged", False) for layer in getattr(cache, "layers", []))
 
 
 def needle_accuracy(model, prefill_fn: PrefillFn, cases: Sequence[NeedleCase]) -> float:
