@@ -13,9 +13,11 @@ import textwrap
 # name -> (module, function, one-line help). Every command's module has a ``main(argv)``.
 COMMANDS = {
     "demo": ("tritonkv.demo", "main",
-             "SmolLM2-135M-Instruct reads a long haystack with a hidden pass key while tritonkv keeps a quarter "
-             "of its KV cache; prints peak KV memory, prefill and decode speed, and whether the key survived, "
-             "for the full cache and each policy (needs pip install \"tritonkv[hf]\"; a few minutes on a CPU)."),
+             "SmolLM2-135M-Instruct reads a prompt with a hidden pass key while each policy keeps a quarter of "
+             "its KV cache, block by block; prints the memory kept and its peak, whether the key survived "
+             "(likelihood rank and the greedy answer) and prefill and decode speed, like for like, under a "
+             "legend; plots memory against prompt length (needs pip install \"tritonkv[hf]\", the plot \"tritonkv[bench]\"; about a minute "
+             "on a CPU)."),
     "profile": ("tritonkv.integrations.profiler", "main",
                 "The SurfaceLogicKV INFsc profiler: runs needle-in-a-haystack cases on SmolLM2 and writes the "
                 "per-head [L, H_kv] profile that allocation='surfacelogic' reads (needs pip install "

