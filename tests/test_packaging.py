@@ -4,9 +4,16 @@ import ast
 import os
 import subprocess
 import sys
-import tomllib
 
 import pytest
+
+try:
+    import tomllib  # Python >= 3.11
+except ModuleNotFoundError:  # Python 3.10, which pyproject's requires-python still allows: tomli is the same parser
+    try:
+        import tomli as tomllib
+    except ModuleNotFoundError:
+        tomllib = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPROJECT = os.path.join(ROOT, "pyproject.toml")
@@ -20,6 +27,10 @@ def _run(*args, code=None, timeout=120):
 
 
 def _project():
+    """pyproject.toml's ``[project]`` table; the tests reading it skip on Python 3.10 without tomli (only they do:
+    the package and its other tests run on 3.10)."""
+    if tomllib is None:
+        pytest.skip("reading pyproject.toml needs Python >= 3.11 (tomllib) or pip install tomli")
     with open(PYPROJECT, "rb") as f:
         return tomllib.load(f)["project"]
 
@@ -117,16 +128,31 @@ def _imports(path):
     return out
 
 
+# Optional imports of the commands: (module, extra that has it). The command runs without them and says which extra
+# to install (the demo's plot: tests/test_demo.py::test_plot_without_matplotlib_says_what_to_install).
+OPTIONAL = {"tritonkv/demo.py": {"matplotlib": "bench"}}
+
+
+def _names(reqs):
+    return {d.split(">")[0].split("=")[0].split("[")[0].split(";")[0].strip().replace("-", "_") for d in reqs}
+
+
 def test_commands_need_only_core_and_hf():
-    """Every third-party module the shipped commands import is a core dependency or in the hf extra."""
+    """Every third-party module the shipped commands import is a core dependency or in the hf extra, or an optional
+    import (``OPTIONAL``) in the extra the command names."""
     project = _project()
-    declared = {d.split(">")[0].split("=")[0].split("[")[0].split(";")[0].strip().replace("-", "_")
-                for d in project["dependencies"] + project["optional-dependencies"]["hf"]}
+    extras = project["optional-dependencies"]
+    declared = _names(project["dependencies"] + extras["hf"])
     stdlib = set(sys.stdlib_module_names)
     for rel in ("tritonkv/demo.py", "tritonkv/__main__.py", "tritonkv/allocation/profiler.py",
                 "tritonkv/integrations/model.py", "tritonkv/integrations/needle.py"):
-        third = _imports(os.path.join(ROOT, rel)) - stdlib - {"tritonkv", "__future__"}
+        optional = OPTIONAL.get(rel, {})
+        third = _imports(os.path.join(ROOT, rel)) - stdlib - {"tritonkv", "__future__"} - set(optional)
         assert third <= declared, (rel, third - declared)
+        for module, extra in optional.items():
+            assert module in _names(extras[extra]), (rel, module, extra)
+            with open(os.path.join(ROOT, rel)) as f:
+                assert f'pip install "tritonkv[{extra}]"' in f.read(), (rel, module)
 
 
 NO_TRANSFORMERS = """
