@@ -11,9 +11,14 @@ has a ``kind``:
 
 - ``compress``: ``tritonkv.compress`` of each registered policy at N in {4K, 32K, 128K}.
   ``tritonkv_us`` is replayed from a CUDA graph when capture works (``timing``), the eager time is
-  ``tritonkv_eager_us``; ``kvpress_us`` is kvpress 0.5.5's matching press on the same tensors (``pip
-  install --no-deps kvpress==0.5.5``; null where it has none or it is absent) and ``same_kept`` whether
-  tritonkv keeps the tokens that kvpress's scores select under tritonkv's rule; ``torch_compile_us`` a
+  ``tritonkv_eager_us``; ``kvpress_us`` is kvpress 0.5.5's matching press on copies of the same tensors,
+  eager (``pip install --no-deps kvpress==0.5.5``; null where it has none or it is absent), and
+  ``kvpress_graph_us`` under a CUDA graph where the press allows capture (null where a host sync inside
+  breaks it). Ratios are taken in one mode: ``x_kvpress_eager`` = kvpress eager / tritonkv eager,
+  ``x_kvpress_graph`` = kvpress graph / tritonkv graph. Window policies get the window queries' ``attn_lse``
+  as a model's prefill attention provides it (``window_lse``, outside the timed call). ``same_kept``
+  (``SAME_SETTINGS`` only: where tritonkv's defaults are the press's exactly) whether tritonkv keeps the
+  tokens that kvpress's scores select under tritonkv's rule; ``torch_compile_us`` a
   ``torch.compile``d PyTorch pipeline (score, topk, sort, gather; measured last, see below).
 - ``allocation``: ``compress(..., "snapkv", 0.25, allocation=a)`` for every allocator ``a`` at the same
   N, as layer 15 of 30 (SmolLM2-135M's depth). Inputs a user would pass: the shipped SmolLM2 INF profile
@@ -28,18 +33,19 @@ has a ``kind``:
 
 Floors (``floor_us``): the bytes that must move — read what scoring reads (K; K and V for lagkv and
 criticalkv; nothing for streaming_llm; plus the ``head_means`` for the score allocator), then read and
-write the kept K+V — over the bandwidth of ``keys.clone()`` at the same N in the same run
-(``copy_GBps``). ``x_floor`` = time / floor, ``pct_copy_bw`` = floor / time.
+write the kept K+V — over the bandwidth of one 1 GiB ``clone()`` in the same run (``copy_GBps``; a copy
+of the case's own keys, 8 MiB at 4K, does not reach the bandwidth). ``x_floor`` = time / floor,
+``pct_copy_bw`` = floor / time.
 
-Timing (``/work/.library/device/METHOD.md``): ``triton.testing.do_bench`` (CUDA events, L2 flushed
+Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed
 before every run, ~100 ms of repeats, at least 20) after a warm-up call; the median is reported with the
 20th/80th percentiles (``p20_us``/``p80_us``) and the repeat count. Every timed result is checked first:
 kept indices ascending and in range, kept K/V equal to the input at those positions (``ok``).
 
 Duration (estimated, not yet measured on the device): ~10 s start-up; compress 30 cases ~90 s (Triton
-compiles each kernel once per N, since chunk sizes are constexprs, ~0.5-1 s each; eager + graph timing
+compiles each kernel once, ~0.5-1 s each — chunk and split sizes are runtime values; eager + graph timing
 ~0.6 s a case); allocation 24 eager cases ~25 s; decode attention 5 cases ~30 s; scaling 32 cases ~80 s
-(compiles per N again); ``torch.compile`` of 7 pipelines x 3 N, one full inductor compile each, ~120 s:
+(no recompiles per N); ``torch.compile`` of 7 pipelines x 3 N, one full inductor compile each, ~120 s:
 about 6 minutes. ``phase_s`` records the real split. The ``torch.compile`` part runs last, and no part
 starts a new case once ``--time-budget`` (default 500 s) has passed, so the run fits a 10-minute command;
 skipped cases are listed (``skipped``, and under the Markdown tables).
@@ -58,6 +64,7 @@ import datetime
 import json
 import math
 import os
+import inspect
 import statistics
 import sys
 import time
@@ -87,6 +94,12 @@ ALLOCATIONS = ["uniform", "pyramid", "adakv", "headkv", "score", "surfacelogic",
 ALLOC_POLICY, LAYER, NUM_LAYERS = "snapkv", 15, 30
 PROFILE = "smollm2-135m-instruct-infsc"
 MIN_REPS = 20
+COPY_BYTES = 1 << 30  # the floor's bandwidth: one copy of this many bytes
+# policies whose tritonkv defaults are kvpress's press exactly (no sink/window on either side; TOVA reduces over
+# the KV head's group here and over all heads in kvpress, SnapKV max-pools 7 here and avg-pools 5 there,
+# StreamingLLM/LagKV protect 4 sinks there): ``same_kept`` only for these (kvpress's KeyDiff scores in bf16, so
+# its ties can still split differently from tritonkv's fp32 scores)
+SAME_SETTINGS = {"knorm", "keydiff"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,12 +138,6 @@ def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
         return measure(fn, cuda), "eager"
 
 
-def copy_GBps(keys, cuda: bool) -> float:
-    """GB/s (bytes read + written) of ``keys.clone()``: the bandwidth floors are taken at."""
-    us = measure(lambda: keys.clone(), cuda)["us"]
-    return 2 * keys.numel() * keys.element_size() / max(us, 1e-3) / 1e3
-
-
 # ---------------------------------------------------------------------------------------------
 # inputs and checks
 
@@ -143,11 +150,32 @@ def make_case(N, B, H, G, D, W, dtype, device, seed=0):
     queries = rnd(B, H * G, W, D).to(dtype)
     o_proj = (rnd(H * G * D, H * G * D) / math.sqrt(H * G * D)).to(dtype)
     hd = torch.rand(H, generator=g, device=device) + 0.1
-    return keys, values, {"queries": queries, "o_proj": o_proj, "hd": hd}
+    return keys, values, {"queries": queries, "o_proj": o_proj, "hd": hd, "attn_lse": window_lse(keys, queries)}
 
 
 def policy_inputs(pol, pool):
-    return {n: pool[n] for n in pol.needs}
+    """What a model hands ``pol``: its needs, plus ``attn_lse`` where its scoring takes one (the prefill
+    attention's log-sum-exp, which a model's attention returns and which saves window policies a pass over K)."""
+    inputs = {n: pool[n] for n in pol.needs}
+    base = getattr(pol, "base", pol)
+    if "attn_lse" in inspect.signature(base.score).parameters:
+        inputs["attn_lse"] = pool["attn_lse"]
+    return inputs
+
+
+def window_lse(keys, queries) -> torch.Tensor:
+    """fp32 ``[B, H_q, W]``: the log-sum-exp over the keys of each window query's logits (scale 1/√D,
+    causal inside the window) — what the prefill's attention gives a model — in key chunks."""
+    B, H, N, D = keys.shape
+    Hq, W = queries.shape[1], queries.shape[2]
+    q = queries.float().view(B, H, Hq // H * W, D) / math.sqrt(D)
+    qpos = (N - W + torch.arange(W, device=keys.device)).repeat(Hq // H)
+    lse = torch.full(q.shape[:3], float("-inf"), device=keys.device)
+    for a in range(0, N, 8192):
+        t = torch.einsum("bhqd,bhnd->bhqn", q, keys[:, :, a:a + 8192].float())
+        t = t.masked_fill(torch.arange(a, a + t.shape[-1], device=keys.device) > qpos[:, None], float("-inf"))
+        lse = torch.logaddexp(lse, t.logsumexp(-1))
+    return lse.view(B, Hq, W)
 
 
 def check_kept(keys, values, out) -> bool:
@@ -289,7 +317,7 @@ def torch_pipeline(name, keys, values, queries, k, W):
 
 
 class Ctx:
-    """Settings shared by the parts, the wall-clock budget, and the copy bandwidth per N."""
+    """Settings shared by the parts, the wall-clock budget, and the copy bandwidth of the floors."""
 
     def __init__(self, args):
         self.args = args
@@ -299,12 +327,12 @@ class Ctx:
         self.B, self.H, self.G, self.D, self.W = SMOKE_SHAPE if args.smoke else SHAPE
         self.t0 = time.perf_counter()
         self.skipped = []
-        self.copy = {}
+        # every floor at the bandwidth of one 1 GiB device copy (1 MiB in the CPU smoke run): a copy of the
+        # case's own keys is too small at 4K to reach the bandwidth, so per-N copies flattered short cases
+        self.copy_GBps = da.copy_bandwidth(self.cuda, COPY_BYTES if self.cuda else (1 << 20))
 
     def case(self, N, seed=0):
-        keys, values, pool = make_case(N, self.B, self.H, self.G, self.D, self.W, self.dtype, self.device, seed)
-        self.copy[N] = copy_GBps(keys, self.cuda)
-        return keys, values, pool
+        return make_case(N, self.B, self.H, self.G, self.D, self.W, self.dtype, self.device, seed)
 
     def base(self, N, keep) -> dict:
         return dict(B=self.B, H_kv=self.H, H_q=self.H * self.G, D=self.D, N=N,
@@ -350,8 +378,15 @@ def run_compress(ctx: Ctx, rows: list) -> None:
         k = keep_k(a.keep, N)
         for name in names:
             pol = POLICIES[name]()
-            inputs = policy_inputs(pol, pool)
-            kv_ref = kvpress_case(kvpress, name, keys, values, pool["queries"], a.keep, ctx.W) if kvpress else None
+            # per policy: its own queries (kvpress_case writes the press's RoPE'd window queries there, and the lse
+            # follows them), and kvpress works on copies of K/V, so nothing a policy or press does reaches the next
+            mine = dict(pool, queries=pool["queries"].clone())
+            kv_ref = None
+            if kvpress:
+                kv_ref = kvpress_case(kvpress, name, keys.clone(), values.clone(), mine["queries"], a.keep, ctx.W)
+                if kv_ref is not None:
+                    mine["attn_lse"] = window_lse(keys, mine["queries"])
+            inputs = policy_inputs(pol, mine)
             fn = lambda: tritonkv.compress((keys, values), pol, k, **inputs)  # noqa: E731
             try:
                 out = fn()
@@ -361,23 +396,30 @@ def run_compress(ctx: Ctx, rows: list) -> None:
             ok = check_kept(keys, values, out)
             eager = measure(fn, ctx.cuda)
             t, timing = measure_graph(fn, ctx.cuda, f"compress {name} N={N}") if ctx.cuda else (eager, "eager")
-            kv_us = same = None
+            kv_us = kv_graph = same = None
             if kv_ref is not None:
                 press_fn, scores_fn, _ = kv_ref
                 press_fn()
                 kv_us = measure(press_fn, ctx.cuda)["us"]
-                s_kv = scores_fn().float()
-                sink, window = pol.protected(N, k)
-                from tritonkv.kernels.select import select_indices
+                if ctx.cuda:  # kvpress under a CUDA graph where it allows one (a host sync inside does not)
+                    g, g_timing = measure_graph(press_fn, ctx.cuda, f"kvpress {name} N={N}")
+                    kv_graph = g["us"] if g_timing == "graph" else None
+                if name in SAME_SETTINGS:
+                    s_kv = scores_fn().float()
+                    sink, window = pol.protected(N, k)
+                    from tritonkv.kernels.select import select_indices
 
-                ref_idx, _ = select_indices(s_kv, k, k, sink=sink, window=window)
-                same = bool(torch.equal(ref_idx, out.indices))
+                    ref_idx, _ = select_indices(s_kv, k, k, sink=sink, window=window)
+                    same = bool(torch.equal(ref_idx, out.indices))
             row = dict(kind="compress", policy=name, allocation=None, **ctx.base(N, a.keep),
                        kept_tokens=ctx.B * ctx.H * k,
                        tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
                        tritonkv_eager_us=eager["us"],
-                       **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy[N], t["us"]),
-                       kvpress_us=kv_us, torch_compile_us=None, same_kept=same, ok=ok)
+                       **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
+                       kvpress_us=kv_us, kvpress_graph_us=kv_graph,
+                       x_kvpress_eager=round(kv_us / eager["us"], 2) if kv_us else None,
+                       x_kvpress_graph=round(kv_graph / t["us"], 2) if kv_graph and timing == "graph" else None,
+                       torch_compile_us=None, same_kept=same, ok=ok)
             emit(rows, row)
         del keys, values, pool
         ctx.free()
@@ -436,7 +478,7 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
             row = dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N, a.keep), layer=LAYER,
                        num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, tritonkv_us=t["us"], p20_us=t["p20_us"],
                        p80_us=t["p80_us"], reps=t["reps"], timing="eager",
-                       **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy[N], t["us"]),
+                       **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy_GBps, t["us"]),
                        inputs=desc, ok=ok)
             del out
             emit(rows, row)
@@ -446,7 +488,7 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
 
 def run_decode(ctx: Ctx, rows: list) -> None:
     """``decode_attention.py``'s cases (kind ``decode_attention``)."""
-    gbps = da.copy_bandwidth(ctx.cuda, (1 << 30) if ctx.cuda else (1 << 20))
+    gbps = ctx.copy_GBps
     for case in da.SMOKE_CASES if ctx.args.smoke else da.CASES:
         if ctx.over_budget(f"decode_attention {case}"):
             continue
@@ -483,8 +525,8 @@ def run_scaling(ctx: Ctx, rows: list) -> dict:
             t, timing = measure_graph(fn, ctx.cuda, f"scaling {name} N={N}")
             emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N, a.keep),
                             tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
-                            ns_per_token=round(t["us"] * 1e3 / N, 4), copy_GBps=round(ctx.copy[N], 1),
-                            **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy[N], t["us"]),
+                            ns_per_token=round(t["us"] * 1e3 / N, 4), copy_GBps=round(ctx.copy_GBps, 1),
+                            **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
                             ok=ok))
         del keys, values, pool
         ctx.free()
@@ -552,7 +594,8 @@ def run(args):
                settings=dict(B=ctx.B, H_kv=ctx.H, H_q=ctx.H * ctx.G, D=ctx.D, W=ctx.W, dtype="bfloat16", keep=args.keep,
                              allocation_policy=ALLOC_POLICY, layer=LAYER, num_layers=NUM_LAYERS,
                              time_budget_s=args.time_budget),
-               copy_GBps={}, phase_s={}, scaling_fit={}, skipped=ctx.skipped, complete=False, rows=[])
+               copy_GBps=round(ctx.copy_GBps, 1), copy_bytes=COPY_BYTES if ctx.cuda else 1 << 20,
+               phase_s={}, scaling_fit={}, skipped=ctx.skipped, complete=False, rows=[])
     rows = res["rows"]
     steps = [(p, {"compress": run_compress, "allocation": run_allocation, "decode": run_decode,
                   "scaling": run_scaling}[p]) for p in parts]
@@ -564,7 +607,6 @@ def run(args):
         if name == "scaling":
             res["scaling_fit"] = out
         res["phase_s"][name] = round(time.perf_counter() - t, 1)
-        res["copy_GBps"] = {str(n): round(v, 1) for n, v in sorted(ctx.copy.items())}
         res["wall_s"] = round(time.perf_counter() - ctx.t0, 1)
         print(f"== {name}: {res['phase_s'][name]} s (total {res['wall_s']} s)", flush=True)
         _dense_ratio(rows)
@@ -602,7 +644,7 @@ def markdown(result) -> str:
     rows = result["rows"]
     of = lambda kind: [r for r in rows if r.get("kind") == kind and "error" not in r]  # noqa: E731
     out = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}; commit "
-           f"{result['commit']}; {result['date']}; copy GB/s by N {result['copy_GBps']}; run {result.get('wall_s')} s",
+           f"{result['commit']}; {result['date']}; copy {result['copy_GBps']} GB/s (one {result.get('copy_bytes', 1 << 30) >> 20} MiB clone); run {result.get('wall_s')} s",
            ""]
     shape = (f"B={s.get('B')}, H_kv={s.get('H_kv')}, H_q={s.get('H_q')}, D={s.get('D')}, {s.get('dtype')}, "
              f"keep {s.get('keep')}")
@@ -610,7 +652,8 @@ def markdown(result) -> str:
         out += [f"**Compress** (one layer's `tritonkv.compress`, {shape}; µs, median; floor = bytes that must move "
                 "over the copy bandwidth)", ""]
         out += table(of("compress"), ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "pct_copy_bw",
-                                      "kvpress_us", "torch_compile_us", "same_kept", "ok"]) + [""]
+                                      "kvpress_us", "x_kvpress_eager", "kvpress_graph_us", "x_kvpress_graph",
+                                      "torch_compile_us", "same_kept", "ok"]) + [""]
     if of("allocation"):
         out += [f"**Allocation** (`compress(..., \"{s.get('allocation_policy')}\", allocation=...)` as layer "
                 f"{s.get('layer')} of {s.get('num_layers')}, RaggedKV output, eager; the score allocator's floor "
