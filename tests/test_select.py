@@ -329,6 +329,10 @@ for n in (1040, 5008, 40000):  # three power-of-two buckets (all multiples of 16
     inp = ks.make_inputs(n)
     k, v = inp["keys"], inp["values"]
     runs = {name: (lambda name=name: tritonkv.compress((k, v), name, 0.25)) for name in ks.KEY_ONLY}
+    pool = inp["pool"]
+    for name in ("snapkv", "tova", "lagkv", "criticalkv"):  # window attention, LagKV, CriticalKV's value norms
+        pol = tritonkv.POLICIES[name]()
+        runs[name] = lambda pol=pol: tritonkv.compress((k, v), pol, 0.25, **{x: pool[x] for x in pol.needs})
     runs["knorm_window"] = lambda: tritonkv.compress((k, v), tritonkv.POLICIES["knorm"](sink=4, window=n // 10), 0.3)
     runs["select_kv_budgets"] = lambda: sel.select_kv(torch.empty(1, 8, n), torch.arange(8, dtype=torch.int32) * 7,
                                                       k, v, n // 3, sink=3, window=5)
@@ -346,7 +350,8 @@ print(json.dumps(out))
 def test_gpu_launches_compile_once_and_stay_few():
     """The launches a GPU run makes (logged, not run; ``benchmarks/kernel_stats.py``'s dry run, no
     interpreter): a new N in another power-of-two bucket picks no new compiled variant of any kernel
-    (CHUNK, C and the budget-dependent scalars are runtime, unspecialised arguments), and a compress
+    (CHUNK, C and the budget-dependent scalars are runtime, unspecialised arguments; the key-only
+    policies, window attention, LagKV and CriticalKV are checked), and a compress
     by a key-only policy makes at most 6 device launches (Triton + torch-side), with no host sync."""
     import json
 

@@ -174,8 +174,8 @@ def test_small_blocks_and_many_chunks(case, kw, chunk, lse):
     keys, queries = case
     orig = kwa._config
 
-    def small(N, R, G, W, D, ch):
-        cfg = orig(N, R, G, W, D, ch)
+    def small(N, G, W, D, ch):
+        cfg = orig(N, G, W, D, ch)
         return {**cfg, "GB": 1, "BW": 16, "BLOCK_N": 16}
 
     attn_lse = oracle_lse(keys, queries) if lse else None
@@ -408,11 +408,13 @@ def test_kernels_compile_ahead_of_time():
     specs = []
     for dt, cast, gmax, hoist, gb, bw in (("bf16", False, False, True, 4, 32), ("fp32", True, True, False, 1, 16)):
         # (the LSE kernel shares its loads and dot with the score kernel: its bf16 build suffices)
-        blocks = {"CHUNK": 256, "BLOCK_N": 64, "GB": gb, "BW": bw, "BLOCK_D": 128}
+        blocks = {"BLOCK_N": 64, "GB": gb, "BW": bw, "BLOCK_D": 128}
         tail = {"CAST_FP32": cast, "DOT_PREC": "ieee"}
-        lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32", "scale": "fp32"}
+        lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32", "scale": "fp32",
+                   "CHUNK": "i32"}
         score_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "lse_ptr": "*fp32", "u_ptr": "*fp32", **kq,
-                     **i32("slb", "slh", "slc", "slg", "slw", "NC"), "scale": "fp32", "out_scale": "fp32"}
+                     **i32("slb", "slh", "slc", "slg", "slw", "NC"), "scale": "fp32", "out_scale": "fp32",
+                     "CHUNK": "i32"}
         lse_c = {**blocks, **tail}
         score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail}
         if dt == "bf16":

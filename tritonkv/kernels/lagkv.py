@@ -28,7 +28,7 @@ import triton.language as tl
 from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_scored", "parts"])  # a new N compiles nothing new
 def _lagkv_score_kernel(k_ptr, v_ptr, out_ptr, tmp_ptr, H, skb, skh, skn, svb, svh, svn, N, D,
                         sink, lag, n_scored, parts, eps,
                         BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -92,9 +92,9 @@ def _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid):
     return mx + tl.log(tl.where(valid, tot, 1.0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C", "CHUNK"])
 def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw, C, scale,
-                       CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
+                       CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                        BLOCK_D: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
@@ -123,10 +123,10 @@ def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb
             tl.store(part_ptr + ((r * C + c) * G + g) * W + i, part, mask=(g < G) & (i < W))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slb", "slh", "slc", "NC", "CHUNK"])
 def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw,
                          slb, slh, slc, slg, slw, NC, scale, out_scale,
-                         CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
+                         CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                          BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
                          CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
     c = tl.program_id(0)
@@ -206,7 +206,7 @@ def _window_pool_kernel(u_ptr, out_ptr, H, N, n_pool, KSIZE: tl.constexpr, POOL_
     tl.store(out_ptr + r * N + j, res, mask=j < N)
 
 
-def _config(N: int, R: int, G: int, W: int, D: int, chunk: int) -> dict:
+def _config(N: int, G: int, W: int, D: int, chunk: int) -> dict:
     """Block sizes. Rows: GB heads × BW window rows per block (≥ 16 rows for ``tl.dot``)."""
     block_d = max(16, next_pow2(D))
     if INTERPRET:  # ~0.5 ms per program: one program per row, large tiles
@@ -222,9 +222,9 @@ def _config(N: int, R: int, G: int, W: int, D: int, chunk: int) -> dict:
         while gb * bw < 16:
             bw *= 2
         block_n = 64 if block_d <= 128 else 32
-        if not chunk:  # about two waves of 132 SMs when rows are few
-            want = max(1, -(-264 // R))
-            chunk = max(block_n, next_pow2(-(-N // want)))
+        if not chunk:  # ~32 chunks a row (two waves of 132 SMs at 8 rows), from N alone: a tensor-parallel
+            # rank (fewer rows) then splits a row exactly as one process does, so its LSEs are bit-identical
+            chunk = max(block_n, next_pow2(-(-N // 32)))
         warps = 8 if gb * bw * block_n >= 8192 else 4
     chunk = next_pow2(chunk)
     return dict(CHUNK=chunk, BLOCK_N=min(block_n, chunk), GB=gb, BW=bw, BLOCK_D=block_d, num_warps=warps)
@@ -352,7 +352,7 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
     out = torch.empty((B, H, N), dtype=torch.float32, device=dev)
     if R == 0 or N == 0:
         return out
-    cfg = _config(N, R, G, W, D, chunk)
+    cfg = _config(N, G, W, D, chunk)
     C = triton.cdiv(N, cfg["CHUNK"])
     cast = INTERPRET or keys.dtype == torch.float32 or queries.dtype != keys.dtype
     common = dict(CAST_FP32=cast, DOT_PREC="ieee", **cfg)
