@@ -319,6 +319,24 @@ def comparison_table(comps: Sequence[dict]) -> List[str]:
     return lines
 
 
+def _held(comps, cells) -> List[str]:
+    """A line naming the configurations of a claim that held more tokens per (layer, KV head) than their
+    nominal integer budget (by > 0.5 %), so a comparison at "equal" budgets says where it was not."""
+    held = {}
+    for c in cells:
+        if c["metric"] == "kept_per_head":
+            held.setdefault(c["config"], []).append(c["mean"])
+    over = []
+    for cfg in dict.fromkeys(x for comp in comps for x in (comp["a"], comp["b"])):
+        b = cfg.rsplit("|", 1)[-1]
+        if b.isdigit() and cfg in held and max(held[cfg]) > 1.005 * int(b):
+            over.append(f"{_short(cfg)} {max(held[cfg]):.1f}")
+    if not over:
+        return []
+    return ["Tokens held per (layer, KV head) above the nominal budget (mean over cases, worst task): "
+            + "; ".join(over) + ".", ""]
+
+
 def markdown(recs, summary) -> str:
     idx = index(recs)
     runs = sorted({r.get("commit") for r in recs if r.get("commit")})
@@ -345,6 +363,7 @@ def markdown(recs, summary) -> str:
         out += [f"### {c['claim']}", "", f"**Overall: {c['overall']}**", ""]
         if c["comparisons"]:
             out += comparison_table(c["comparisons"]) + [""]
+            out += _held(c["comparisons"], summary["cells"])
         if c.get("heads"):
             out += ["Head-wise (per (layer, query head), mean error over cases): the fraction of heads where the "
                     "first configuration is lower, bounded below by the heads whose own paired 95 % interval is "
