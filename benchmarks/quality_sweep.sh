@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 E="${PYTHON:-.venv/bin/python} benchmarks/evaluate.py --threads $OMP_NUM_THREADS"
 
 chunk() {  # seeds $1: the 2K cells (needle and lm: every claim; mk_needle: after-prefill claims)
-  $E --tasks needle lm --contexts 2048 --seeds "$1" --groups criticalkv keydiff lagkv allocation
+  $E --tasks needle lm --contexts 2048 --seeds "$1" --groups criticalkv keydiff lagkv allocation compose
   $E --tasks mk_needle --contexts 2048 --seeds "$1" --groups criticalkv lagkv allocation
 }
 
@@ -22,7 +22,8 @@ chunk 5-9
 # 2. the >= 90 % gate: full-cache accuracy of every task at 2K, and of the needles at 4K and 8K
 $E --tasks vt1 vt2 cwe --contexts 2048 --seeds 0-9 --groups full
 $E --tasks needle mk_needle --contexts 4096 8192 --seeds 0-4 --groups full
-# 3. 2K up to 50 cases per cell
+# 3. 2K up to 50 cases per cell (two processes on disjoint seeds may run at once with --out to separate folders;
+#    concatenate their .jsonl files afterwards: records are keyed by case and configuration)
 for s in 10 15 20 25 30 35 40 45; do chunk "$s-$((s + 4))"; done
 # 4. 4K: the after-prefill claims on the single needle and the held-out continuation
 $E --tasks needle lm --contexts 4096 --seeds 0-29 --groups criticalkv lagkv allocation
