@@ -321,6 +321,7 @@ class Config:
         return f"{self.policy}|{self.allocation}|{self.mode}|{self.setting}|{b}"
 
 
+WIDE_PROFILE = "smollm2-135m-instruct-infsc-6x11"  # tritonkv/data/<name>.json: the paper's 6 lengths x every 3rd depth
 FULL = Config("full", "uniform", "full", "aware", 1.0)
 
 # the claims' cells (budgets are the papers')
@@ -332,8 +333,10 @@ GROUPS: Dict[str, List[Config]] = {
     # (its smallest cache, 2K, against LongBench prompts of ~9K tokens)
     "keydiff": [Config(p, "uniform", "blockwise", "aware", b) for b in (128, 64, 512)
                 for p in ("keydiff", "tova", "snapkv", "streaming_llm")],
-    # LagKV paper mode, L = 128, S = 16, r = 1/2 and 1/4, through its recursive state
-    "lagkv": [Config("lagkv", "uniform", "lagkv", "aware", r) for r in (0.5, 0.25)],
+    # LagKV paper mode, S = 16, r = 1/2 and 1/4, through its recursive state; L = 128 ("lagkv"), 512 and 1024
+    # ("lagkv_l512", "lagkv_l1024": these compress nothing until S + 2L tokens, 1040 and 2064)
+    "lagkv": [Config(p, "uniform", "lagkv", "aware", r) for p in ("lagkv", "lagkv_l512", "lagkv_l1024")
+              for r in (0.5, 0.25)],
     # allocation end to end at 64 and 128 tokens per head (SCORE and SurfaceLogicKV's KV sizes)
     "allocation": [Config(p, a, "after_prefill", "aware", b) for b in (128, 64)
                    for p, a in (("snapkv", "uniform"), ("snapkv", "pyramid"), ("snapkv", "adakv"),
@@ -350,6 +353,11 @@ GROUPS["compose"] = [Config(p, a, "blockwise", "aware", b) for b in (64,)
                      for p, a in (("keydiff_critical", "surfacelogic"), ("keydiff_critical", "uniform"),
                                   ("keydiff", "surfacelogic"), ("criticalkv", "uniform"), ("snapkv", "surfacelogic"),
                                   ("surfacelogic", "surfacelogic"))]
+# The profile's effect: SurfaceLogicKV's allocation from the wider profile (the paper's 6 lengths × 11 depths)
+# in the cells of the shipped 4 × 5 one (the allocation claim's and the composition's)
+GROUPS["profile"] = ([Config(p, "surfacelogic_6x11", "after_prefill", "aware", b) for b in (128, 64)
+                      for p in ("snapkv", "surfacelogic")]
+                     + [Config("keydiff_critical", "surfacelogic_6x11", "blockwise", "aware", 64)])
 WO_GROUP = [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
             for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")]
 
@@ -427,6 +435,12 @@ def keydiff_critical(alpha: float = 0.5):
     return POLICIES["criticalkv"](base=ShiftedKeyDiff(), alpha=alpha)
 
 
+def lagkv_policy(name: str):
+    """LagKV for a configuration's policy name: ``lagkv`` (L = 128) or ``lagkv_l<L>``."""
+    lag = int(name[len("lagkv_l"):]) if name.startswith("lagkv_l") else 128
+    return POLICIES["lagkv"](lag=lag)
+
+
 def _policy_object(model, cfg: Config, hd=None):
     """The policy for ``cfg`` with its per-layer inputs attached."""
     if cfg.policy == "keydiff_critical":
@@ -443,6 +457,17 @@ def _policy_object(model, cfg: Config, hd=None):
     return get_policy(cfg.policy)
 
 
+def _allocation(name: str):
+    """The allocator of a configuration's ``allocation`` (None for uniform); ``surfacelogic`` reads the shipped
+    default profile (4 lengths × 5 depths), ``surfacelogic_6x11`` the wider one (the paper's 6 lengths × every third of its 33 depths)."""
+    if name == "uniform":
+        return None
+    if name == "surfacelogic_6x11":
+        from tritonkv.allocation import get_allocator
+        return dataclasses.replace(get_allocator("surfacelogic"), profile_name=WIDE_PROFILE)
+    return name
+
+
 def replay_cache(model, cfg: Config, kv, qwin, n: int, inputs: dict, hd=None):
     """A ``TritonKVCache`` for ``cfg`` that has seen the first ``n`` tokens of the captured forward: every layer is
     fed its captured keys/values (``update``) and its window queries (``after_attention``, which compresses as
@@ -451,12 +476,12 @@ def replay_cache(model, cfg: Config, kv, qwin, n: int, inputs: dict, hd=None):
 
     L = len(kv)
     if cfg.mode == "lagkv":
-        cache = make_cache(model, get_policy("lagkv"), float(cfg.budget), mode="decoding")
+        cache = make_cache(model, lagkv_policy(cfg.policy), float(cfg.budget), mode="decoding")
     elif cfg.policy == "full":
         cache = make_cache(model, "streaming_llm", n + 10**6)
     else:
         budget = int(cfg.budget) if cfg.budget > 1 else float(cfg.budget)
-        alloc = None if cfg.allocation == "uniform" else cfg.allocation
+        alloc = _allocation(cfg.allocation)
         cache = make_cache(model, _policy_object(model, cfg, hd), budget, mode="after_prefill", allocation=alloc,
                            prompt_length=n, **inputs)
     for l in range(L):
@@ -568,7 +593,7 @@ def wo_errors(model, kv, q_last, qwin_ctx, n_ctx: int, configs: Sequence[Config]
         wo = model.model.layers[l].self_attn.o_proj.weight.detach().float()  # [D_model, H_q·D]
         for cfg in configs:
             pol = _policy_object(model, cfg)
-            alloc = None if cfg.allocation == "uniform" else cfg.allocation
+            alloc = _allocation(cfg.allocation)
             budget = int(cfg.budget) if cfg.budget > 1 else float(cfg.budget)
             res = tritonkv.compress((k[:, :, :n_ctx], v[:, :, :n_ctx]), pol, budget, allocation=alloc,
                                     queries=qwin_ctx[l], layer=l, num_layers=len(kv), **inputs)
@@ -681,7 +706,7 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
             pol = get_policy(cfg.policy) if cfg.policy in POLICIES else _policy_object(model, cfg, hd)
             cache = make_cache(model, pol, int(cfg.budget) if cfg.budget > 1 else float(cfg.budget),
                                mode="blockwise", block_size=BLOCK, prompt_length=n_all,
-                               allocation=None if cfg.allocation == "uniform" else cfg.allocation)
+                               allocation=_allocation(cfg.allocation))
             first = prefill(model, torch.tensor([case.prompt]), cache)[0, -1].float()
             cache.freeze()
         elif cfg.setting == "agnostic" and not lm:

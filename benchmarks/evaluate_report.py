@@ -172,6 +172,13 @@ CLAIMS = [
                 for b in (128, 64) for o in ("uniform", "pyramid", "adakv")]
                + [(cfg_name("snapkv", "surfacelogic", budget=b), cfg_name("snapkv", "uniform", budget=b))
                   for b in (128, 64)]),
+    dict(id="surfacelogic_profile",
+         claim="The profile's effect: SurfaceLogicKV's allocation from a profile on 6 lengths × 11 depths (the "
+               "paper's lengths, every third of its 33 depths; 5 answer steps) beats the same allocation from the shipped 4 × 5 profile (1 step). Not a "
+               "claim of the paper: how much the profiling grid matters",
+         pairs=[(cfg_name(p, "surfacelogic_6x11", budget=b), cfg_name(p, "surfacelogic", budget=b))
+                for b in (128, 64) for p in ("surfacelogic", "snapkv")]
+               + [(cfg_name("keydiff_critical", "surfacelogic_6x11", mode="blockwise", budget=64), COMPOSE)]),
     dict(id="compose",
          claim="Beyond the seeds: KeyDiff's scores + CriticalKV's value-aware second stage + SurfaceLogicKV's "
                "allocation, block-wise (B = 128) at 64 tokens per head, beats every single seed method run "
@@ -189,6 +196,19 @@ CLAIMS = [
                 for o, a in (("keydiff_critical", "uniform"), ("keydiff", "surfacelogic"),
                              ("snapkv", "surfacelogic"))]),
 ]
+
+
+LAGKV = [(lag, r, margin) for lag in (128, 512, 1024) for r, margin in ((0.5, 0.95), (0.25, 0.90))]
+
+
+def _lagkv(lag: int) -> str:
+    return "lagkv" if lag == 128 else f"lagkv_l{lag}"
+
+
+def _compressed(idx, task, ctx, cfg) -> bool:
+    """Whether ``cfg`` held fewer tokens than the prompt (LagKV compresses nothing below S + 2L tokens)."""
+    kept = [r["value"] for r in idx.get((task, ctx, cfg, "kept_per_head"), {}).values()]
+    return bool(kept) and float(np.mean(kept)) < 0.99 * ctx
 
 
 def claim_rows(idx) -> List[dict]:
@@ -210,22 +230,25 @@ def claim_rows(idx) -> List[dict]:
         for metric in _metrics_for(task):
             if metric not in ACC or not _gate(idx, task, ctx, metric):
                 continue
-            for r_, margin in ((0.5, 0.95), (0.25, 0.90)):
-                r = compare(idx, task, ctx, metric, cfg_name("lagkv", mode="lagkv", budget=r_), FULL,
-                            ratio_margin=margin)
+            for lag, r_, margin in LAGKV:
+                cfg = cfg_name(_lagkv(lag), mode="lagkv", budget=r_)
+                r = compare(idx, task, ctx, metric, cfg, FULL, ratio_margin=margin) if _compressed(idx, task, ctx,
+                                                                                                   cfg) else None
                 if r:
-                    comps.append(r)
+                    comps.append(dict(r, lag=lag))
     kl_rows = []
     for task, ctx in _tasks(idx):
         m = "kl" if task == "lm" else "kl_answer"
-        for r_ in (0.5, 0.25):
-            per = idx.get((task, ctx, cfg_name("lagkv", mode="lagkv", budget=r_), m), {})
-            if len(per) >= MIN_CASES:
-                kl_rows.append(dict(task=task, context=ctx, metric=m, ratio=r_,
+        for lag, r_, _ in LAGKV:
+            cfg = cfg_name(_lagkv(lag), mode="lagkv", budget=r_)
+            per = idx.get((task, ctx, cfg, m), {})
+            if len(per) >= MIN_CASES and _compressed(idx, task, ctx, cfg):
+                kl_rows.append(dict(task=task, context=ctx, metric=m, lag=lag, ratio=r_,
                                     **S.summarise([x["value"] for x in per.values()])))
-    out.append(dict(id="lagkv", claim="LagKV (L = 128, S = 16, recursive) keeps ≥ 95 % of the full cache's score "
-                                      "at 2× (r = ½: 'nearly zero loss, < 5 %') and ≥ 90 % at 4× (r = ¼; the "
-                                      "paper claims ≈ 90 % even at 8×)",
+    out.append(dict(id="lagkv", claim="LagKV (S = 16, recursive; L = 128, 512, 1024) keeps ≥ 95 % of the full cache's "
+                                      "score at 2× (r = ½: 'nearly zero loss, < 5 %') and ≥ 90 % at 4× (r = ¼; the "
+                                      "paper claims ≈ 90 % even at 8×); a cell where L compresses nothing at "
+                                      "that context (S + 2L > prompt) is left out",
                     comparisons=comps, overall=_overall(comps), kl=kl_rows))
     # CriticalKV's own metric: error after W_O at the first answer token, head-wise
     comps, heads = [], []
@@ -300,7 +323,7 @@ def _short(cfg: str) -> str:
         return "full cache"
     parts = [p if a == "uniform" else f"{p}+{a}"]
     if mode == "lagkv":
-        parts = [f"lagkv r={b}"]
+        parts = [f"lagkv L={p[len('lagkv_l'):] if p.startswith('lagkv_l') else 128} r={b}"]
     else:
         parts.append(f"@{b}")
     return " ".join(parts)
@@ -377,11 +400,21 @@ def markdown(recs, summary) -> str:
                            f"{h['verdict']} |")
             out.append("")
         if c.get("kl"):
-            out += ["| task | ctx | metric | r | n | mean [95% CI] |", "|---|---|---|---|---|---|"]
+            out += ["| task | ctx | metric | L | r | n | mean [95% CI] |", "|---|---|---|---|---|---|---|"]
             for k in c["kl"]:
-                out.append(f"| {k['task']} | {k['context']} | {k['metric']} | {k['ratio']} | {k['n']} | "
+                out.append(f"| {k['task']} | {k['context']} | {k['metric']} | {k['lag']} | {k['ratio']} | {k['n']} | "
                            f"{_ci(k['mean'], k['lo'], k['hi'])} |")
             out.append("")
+    pe = summary.get("profile_effect")
+    if pe:
+        out += ["## SurfaceLogicKV: the profiling grid's effect on the allocation", "",
+                f"`{pe['a']}` (the paper's 6 lengths × 11 of its 33 depths, 5 answer steps) against `{pe['b']}` (shipped default: 4 lengths × 5 depths, 1 step): Spearman rank correlation of "
+                f"the KV-head INF profiles {pe['spearman']:.3f}. Budgets at a {pe['prompt']}-token prompt:", "",
+                "| tokens per head | budget moved between (layer, head) | largest per-layer change | "
+                "top-10 heads shared |", "|---|---|---|---|"]
+        for r in pe["budgets"]:
+            out.append(f"| {r['budget']} | {r['moved']:.1%} | {r['layer_change']:.1%} | {r['top10_shared']}/10 |")
+        out += ["", "End to end: the claim *The profile's effect* above.", ""]
     out += ["## Every cell", "", "| task | ctx | configuration | metric | n | mean [95% CI] |", "|---|---|---|---|---|---|"]
     for c in summary["cells"]:
         if c["metric"] in ("kept_per_head",):
@@ -497,11 +530,36 @@ def readme_section(summary: dict, rel: str = "benchmarks/results/quality", plots
     return "\n".join(out)
 
 
+def profile_effect(a: str = "smollm2-135m-instruct-infsc-6x11", b: str = "smollm2-135m-instruct-infsc",
+                   prompt: int = 2048) -> Optional[dict]:
+    """What the profiling grid changes in SurfaceLogicKV's allocation, before any task: the rank correlation of the
+    two KV-head INF profiles, and per budget the share of the L·H·b tokens that move between (layer, head) cells
+    (½ Σ|b_a − b_b| / Σ b_b), the largest per-layer change, and how many of the 10 best-funded heads they share.
+    None when either profile is missing."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from tritonkv.allocation.profiler import load_profile
+    from tritonkv.allocation.surfacelogic import surfacelogic_budgets
+    try:
+        pa, pb = load_profile(a).double(), load_profile(b).double()
+    except (OSError, ValueError):
+        return None
+    rank = lambda x: np.argsort(np.argsort(x.ravel().numpy()))  # noqa: E731
+    out = dict(a=a, b=b, prompt=prompt, spearman=float(np.corrcoef(rank(pa), rank(pb))[0, 1]), budgets=[])
+    for bud in (128, 64):
+        ba, bb = (surfacelogic_budgets(p, bud, prompt).double() for p in (pa, pb))
+        top = lambda x: set(np.argsort(-x.ravel().numpy(), kind="stable")[:10].tolist())  # noqa: E731
+        out["budgets"].append(dict(budget=bud, moved=float((ba - bb).abs().sum() / 2 / bb.sum()),
+                                   layer_change=float(((ba.sum(1) - bb.sum(1)).abs() / bb.sum(1)).max()),
+                                   top10_shared=len(top(ba) & top(bb))))
+    return out
+
+
 def build(out_dir: str = OUT, write: bool = True) -> dict:
     recs = load(out_dir)
     idx = index(recs)
     summary = {"cells": cells(idx), "claims": claim_rows(idx),
-               "full_accuracy": {f"{t}/{c}": full_accuracy(idx, t, c) for t, c in _tasks(idx) if t != "lm"}}
+               "full_accuracy": {f"{t}/{c}": full_accuracy(idx, t, c) for t, c in _tasks(idx) if t != "lm"},
+               "profile_effect": profile_effect()}
     if write:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=float)

@@ -16,6 +16,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
 
 import evaluate as E  # noqa: E402
+from tritonkv.policies import POLICIES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def _capture(model, ids, n):
 CONFIGS = [E.Config("snapkv", "uniform", budget=40), E.Config("snapkv", "adakv", budget=40),
            E.Config("criticalkv", "uniform", budget=40), E.Config("criticalkv", "adakv", budget=0.3),
            E.Config("tova", "uniform", budget=40), E.Config("keydiff", "pyramid", budget=40),
-           E.Config("lagkv", "uniform", "lagkv", budget=0.5), E.Config("lagkv", "uniform", "lagkv", budget=0.25)]
+           E.Config("lagkv", "uniform", "lagkv", budget=0.5), E.Config("lagkv", "uniform", "lagkv", budget=0.25),
+           E.Config("lagkv_l64", "uniform", "lagkv", budget=0.5)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.name)
@@ -52,7 +54,8 @@ def test_replayed_cache_equals_a_real_prefill(tiny, cfg):
     kv, _, last, qwin, _ = _capture(tiny, ids, N)
     replay = E.replay_cache(tiny, cfg, kv, qwin, N, {})
     if cfg.mode == "lagkv":
-        real = make_cache(tiny, "lagkv", float(cfg.budget), mode="decoding")
+        lag = {"lagkv": 128, "lagkv_l64": 64}[cfg.policy]
+        real = make_cache(tiny, POLICIES["lagkv"](lag=lag), float(cfg.budget), mode="decoding")
     else:
         b = int(cfg.budget) if cfg.budget > 1 else float(cfg.budget)
         real = make_cache(tiny, E._policy_object(tiny, cfg), b,
@@ -142,3 +145,10 @@ def test_cases_have_the_exact_length():
             ans = tok.decode(c.cands[c.answer]).strip()
             assert ans in tok.decode(c.ctx_ids)
             assert E.build_case(tok, task, 1024, 5, src).prompt == c.prompt  # seeded
+
+
+def test_configuration_names():
+    assert E.lagkv_policy("lagkv").lag == 128 and E.lagkv_policy("lagkv_l1024").lag == 1024
+    assert E._allocation("uniform") is None and E._allocation("adakv") == "adakv"
+    wide = E._allocation("surfacelogic_6x11")
+    assert wide.name == "surfacelogic" and wide.profile_name == E.WIDE_PROFILE
