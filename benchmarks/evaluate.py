@@ -321,7 +321,7 @@ class Config:
         return f"{self.policy}|{self.allocation}|{self.mode}|{self.setting}|{b}"
 
 
-WIDE_PROFILE = "smollm2-135m-instruct-infsc-6x11"  # tritonkv/data/<name>.json: the paper's 6 lengths x every 3rd depth
+PAPER_PROFILE = "smollm2-135m-instruct-infsc-paper"  # tritonkv/data/<name>.json: the paper's grid, 6 lengths x 33 depths
 FULL = Config("full", "uniform", "full", "aware", 1.0)
 
 # the claims' cells (budgets are the papers')
@@ -353,11 +353,11 @@ GROUPS["compose"] = [Config(p, a, "blockwise", "aware", b) for b in (64,)
                      for p, a in (("keydiff_critical", "surfacelogic"), ("keydiff_critical", "uniform"),
                                   ("keydiff", "surfacelogic"), ("criticalkv", "uniform"), ("snapkv", "surfacelogic"),
                                   ("surfacelogic", "surfacelogic"))]
-# The profile's effect: SurfaceLogicKV's allocation from the wider profile (the paper's 6 lengths × 11 depths)
+# The profile's effect: SurfaceLogicKV's allocation from the profile on the paper's grid (6 lengths × 33 depths)
 # in the cells of the shipped 4 × 5 one (the allocation claim's and the composition's)
-GROUPS["profile"] = ([Config(p, "surfacelogic_6x11", "after_prefill", "aware", b) for b in (128, 64)
+GROUPS["profile"] = ([Config(p, "surfacelogic_paper", "after_prefill", "aware", b) for b in (128, 64)
                       for p in ("snapkv", "surfacelogic")]
-                     + [Config("keydiff_critical", "surfacelogic_6x11", "blockwise", "aware", 64)])
+                     + [Config("keydiff_critical", "surfacelogic_paper", "blockwise", "aware", 64)])
 WO_GROUP = [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
             for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")]
 
@@ -459,12 +459,12 @@ def _policy_object(model, cfg: Config, hd=None):
 
 def _allocation(name: str):
     """The allocator of a configuration's ``allocation`` (None for uniform); ``surfacelogic`` reads the shipped
-    default profile (4 lengths × 5 depths), ``surfacelogic_6x11`` the wider one (the paper's 6 lengths × every third of its 33 depths)."""
+    default profile (4 lengths × 5 depths), ``surfacelogic_paper`` the one on the paper's grid (6 lengths × 33 depths)."""
     if name == "uniform":
         return None
-    if name == "surfacelogic_6x11":
+    if name == "surfacelogic_paper":
         from tritonkv.allocation import get_allocator
-        return dataclasses.replace(get_allocator("surfacelogic"), profile_name=WIDE_PROFILE)
+        return dataclasses.replace(get_allocator("surfacelogic"), profile_name=PAPER_PROFILE)
     return name
 
 

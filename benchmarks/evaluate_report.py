@@ -173,12 +173,13 @@ CLAIMS = [
                + [(cfg_name("snapkv", "surfacelogic", budget=b), cfg_name("snapkv", "uniform", budget=b))
                   for b in (128, 64)]),
     dict(id="surfacelogic_profile",
-         claim="The profile's effect: SurfaceLogicKV's allocation from a profile on 6 lengths × 11 depths (the "
-               "paper's lengths, every third of its 33 depths; 5 answer steps) beats the same allocation from the shipped 4 × 5 profile (1 step). Not a "
+         claim="The profile's effect: SurfaceLogicKV's allocation from the profile on the paper's grid (6 "
+               "lengths × 33 depths, 5 answer steps) beats the same allocation from the shipped 4 × 5 profile (1 "
+               "step). Not a "
                "claim of the paper: how much the profiling grid matters",
-         pairs=[(cfg_name(p, "surfacelogic_6x11", budget=b), cfg_name(p, "surfacelogic", budget=b))
+         pairs=[(cfg_name(p, "surfacelogic_paper", budget=b), cfg_name(p, "surfacelogic", budget=b))
                 for b in (128, 64) for p in ("surfacelogic", "snapkv")]
-               + [(cfg_name("keydiff_critical", "surfacelogic_6x11", mode="blockwise", budget=64), COMPOSE)]),
+               + [(cfg_name("keydiff_critical", "surfacelogic_paper", mode="blockwise", budget=64), COMPOSE)]),
     dict(id="compose",
          claim="Beyond the seeds: KeyDiff's scores + CriticalKV's value-aware second stage + SurfaceLogicKV's "
                "allocation, block-wise (B = 128) at 64 tokens per head, beats every single seed method run "
@@ -408,7 +409,8 @@ def markdown(recs, summary) -> str:
     pe = summary.get("profile_effect")
     if pe:
         out += ["## SurfaceLogicKV: the profiling grid's effect on the allocation", "",
-                f"`{pe['a']}` (the paper's 6 lengths × 11 of its 33 depths, 5 answer steps) against `{pe['b']}` (shipped default: 4 lengths × 5 depths, 1 step): Spearman rank correlation of "
+                f"`{pe['a']}` (the paper's grid: 6 lengths × 33 depths, 5 answer steps) against `{pe['b']}` "
+                f"(shipped default: 4 lengths × 5 depths, 1 step): Spearman rank correlation of "
                 f"the KV-head INF profiles {pe['spearman']:.3f}. Budgets at a {pe['prompt']}-token prompt:", "",
                 "| tokens per head | budget moved between (layer, head) | largest per-layer change | "
                 "top-10 heads shared |", "|---|---|---|---|"]
@@ -530,7 +532,7 @@ def readme_section(summary: dict, rel: str = "benchmarks/results/quality", plots
     return "\n".join(out)
 
 
-def profile_effect(a: str = "smollm2-135m-instruct-infsc-6x11", b: str = "smollm2-135m-instruct-infsc",
+def profile_effect(a: str = "smollm2-135m-instruct-infsc-paper", b: str = "smollm2-135m-instruct-infsc",
                    prompt: int = 2048) -> Optional[dict]:
     """What the profiling grid changes in SurfaceLogicKV's allocation, before any task: the rank correlation of the
     two KV-head INF profiles, and per budget the share of the L·H·b tokens that move between (layer, head) cells

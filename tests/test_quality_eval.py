@@ -150,5 +150,5 @@ def test_cases_have_the_exact_length():
 def test_configuration_names():
     assert E.lagkv_policy("lagkv").lag == 128 and E.lagkv_policy("lagkv_l1024").lag == 1024
     assert E._allocation("uniform") is None and E._allocation("adakv") == "adakv"
-    wide = E._allocation("surfacelogic_6x11")
-    assert wide.name == "surfacelogic" and wide.profile_name == E.WIDE_PROFILE
+    wide = E._allocation("surfacelogic_paper")
+    assert wide.name == "surfacelogic" and wide.profile_name == E.PAPER_PROFILE
