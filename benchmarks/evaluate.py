@@ -392,10 +392,39 @@ class LayerInputs(Policy):
 # the model side
 
 
+class LayerOutputs:
+    """Context manager: each layer's attention output (``o_proj``'s output) and the last layer's hidden state (the
+    final norm's input) at the last position of every forward inside it, fp32 ``[D_model]`` (the last forward's)."""
+
+    def __init__(self, model):
+        self.model, self.attn, self.hidden, self.hooks = model, {}, None, []
+
+    def __enter__(self):
+        for i, layer in enumerate(self.model.model.layers):
+            def hook(mod, args, out, i=i):
+                self.attn[i] = out[0, -1].detach().float()
+            self.hooks.append(layer.self_attn.o_proj.register_forward_hook(hook))
+
+        def norm_hook(mod, args):
+            self.hidden = args[0][0, -1].detach().float()
+        self.hooks.append(self.model.model.norm.register_forward_pre_hook(norm_hook))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+
+    def errors(self, ref: "LayerOutputs") -> Dict[str, object]:
+        """CriticalKV's layer-wise perturbation against ``ref`` (the full cache at the same token): ‖Δ‖₁ of the final
+        hidden state (``value``) and of every layer's attention output after W_O (``per_layer``)."""
+        per = [float((self.attn[i] - ref.attn[i]).abs().sum()) for i in range(len(ref.attn))]
+        return {"value": float((self.hidden - ref.hidden).abs().sum()), "per_layer": [float(f"{x:.5g}") for x in per]}
+
+
 @torch.no_grad()
 def capture(model, ids: List[int], q_rows: Sequence[int]):
     """One full forward of ``ids``: per layer ``(keys, values)`` ``[1, H_kv, N, D]`` (RoPE applied) and the queries
-    at ``q_rows`` ``[1, H_q, len(q_rows), D]``, plus the last position's logits ``[V]``."""
+    at ``q_rows`` ``[1, H_q, len(q_rows), D]``, the last position's logits ``[V]`` and its ``LayerOutputs``."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     rows = torch.as_tensor(list(q_rows), dtype=torch.long)
@@ -410,13 +439,14 @@ def capture(model, ids: List[int], q_rows: Sequence[int]):
             qs[i] = apply_rotary_pos_emb(q, q, cos[:, rows], sin[:, rows])[0]
         hooks.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
     try:
-        out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
+        with LayerOutputs(model) as outs:
+            out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
     finally:
         for h in hooks:
             h.remove()
     c = out.past_key_values
     kv = [(c.layers[i].keys, c.layers[i].values) for i in range(len(model.model.layers))]
-    return kv, qs, out.logits[0, -1].float()
+    return kv, qs, out.logits[0, -1].float(), outs
 
 
 @dataclasses.dataclass
@@ -624,13 +654,19 @@ def _commit() -> str:
         return ""
 
 
+def required_metrics(case: Case, cfg: Config) -> Tuple[str, ...]:
+    """Metrics a finished (case, configuration) must have: the layer-wise error inside the compressed run for the
+    context-compressed-before-the-question configurations of a question task."""
+    return ("layer_err",) if cfg.setting == "agnostic" and case.task != "lm" else ()
+
+
 class Store:
     """Per-case records as JSON lines, one file per (task, context); ``done`` says what a rerun may skip."""
 
     def __init__(self, out_dir: str = OUT):
         self.dir = out_dir
         os.makedirs(out_dir, exist_ok=True)
-        self.seen = set()
+        self.seen, self.metrics = set(), set()
         for f in glob.glob(os.path.join(out_dir, "*.jsonl")):
             with open(f) as fh:
                 for line in fh:
@@ -640,6 +676,8 @@ class Store:
                         continue
                     if r.get("metric") == "seconds":  # the last line of a (case, configuration): complete
                         self.seen.add(self._k(r))
+                    elif "metric" in r:
+                        self.metrics.add((*self._k(r), r["metric"]))
         self.commit = _commit()
 
     @staticmethod
@@ -647,7 +685,10 @@ class Store:
         return (r["task"], r["seed"], r["source"], r["context"], r["config"])
 
     def done(self, case: Case, cfg: Config) -> bool:
-        return (*case.key, cfg.name) in self.seen
+        """Whether ``cfg`` was measured on ``case`` with every metric it now records (a metric added later, e.g.
+        ``layer_err``, measures the configuration again; the index keeps a case's last record)."""
+        k = (*case.key, cfg.name)
+        return k in self.seen and all((*k, m) in self.metrics for m in required_metrics(case, cfg))
 
     def add(self, case: Case, cfg: Config, metrics: Dict[str, object], seconds: float) -> None:
         path = os.path.join(self.dir, f"{case.task}-{case.context}.jsonl")
@@ -664,6 +705,7 @@ class Store:
                 fh.write(json.dumps(rec) + "\n")
             fh.write(json.dumps(dict(base, metric="seconds", value=round(seconds, 3), commit=self.commit)) + "\n")
         self.seen.add((*case.key, cfg.name))
+        self.metrics.update((*case.key, cfg.name, m) for m in metrics)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -683,7 +725,7 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
     from tritonkv.allocation import head_means_from_queries, sample_positions
     pos = sample_positions(n_all, k=200, window=Q_WINDOW, seed=case.seed)
     rows = sorted(set(rows) | set(pos.tolist()))
-    kv, qs, last_logits = capture(model, case.prompt, rows)
+    kv, qs, last_logits, full_outs = capture(model, case.prompt, rows)
     r_index = {r: i for i, r in enumerate(rows)}
     sel = lambda l, rr: qs[l][:, :, [r_index[r] for r in rr]]  # noqa: E731
     L = len(kv)
@@ -711,7 +753,9 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
             cache.freeze()
         elif cfg.setting == "agnostic" and not lm:
             cache = replay_cache(model, cfg, kv, qwin_ctx, n_ctx, inputs, hd)
-            first = feed(model, cache, case.q_ids)[-1]
+            with LayerOutputs(model) as outs:  # the first answer token's query is the question's last token
+                first = feed(model, cache, case.q_ids)[-1]
+            layer_err = outs.errors(full_outs)
         else:
             cache = replay_cache(model, cfg, kv, qwin_all, n_all, inputs, hd)
             first = last_logits
@@ -733,6 +777,8 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
                 return metrics, d, kept, time.time() - t
             metrics["kl_answer"] = kl(full_ref, d)
         metrics["kept_per_head"] = kept
+        if cfg.setting == "agnostic" and not lm:
+            metrics["layer_err"] = layer_err
         return metrics, None, kept, time.time() - t
 
     # the full cache (reference for every KL): always recomputed (cheap next to the capture), recorded once

@@ -42,7 +42,7 @@ OUT = os.path.join(HERE, "results", "quality")
 MIN_CASES = 10
 FULL_GATE = 0.9
 ACC = ("acc_ll", "acc_greedy")
-LOWER = {"kl", "kl_answer", "wo_err"}  # lower is better; dll and accuracies: higher
+LOWER = {"kl", "kl_answer", "wo_err", "layer_err"}  # lower is better; dll and accuracies: higher
 
 
 def load(out_dir: str = OUT) -> List[dict]:
@@ -279,7 +279,38 @@ def claim_rows(idx) -> List[dict]:
                              "fraction against 92 %)",
                        comparisons=comps, overall=_overall(comps + [{"verdict": h["vs_paper"]} for h in heads]),
                        heads=heads))
+    out.insert(2, _layer_claim(idx))
     return out
+
+
+def _layer_claim(idx) -> dict:
+    """CriticalKV §4.5 b (Fig. 5): inside the compressed run, its advantage accumulates across layers, lowering
+    the final hidden state's perturbation. Cells: the final hidden state's ‖Δ‖₁ (paired), then per comparison the
+    ratio of mean attention-output errors (CriticalKV / baseline) at five depths with paired-bootstrap intervals."""
+    comps, layers = [], []
+    for task, ctx in _tasks(idx):
+        for b in (0.2, 0.4):
+            for alloc in ("uniform", "adakv"):
+                a = cfg_name("criticalkv", alloc, setting="agnostic", budget=b)
+                base = cfg_name("snapkv", alloc, setting="agnostic", budget=b)
+                r = compare(idx, task, ctx, "layer_err", a, base)
+                if not r:
+                    continue
+                comps.append(r)
+                pa, pb = idx[(task, ctx, a, "layer_err")], idx[(task, ctx, base, "layer_err")]
+                keys = sorted(set(pa) & set(pb), key=str)
+                ea = np.array([pa[k]["per_layer"] for k in keys], dtype=float)
+                eb = np.array([pb[k]["per_layer"] for k in keys], dtype=float)
+                L = ea.shape[1]
+                at = sorted({0, L // 4, L // 2, 3 * L // 4, L - 1})
+                layers.append(dict(task=task, context=ctx, a=a, b=base, n=len(keys),
+                                   ratios=[(l, *S.ratio_bootstrap(ea[:, l], eb[:, l])) for l in at]))
+    return dict(id="criticalkv_layers",
+                claim="Inside the compressed run, CriticalKV's advantage accumulates across layers and lowers the "
+                      "final hidden state's perturbation at the first decoding token vs SnapKV / AdaKV (CriticalKV "
+                      "§4.5 b, Fig. 5; cells: the final hidden state's ‖Δ‖₁, then the ratio of attention-output "
+                      "errors per layer)",
+                comparisons=comps, overall=_overall(comps), layers=layers)
 
 
 def _overall(comps) -> str:
@@ -399,6 +430,16 @@ def markdown(recs, summary) -> str:
                 out.append(f"| {h['task']} | {h['context']} | {_short(h['a'])} vs {_short(h['b'])} | {h['n']} | "
                            f"{h['heads']} | {h['fraction']:.2f} [{h['lo']:.2f}, {h['hi']:.2f}] | {h['vs_paper']} | "
                            f"{h['verdict']} |")
+            out.append("")
+        if c.get("layers"):
+            at = [l for l, *_ in c["layers"][0]["ratios"]]
+            out += ["Attention-output error after W_O per layer, inside the compressed run: mean(a) / mean(b) "
+                    "[95 % CI] (below 1: a perturbs less)", "",
+                    "| task | ctx | a vs b | n | " + " | ".join(f"layer {l}" for l in at) + " |",
+                    "|---|---|---|---|" + "---|" * len(at)]
+            for r in c["layers"]:
+                out.append(f"| {r['task']} | {r['context']} | {_short(r['a'])} vs {_short(r['b'])} | {r['n']} | "
+                           + " | ".join(f"{x:.3f} [{lo:.3f}, {hi:.3f}]" for _, x, lo, hi in r["ratios"]) + " |")
             out.append("")
         if c.get("kl"):
             out += ["| task | ctx | metric | L | r | n | mean [95% CI] |", "|---|---|---|---|---|---|---|"]

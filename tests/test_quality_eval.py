@@ -31,7 +31,7 @@ def tiny():
 
 def _capture(model, ids, n):
     rows = sorted(set(range(n - E.Q_WINDOW, n)) | set(range(len(ids) - E.Q_WINDOW, len(ids))))
-    kv, qs, last = E.capture(model, ids, rows)
+    kv, qs, last, _ = E.capture(model, ids, rows)
     r = {x: i for i, x in enumerate(rows)}
     qwin = [qs[l][:, :, [r[x] for x in range(n - E.Q_WINDOW, n)]] for l in range(len(kv))]
     return kv, qs, last, qwin, r
@@ -111,6 +111,44 @@ def test_error_after_wo(tiny):
     assert float(e[1, 4]) == pytest.approx(float(want), rel=1e-4)
 
 
+def test_layer_errors_inside_the_compressed_run(tiny):
+    """CriticalKV's layer-wise analysis: the perturbation of every layer's attention output (after W_O) and of the
+    final hidden state at the first answer token, with the context compressed before the question, against the
+    full cache. Layer 0 sees the same input in both runs, so its error is the isolated one, computed directly."""
+    torch.manual_seed(4)
+    N, n_ctx = 100, 80
+    ids = torch.randint(0, 256, (N,)).tolist()
+    rows = sorted(set(range(n_ctx - E.Q_WINDOW, n_ctx)) | {N - 1})
+    kv, qs, _, full = E.capture(tiny, ids, rows)
+    qwin = [qs[l][:, :, :E.Q_WINDOW] for l in range(2)]
+
+    def run(budget):
+        cache = E.replay_cache(tiny, E.Config("snapkv", "uniform", "after_prefill", "agnostic", budget), kv, qwin,
+                               n_ctx, {})
+        with E.LayerOutputs(tiny) as outs:
+            E.feed(tiny, cache, ids[n_ctx:])
+        return outs.errors(full)
+
+    big, small = run(10_000), run(40)
+    scale = float(full.hidden.abs().sum())
+    assert big["value"] < 1e-4 * scale and max(big["per_layer"]) < 1e-4 * float(full.attn[0].abs().sum())
+    assert small["value"] > 1e-3 * scale and len(small["per_layer"]) == 2 and min(small["per_layer"]) > 0
+    import tritonkv
+    k, v = kv[0]
+    kept = tritonkv.compress((k[:, :, :n_ctx], v[:, :, :n_ctx]), "snapkv", 40, queries=qwin[0]).indices[0]
+    q = qs[0][0, :, -1]  # [H_q, D]: the last token's queries
+    dv = []
+    for h in range(6):
+        kh = h // 3
+        logits = (k[0, kh] @ q[h]) / math.sqrt(16)
+        mask = torch.zeros(N, dtype=torch.bool)
+        mask[kept[kh]] = True
+        mask[n_ctx:] = True
+        dv.append((logits.softmax(-1) - logits.masked_fill(~mask, -math.inf).softmax(-1)) @ v[0, kh])
+    want = (tiny.model.layers[0].self_attn.o_proj.weight.detach() @ torch.cat(dv)).abs().sum()
+    assert small["per_layer"][0] == pytest.approx(float(want), rel=1e-3)
+
+
 def test_records_resume(tmp_path):
     case = E.Case("needle", 3, "synthetic", 2048, [1, 2], [3])
     cfg = E.Config("snapkv", budget=64)
@@ -121,6 +159,15 @@ def test_records_resume(tmp_path):
     assert again.done(case, cfg) and not again.done(case, E.FULL)
     lines = open(tmp_path / "needle-2048.jsonl").read().splitlines()
     assert len(lines) == 3 and '"metric": "wo_err"' in lines[1] and '"per_head": [0.5]' in lines[1]
+    # a metric added later measures the configurations that lack it again
+    ag = E.Config("snapkv", setting="agnostic", budget=0.2)
+    again.add(case, ag, {"acc_ll": 1}, 1.0)
+    assert not E.Store(str(tmp_path)).done(case, ag)
+    again.add(case, ag, {"acc_ll": 1, "layer_err": {"value": 2.0, "per_layer": [1.0]}}, 1.0)
+    assert E.Store(str(tmp_path)).done(case, ag)
+    lm = E.Case("lm", 3, "synthetic", 2048, [1, 2], [3])
+    again.add(lm, ag, {"kl": 0.1}, 1.0)
+    assert E.Store(str(tmp_path)).done(lm, ag)
 
 
 def test_cases_have_the_exact_length():
