@@ -8,7 +8,7 @@ turns the lines into intervals, paired tests and verdicts.
 Tasks (``build_case``; the prompt is ``context`` tokens long, question included):
 
 - ``needle``: one "The pass key for the <word> is <5 digits>. Remember it. <digits> is the pass key for the
-  <word>." fact at a random depth of a haystack, 9 random distractor keys (``shared/notes/models.md`` §3);
+  <word>." fact at a random depth of a haystack, 9 random distractor keys (``tritonkv.integrations.needle``);
 - ``mk_needle``: four such facts for four words at random depths; the question asks for one of them; the other
   three keys are among the 10 candidates (RULER's NIAH multikey, with distractors in the context);
 - ``vt1`` / ``vt2``: variable tracking, three chains "VAR A = 12345. … VAR B = VAR A." of 1 or 2 hops; the
@@ -44,7 +44,18 @@ batch-expanded: it is copied once per candidate).
 CriticalKV's own metric (``wo_err``): at the first answer token (the query of the prompt's last token), per
 query head, ‖(A − A′)·V·W_Oʰ‖₁ with A′ the attention over the context compressed before the question plus the
 question, in every layer, from the full forward's tensors (an isolated-layer measurement). Per-head values are
-kept (``per_head``), so the head-wise claim ("lower in 92% of heads") is computed over cases.
+kept (``per_head``), so the head-wise claim ("lower in 92% of heads") is computed over cases. Its layer-wise
+analysis (``layer_err``) is measured inside the compressed run instead: hooks on every layer's ``o_proj`` and on the
+final norm record, at the same token, each layer's attention output and the last hidden state; ``value`` is the
+final hidden state's ‖Δ‖₁ against the full cache, ``per_layer`` every layer's attention-output ‖Δ‖₁ (errors
+propagate and may accumulate through the layers, as in the paper's Fig. 5).
+
+SurfaceLogicKV's allocation reads an INF profile: ``surfacelogic`` the shipped default (4 lengths × 5 depths,
+1 answer step), ``surfacelogic_paper`` the profile on the paper's grid (6 lengths × 33 depths, 5 steps; the
+``profile`` group, paired with the default in the same cells).
+
+LagKV runs at L = 128 (``lagkv``), 512 and 1024 (``lagkv_l512``, ``lagkv_l1024``); a partition is compressed only
+once S + 2L tokens are held, so L = 1024 compresses nothing below 2064 tokens.
 
     OMP_NUM_THREADS=2 python benchmarks/evaluate.py --tasks mk_needle --contexts 2048 --seeds 0-49 --groups criticalkv keydiff
     python benchmarks/evaluate_report.py       # summaries, claims, plots

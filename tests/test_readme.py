@@ -101,3 +101,13 @@ def test_links_and_pointers(path):
         full = os.path.normpath(os.path.join(os.path.dirname(path), target.split("#")[0]))
         assert full.startswith(ROOT) and os.path.exists(full), f"{os.path.relpath(path, ROOT)}: broken link {target}"
     assert not re.search(r"shared/(notes|DESIGN|seeds)", text), f"{os.path.relpath(path, ROOT)} points outside the repo"
+
+
+def test_sources_do_not_point_outside_the_repository():
+    """Docstrings and comments are read by users too: no pointer to the notes kept beside the checkout."""
+    for top in ("tritonkv", "benchmarks", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py") and f != "test_readme.py":
+                    text = open(os.path.join(dirpath, f), encoding="utf-8").read()
+                    assert not re.search(r"shared/(notes|DESIGN|seeds)", text), f"{os.path.join(dirpath, f)}"

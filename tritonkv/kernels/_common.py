@@ -5,7 +5,7 @@
   so launchers pick larger blocks and shorter grids there.
 * ``triton_op`` / ``launch``: every launcher is registered with ``torch.library.triton_op`` and
   calls its kernels through ``wrap_triton`` so ``torch.compile(fullgraph=True)`` and
-  ``torch.export`` see through it (``shared/notes/kernels.md`` §6).
+  ``torch.export`` see through it (``docs/architecture.md``, "Kernels").
 * ``use_triton`` / ``cpu_kernels``: one op, two devices. Every op body starts with
   ``if not use_triton(x): return <vectorised PyTorch body>``: CUDA tensors run the Triton kernels,
   CPU tensors the PyTorch body — unless the Triton interpreter is on (``TRITON_INTERPRET=1``), where

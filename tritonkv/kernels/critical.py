@@ -1,4 +1,4 @@
-"""CriticalKV's projected-value norms (CriticalKV §3.4; ``shared/notes/algorithms.md`` §1.6).
+"""CriticalKV's projected-value norms (CriticalKV §3.4; ``docs/algorithms.md`` §1.6).
 
 For KV head h with query heads G(h) = {h·G, …, h·G + G − 1} and ``o_proj`` weight W_O
 ``[D_model, H_q·d]`` (nn.Linear layout: attention output o = x W_Oᵀ with x = concat of heads)::

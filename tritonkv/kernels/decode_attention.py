@@ -9,7 +9,7 @@ is either
   ``lengths`` — the equal-capacity special case, served by the same kernel with row start 0 and
   the row's base pointer from the batch/head strides.
 
-Two launches (``shared/notes/kernels.md`` §5):
+Two launches (``docs/architecture.md``, "Kernels"):
 
 1. grid ``(S, R)``: program ``(s, r)`` takes the FIXED token range ``[s·SPLIT, (s+1)·SPLIT)`` of row
    r, so rows of very different lengths get balanced work; a split past the row's length exits at

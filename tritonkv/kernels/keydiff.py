@@ -1,5 +1,5 @@
 """KeyDiff: negative cosine similarity of each key to the anchor (KeyDiff §3.2, Eqs. 7–8,
-App. B.1; ``shared/notes/algorithms.md`` §1.2).
+App. B.1; ``docs/algorithms.md`` §1.2).
 
     k̂_i = k_i / max(‖k_i‖, 1e-12)
     a   = (1/n) Σ_i k̂_i                      ("normalized", default)   or   (1/n) Σ_i k_i   ("raw")

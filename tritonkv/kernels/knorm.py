@@ -1,4 +1,4 @@
-"""Knorm: the negated L2 norm of each key (Devoto et al.; ``shared/notes/algorithms.md`` §1.1).
+"""Knorm: the negated L2 norm of each key (Devoto et al.; ``docs/algorithms.md`` §1.1).
 
     s_i = −‖k_i‖₂      (accumulated in fp32: a bf16 norm ties distinct tokens)
 

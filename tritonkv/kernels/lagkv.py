@@ -1,4 +1,4 @@
-"""LagKV's lag-relative score (LagKV §2.2, Eqs. 5–9; ``shared/notes/algorithms.md`` §1.5).
+"""LagKV's lag-relative score (LagKV §2.2, Eqs. 5–9; ``docs/algorithms.md`` §1.5).
 
 A row of T tokens is cut, after its S sinks, into P = ⌊(T−S)/L⌋ partitions of L tokens,
 π_j = [S + jL, S + (j+1)L). Partitions 0 … P−2 are each scored against the *raw* next one: for

@@ -6,7 +6,7 @@ highest scores, ties to the lower index, NaN lowest, -0 == +0. Kept tokens are w
 ascending original order, with their int64 indices, and the K/V rows are gathered in the same
 pass. Budgets are an int32 device tensor that the host never reads.
 
-Pipeline (``shared/notes/kernels.md`` §3), each launch on grid (chunks, rows) so a long row is
+Pipeline (``docs/architecture.md``, "Kernels"), each launch on grid (chunks, rows) so a long row is
 split over many programs:
 
 1. keys: NaN -> -inf, -0 -> +0, fp32 bits -> order-preserving uint32; protected -> 0xFFFFFFFF

@@ -1,5 +1,5 @@
 """Window attention: the score kernel of SnapKV, TOVA, H2O-style and SurfaceLogicKV selection
-(``shared/notes/algorithms.md`` §1.4).
+(``docs/algorithms.md`` §1.4).
 
 The last W queries Q_w ``[B, H_q, W, D]`` (positions p_i = N − W + i, RoPE applied) attend to all
 keys ``[B, H_kv, N, D]``, causally inside the window:
