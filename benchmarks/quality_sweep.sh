@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 E="${PYTHON:-.venv/bin/python} benchmarks/evaluate.py --threads $OMP_NUM_THREADS"
 
 chunk() {  # seeds $1: the 2K cells (needle and lm: every claim; mk_needle: after-prefill claims)
-  $E --tasks needle lm --contexts 2048 --seeds "$1" --groups criticalkv keydiff lagkv allocation compose
+  $E --tasks needle lm --contexts 2048 --seeds "$1" --groups criticalkv keydiff lagkv allocation compose profile
   $E --tasks mk_needle --contexts 2048 --seeds "$1" --groups criticalkv lagkv allocation
 }
 
@@ -25,7 +25,9 @@ $E --tasks needle mk_needle --contexts 4096 8192 --seeds 0-4 --groups full
 # 3. 2K up to 50 cases per cell (two processes on disjoint seeds may run at once with --out to separate folders;
 #    concatenate their .jsonl files afterwards: records are keyed by case and configuration)
 for s in 10 15 20 25 30 35 40 45; do chunk "$s-$((s + 4))"; done
-# 4. 4K: the after-prefill claims on the single needle and the held-out continuation
-$E --tasks needle lm --contexts 4096 --seeds 0-29 --groups criticalkv lagkv allocation
-# 5. catch-up: cells added after a seed was measured (e.g. KeyDiff's 512-token budget) on every 2K seed
+# 4. 4K: the after-prefill claims on the single needle and the held-out continuation (LagKV's L = 512 and 1024
+#    compress here; ~5 min a seed)
+$E --tasks needle lm --contexts 4096 --seeds 0-49 --groups criticalkv lagkv allocation
+# 5. catch-up: cells and metrics added after a seed was measured (KeyDiff's 512-token budget, LagKV's L = 512 and
+#    1024, CriticalKV's layer-wise error, the paper-grid SurfaceLogicKV profile) on every 2K seed
 chunk 0-49

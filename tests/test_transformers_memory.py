@@ -163,3 +163,27 @@ def test_nbytes_is_what_the_cache_keeps_alive(model, policy, mode, allocation):
     assert _held_bytes(cache) == cache.nbytes
     tt.decode(model, cache, logits, 3)
     assert _held_bytes(cache) == cache.nbytes
+
+
+@pytest.mark.parametrize("policy,mode,allocation", [("snapkv", "after_prefill", None), ("snapkv", "blockwise", "adakv"),
+                                                    ("criticalkv", "after_prefill", None), ("keydiff", "decoding", None),
+                                                    ("lagkv", "decoding", None)])
+def test_a_cache_is_freed_with_its_last_reference(model, policy, mode, allocation):
+    """No reference cycle: with the cyclic collector off, a cache's memory goes when the last reference to it goes
+    (a cycle would keep every request's KV alive until Python happened to collect, GBs at long context)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        cache = tt.make_cache(model, policy, 0.25, mode=mode, block_size=128, allocation=allocation)
+        logits = tt.prefill(model, _ids(300), cache)[:, -1]
+        tt.decode(model, cache, logits, 3)
+        ref, stores = weakref.ref(cache), [weakref.ref(layer.store) for layer in cache.layers
+                                           if getattr(layer, "store", None) is not None]
+        del cache
+        assert ref() is None and all(s() is None for s in stores)
+        assert gc.collect() == 0
+    finally:
+        gc.enable()

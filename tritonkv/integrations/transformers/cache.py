@@ -16,6 +16,7 @@ streaming 32K tokens block-wise at 0.1 keeps ~3.3K per head, never a fraction of
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Optional
 
 import torch
@@ -71,7 +72,7 @@ class TritonKVLayer(CacheLayerMixin):
 
     def __init__(self, cache: "TritonKVCache", layer_idx: int):
         super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
+        self._cache, self.layer_idx = weakref.ref(cache), layer_idx
         self.store = None
         self.seen = 0  # tokens fed (host), pads included
         self.since = 0  # tokens fed since the last compression
@@ -79,6 +80,10 @@ class TritonKVLayer(CacheLayerMixin):
         self.has_invalid = False  # some slot below n holds no token (a pad, or a gap of a shorter row)
         self.peak = 0  # most slots ever in use
         self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies
+
+    # the owning cache, held weakly: a strong back-reference would put every cache in a reference cycle, so its
+    # tensors would outlive the last reference until Python's cyclic collector ran (GBs at long context)
+    cache = property(lambda self: self._cache())
 
     # the mixin's attributes, read from the store
     keys = property(lambda self: None if self.store is None else self._dense().keys, lambda self, v: None)
