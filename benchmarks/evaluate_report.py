@@ -253,25 +253,14 @@ def claim_rows(idx) -> List[dict]:
                     comparisons=comps, overall=_overall(comps), kl=kl_rows))
     # CriticalKV's own metric: error after W_O at the first answer token, head-wise
     comps, heads = [], []
-    for task, ctx in _tasks(idx):
-        for b in (0.2, 0.4):
-            for alloc in ("uniform", "adakv"):
-                a = cfg_name("criticalkv", alloc, setting="agnostic", budget=b)
-                base = cfg_name("snapkv", alloc, setting="agnostic", budget=b)
-                r = compare(idx, task, ctx, "wo_err", a, base)
-                if not r:
-                    continue
-                comps.append(r)
-                pa, pb = idx[(task, ctx, a, "wo_err")], idx[(task, ctx, base, "wo_err")]
-                keys = sorted(set(pa) & set(pb), key=str)
-                ea = np.array([np.ravel(pa[k]["per_head"]) for k in keys])
-                eb = np.array([np.ravel(pb[k]["per_head"]) for k in keys])
-                hw = S.head_wise(ea, eb)
-                lo, hi = hw["sig_lower"], 1.0 - hw["sig_higher"]
-                heads.append(dict(task=task, context=ctx, a=a, b=base, n=len(keys), heads=hw["heads"],
-                                  fraction=hw["lower"], lo=lo, hi=hi,
-                                  vs_paper=S.verdict(lo - 0.92, hi - 0.92) if not np.isnan(lo) else "inconclusive",
-                                  verdict=S.verdict(lo - 0.5, hi - 0.5) if not np.isnan(lo) else "inconclusive"))
+    for r, ea, eb in _critical_cells(idx, "wo_err", "per_head"):
+        comps.append(r)
+        hw = S.head_wise(ea, eb)
+        lo, hi = hw["sig_lower"], 1.0 - hw["sig_higher"]
+        heads.append(dict(task=r["task"], context=r["context"], a=r["a"], b=r["b"], n=r["n"], heads=hw["heads"],
+                          fraction=hw["lower"], lo=lo, hi=hi,
+                          vs_paper=S.verdict(lo - 0.92, hi - 0.92) if not np.isnan(lo) else "inconclusive",
+                          verdict=S.verdict(lo - 0.5, hi - 0.5) if not np.isnan(lo) else "inconclusive"))
     out.insert(1, dict(id="criticalkv_err",
                        claim="CriticalKV lowers the attention-output perturbation ‖(A − A′)VW_O‖₁ at the first "
                              "decoding token vs SnapKV / AdaKV (mean over heads and cases), and does so in 92 % of the "
@@ -283,28 +272,33 @@ def claim_rows(idx) -> List[dict]:
     return out
 
 
-def _layer_claim(idx) -> dict:
-    """CriticalKV §4.5 b (Fig. 5): inside the compressed run, its advantage accumulates across layers, lowering
-    the final hidden state's perturbation. Cells: the final hidden state's ‖Δ‖₁ (paired), then per comparison the
-    ratio of mean attention-output errors (CriticalKV / baseline) at five depths with paired-bootstrap intervals."""
-    comps, layers = [], []
+def _critical_cells(idx, metric: str, field: str):
+    """CriticalKV against its base (SnapKV, AdaKV) with the context compressed before the question, at 20 % and
+    40 %: for every cell with enough paired cases, ``(comparison, a's [cases, …] field, b's)``."""
     for task, ctx in _tasks(idx):
         for b in (0.2, 0.4):
             for alloc in ("uniform", "adakv"):
                 a = cfg_name("criticalkv", alloc, setting="agnostic", budget=b)
                 base = cfg_name("snapkv", alloc, setting="agnostic", budget=b)
-                r = compare(idx, task, ctx, "layer_err", a, base)
-                if not r:
-                    continue
-                comps.append(r)
-                pa, pb = idx[(task, ctx, a, "layer_err")], idx[(task, ctx, base, "layer_err")]
-                keys = sorted(set(pa) & set(pb), key=str)
-                ea = np.array([pa[k]["per_layer"] for k in keys], dtype=float)
-                eb = np.array([pb[k]["per_layer"] for k in keys], dtype=float)
-                L = ea.shape[1]
-                at = sorted({0, L // 4, L // 2, 3 * L // 4, L - 1})
-                layers.append(dict(task=task, context=ctx, a=a, b=base, n=len(keys),
-                                   ratios=[(l, *S.ratio_bootstrap(ea[:, l], eb[:, l])) for l in at]))
+                r = compare(idx, task, ctx, metric, a, base)
+                if r:
+                    pa, pb = idx[(task, ctx, a, metric)], idx[(task, ctx, base, metric)]
+                    keys = sorted(set(pa) & set(pb), key=str)
+                    yield (r, np.array([np.ravel(pa[k][field]) for k in keys], dtype=float),
+                           np.array([np.ravel(pb[k][field]) for k in keys], dtype=float))
+
+
+def _layer_claim(idx) -> dict:
+    """CriticalKV §4.5 b (Fig. 5): inside the compressed run, its advantage accumulates across layers, lowering
+    the final hidden state's perturbation. Cells: the final hidden state's ‖Δ‖₁ (paired), then per comparison the
+    ratio of mean attention-output errors (CriticalKV / baseline) at five depths with paired-bootstrap intervals."""
+    comps, layers = [], []
+    for r, ea, eb in _critical_cells(idx, "layer_err", "per_layer"):
+        comps.append(r)
+        L = ea.shape[1]
+        at = sorted({0, L // 4, L // 2, 3 * L // 4, L - 1})
+        layers.append(dict(task=r["task"], context=r["context"], a=r["a"], b=r["b"], n=r["n"],
+                           ratios=[(l, *S.ratio_bootstrap(ea[:, l], eb[:, l])) for l in at]))
     return dict(id="criticalkv_layers",
                 claim="Inside the compressed run, CriticalKV's advantage accumulates across layers and lowers the "
                       "final hidden state's perturbation at the first decoding token vs SnapKV / AdaKV (CriticalKV "
