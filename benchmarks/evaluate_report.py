@@ -174,9 +174,8 @@ CLAIMS = [
                   for b in (128, 64)]),
     dict(id="surfacelogic_profile",
          claim="The profile's effect: SurfaceLogicKV's allocation from the profile on the paper's grid (6 "
-               "lengths × 33 depths, 5 answer steps) beats the same allocation from the shipped 4 × 5 profile (1 "
-               "step). Not a "
-               "claim of the paper: how much the profiling grid matters",
+               "lengths × 33 depths, 5 answer steps, synthetic haystack) beats the same allocation from the shipped "
+               "default (4 × 5, 1 step, KJV haystack). Not a claim of the paper: how much the profile matters",
          pairs=[(cfg_name(p, "surfacelogic_paper", budget=b), cfg_name(p, "surfacelogic", budget=b))
                 for b in (128, 64) for p in ("surfacelogic", "snapkv")]
                + [(cfg_name("keydiff_critical", "surfacelogic_paper", mode="blockwise", budget=64), COMPOSE)]),
@@ -441,17 +440,18 @@ def markdown(recs, summary) -> str:
                 out.append(f"| {k['task']} | {k['context']} | {k['metric']} | {k['lag']} | {k['ratio']} | {k['n']} | "
                            f"{_ci(k['mean'], k['lo'], k['hi'])} |")
             out.append("")
-    pe = summary.get("profile_effect")
-    if pe:
-        out += ["## SurfaceLogicKV: the profiling grid's effect on the allocation", "",
-                f"`{pe['a']}` (the paper's grid: 6 lengths × 33 depths, 5 answer steps) against `{pe['b']}` "
-                f"(shipped default: 4 lengths × 5 depths, 1 step): Spearman rank correlation of "
-                f"the KV-head INF profiles {pe['spearman']:.3f}. Budgets at a {pe['prompt']}-token prompt:", "",
-                "| tokens per head | budget moved between (layer, head) | largest per-layer change | "
-                "top-10 heads shared |", "|---|---|---|---|"]
-        for r in pe["budgets"]:
-            out.append(f"| {r['budget']} | {r['moved']:.1%} | {r['layer_change']:.1%} | {r['top10_shared']}/10 |")
-        out += ["", "End to end: the claim *The profile's effect* above.", ""]
+    pes = summary.get("profile_effect") or []
+    if pes:
+        out += ["## SurfaceLogicKV: what the profile changes in the allocation", "",
+                "Profiles: " + "; ".join(f"`{k}` {v}" for k, v in PROFILES.items()) + ". Budgets at a "
+                f"{pes[0]['prompt']}-token prompt; moved = share of the L·H·b tokens that change (layer, head):", "",
+                "| a vs b | what differs | Spearman of INF | tokens per head | moved | largest per-layer change | "
+                "top-10 heads shared |", "|---|---|---|---|---|---|---|"]
+        for pe in pes:
+            for r in pe["budgets"]:
+                out.append(f"| {_stem(pe['a'])} vs {_stem(pe['b'])} | {pe['differs']} | {pe['spearman']:.2f} | "
+                           f"{r['budget']} | {r['moved']:.1%} | {r['layer_change']:.0%} | {r['top10_shared']}/10 |")
+        out += ["", "End to end (paper-grid profile against the default): the claim *The profile's effect* above.", ""]
     out += ["## Every cell", "", "| task | ctx | configuration | metric | n | mean [95% CI] |", "|---|---|---|---|---|---|"]
     for c in summary["cells"]:
         if c["metric"] in ("kept_per_head",):
@@ -567,12 +567,26 @@ def readme_section(summary: dict, rel: str = "benchmarks/results/quality", plots
     return "\n".join(out)
 
 
-def profile_effect(a: str = "smollm2-135m-instruct-infsc-paper", b: str = "smollm2-135m-instruct-infsc",
-                   prompt: int = 2048) -> Optional[dict]:
-    """What the profiling grid changes in SurfaceLogicKV's allocation, before any task: the rank correlation of the
-    two KV-head INF profiles, and per budget the share of the L·H·b tokens that move between (layer, head) cells
-    (½ Σ|b_a − b_b| / Σ b_b), the largest per-layer change, and how many of the 10 best-funded heads they share.
-    None when either profile is missing."""
+PAPER_PROFILE, DEFAULT_PROFILE = "smollm2-135m-instruct-infsc-paper", "smollm2-135m-instruct-infsc"
+CONTROL_PROFILE = os.path.join(OUT, "profiles", "smollm2-135m-instruct-infsc-4x5-synthetic.json")
+PROFILES = {PAPER_PROFILE: "(shipped; the paper's grid: 6 lengths × 33 depths, 5 answer steps, synthetic haystack)",
+            DEFAULT_PROFILE: "(shipped default: 4 lengths × 5 depths, 1 step, KJV haystack)",
+            "4x5-synthetic": "(control, not shipped: the default's grid and step on the synthetic haystack)"}
+PROFILE_PAIRS = [(PAPER_PROFILE, DEFAULT_PROFILE, "all: grid, steps, haystack"),
+                 (PAPER_PROFILE, CONTROL_PROFILE, "grid and steps"),
+                 (CONTROL_PROFILE, DEFAULT_PROFILE, "haystack")]
+
+
+def _stem(name: str) -> str:
+    return "4x5-synthetic" if name == CONTROL_PROFILE else name
+
+
+def profile_effect(a: str = PAPER_PROFILE, b: str = DEFAULT_PROFILE, prompt: int = 2048,
+                   differs: str = "") -> Optional[dict]:
+    """What a profile changes in SurfaceLogicKV's allocation against another, before any task: the rank correlation
+    of the two KV-head INF profiles, and per budget the share of the L·H·b tokens that move between (layer, head)
+    cells (½ Σ|b_a − b_b| / Σ b_b), the largest per-layer change, and how many of the 10 best-funded heads they
+    share. None when either profile is missing."""
     sys.path.insert(0, os.path.dirname(HERE))
     from tritonkv.allocation.profiler import load_profile
     from tritonkv.allocation.surfacelogic import surfacelogic_budgets
@@ -581,7 +595,8 @@ def profile_effect(a: str = "smollm2-135m-instruct-infsc-paper", b: str = "smoll
     except (OSError, ValueError):
         return None
     rank = lambda x: np.argsort(np.argsort(x.ravel().numpy()))  # noqa: E731
-    out = dict(a=a, b=b, prompt=prompt, spearman=float(np.corrcoef(rank(pa), rank(pb))[0, 1]), budgets=[])
+    out = dict(a=a, b=b, differs=differs, prompt=prompt, spearman=float(np.corrcoef(rank(pa), rank(pb))[0, 1]),
+               budgets=[])
     for bud in (128, 64):
         ba, bb = (surfacelogic_budgets(p, bud, prompt).double() for p in (pa, pb))
         top = lambda x: set(np.argsort(-x.ravel().numpy(), kind="stable")[:10].tolist())  # noqa: E731
@@ -596,7 +611,7 @@ def build(out_dir: str = OUT, write: bool = True) -> dict:
     idx = index(recs)
     summary = {"cells": cells(idx), "claims": claim_rows(idx),
                "full_accuracy": {f"{t}/{c}": full_accuracy(idx, t, c) for t, c in _tasks(idx) if t != "lm"},
-               "profile_effect": profile_effect()}
+               "profile_effect": [e for e in (profile_effect(a, b, differs=d) for a, b, d in PROFILE_PAIRS) if e]}
     if write:
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1, default=float)

@@ -7,7 +7,7 @@ import torch
 
 from tritonkv.allocation import profiler
 from tritonkv.allocation.profiler import (WeightSums, group_mean, infsc_scores, load_profile, needle_weights,
-                                          profile_infsc)
+                                          paper_grid, profile_infsc)
 
 SHIPPED = "smollm2-135m-instruct-infsc"
 
@@ -78,17 +78,22 @@ def test_group_mean_and_sums():
         WeightSums().profile(3, {})
 
 
-def test_shipped_profile_loads():
-    kv = load_profile(SHIPPED)
-    q = load_profile(SHIPPED, heads="query")
+@pytest.mark.parametrize("name", [SHIPPED, SHIPPED + "-paper"])
+def test_shipped_profile_loads(name):
+    kv = load_profile(name)
+    q = load_profile(name, heads="query")
     assert kv.shape == (30, 3) and q.shape == (30, 9) and kv.dtype == torch.float32
     assert torch.all((kv >= 0) & (kv <= 1)) and torch.all((q >= 0) & (q <= 1))
     torch.testing.assert_close(kv, group_mean(q, 3), atol=2e-6, rtol=0)
     assert float(q.max()) > 0
-    with open(profiler.profile_path(SHIPPED)) as f:
+    with open(profiler.profile_path(name)) as f:
         data = json.load(f)
     assert {"model", "grid", "infsc_query_heads", "infsc_kv_heads", "date"} <= set(data)
     assert data["grid"]["lengths"] and data["grid"]["depths"]
+    if name.endswith("-paper"):  # the paper's grid (6 lengths x 33 depths), every answer step
+        g = paper_grid()
+        assert (data["grid"]["lengths"], data["grid"]["depths"], data["grid"]["steps"]) == (g["lengths"],
+                                                                                           g["depths"], 5)
     assert max(max(r) for r in data["lg_query_heads"]) == pytest.approx(1.0, abs=1e-5)
 
 
