@@ -45,9 +45,9 @@ CriticalKV's own metric (``wo_err``): at the first answer token (the query of th
 query head, ‖(A − A′)·V·W_Oʰ‖₁ with A′ the attention over the context compressed before the question plus the
 question, in every layer, from the full forward's tensors (an isolated-layer measurement). Per-head values are
 kept (``per_head``), so the head-wise claim ("lower in 92% of heads") is computed over cases. Its layer-wise
-analysis (``layer_err``) is measured inside the compressed run instead: hooks on every layer's ``o_proj`` and on the
-final norm record, at the same token, each layer's attention output and the last hidden state; ``value`` is the
-final hidden state's ‖Δ‖₁ against the full cache, ``per_layer`` every layer's attention-output ‖Δ‖₁ (errors
+analysis (``layer_err``) is measured inside the compressed run instead: hooks on every layer's ``o_proj`` and on
+the final norm record, at the same token, each layer's attention output and the last hidden state; ``value`` is
+the final hidden state's ‖Δ‖₁ against the full cache, ``per_layer`` every layer's attention-output ‖Δ‖₁ (errors
 propagate and may accumulate through the layers, as in the paper's Fig. 5).
 
 SurfaceLogicKV's allocation reads an INF profile: ``surfacelogic`` the shipped default (4 lengths × 5 depths,
@@ -332,7 +332,7 @@ class Config:
         return f"{self.policy}|{self.allocation}|{self.mode}|{self.setting}|{b}"
 
 
-PAPER_PROFILE = "smollm2-135m-instruct-infsc-paper"  # tritonkv/data/<name>.json: the paper's grid, 6 lengths x 33 depths
+PAPER_PROFILE = "smollm2-135m-instruct-infsc-paper"  # tritonkv/data/<name>.json: the paper's 6 x 33 grid
 FULL = Config("full", "uniform", "full", "aware", 1.0)
 
 # the claims' cells (budgets are the papers')
@@ -413,11 +413,11 @@ class LayerOutputs:
     def __enter__(self):
         for i, layer in enumerate(self.model.model.layers):
             def hook(mod, args, out, i=i):
-                self.attn[i] = out[0, -1].detach().float()
+                self.attn[i] = out[0, -1].detach().to(torch.float32, copy=True)  # no view of [B, T, D]
             self.hooks.append(layer.self_attn.o_proj.register_forward_hook(hook))
 
         def norm_hook(mod, args):
-            self.hidden = args[0][0, -1].detach().float()
+            self.hidden = args[0][0, -1].detach().to(torch.float32, copy=True)
         self.hooks.append(self.model.model.norm.register_forward_pre_hook(norm_hook))
         return self
 
@@ -426,8 +426,8 @@ class LayerOutputs:
             h.remove()
 
     def errors(self, ref: "LayerOutputs") -> Dict[str, object]:
-        """CriticalKV's layer-wise perturbation against ``ref`` (the full cache at the same token): ‖Δ‖₁ of the final
-        hidden state (``value``) and of every layer's attention output after W_O (``per_layer``)."""
+        """CriticalKV's layer-wise perturbation against ``ref`` (the full cache at the same token): ‖Δ‖₁ of the
+        final hidden state (``value``) and of every layer's attention output after W_O (``per_layer``)."""
         per = [float((self.attn[i] - ref.attn[i]).abs().sum()) for i in range(len(ref.attn))]
         return {"value": float((self.hidden - ref.hidden).abs().sum()), "per_layer": [float(f"{x:.5g}") for x in per]}
 
@@ -500,7 +500,7 @@ def _policy_object(model, cfg: Config, hd=None):
 
 def _allocation(name: str):
     """The allocator of a configuration's ``allocation`` (None for uniform); ``surfacelogic`` reads the shipped
-    default profile (4 lengths × 5 depths), ``surfacelogic_paper`` the one on the paper's grid (6 lengths × 33 depths)."""
+    default profile (4 lengths × 5 depths), ``surfacelogic_paper`` the one on the paper's grid (6 × 33)."""
     if name == "uniform":
         return None
     if name == "surfacelogic_paper":

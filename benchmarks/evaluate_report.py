@@ -245,11 +245,10 @@ def claim_rows(idx) -> List[dict]:
             if len(per) >= MIN_CASES and _compressed(idx, task, ctx, cfg):
                 kl_rows.append(dict(task=task, context=ctx, metric=m, lag=lag, ratio=r_,
                                     **S.summarise([x["value"] for x in per.values()])))
-    out.append(dict(id="lagkv", claim="LagKV (S = 16, recursive; L = 128, 512, 1024) keeps ≥ 95 % of the full cache's "
-                                      "score at 2× (r = ½: 'nearly zero loss, < 5 %') and ≥ 90 % at 4× (r = ¼; the "
-                                      "paper claims ≈ 90 % even at 8×); a cell where L compresses nothing at "
-                                      "that context (S + 2L > prompt) is left out",
-                    comparisons=comps, overall=_overall(comps), kl=kl_rows))
+    claim = ("LagKV (S = 16, recursive; L = 128, 512, 1024) keeps ≥ 95 % of the full cache's score at 2× (r = ½: "
+             "'nearly zero loss, < 5 %') and ≥ 90 % at 4× (r = ¼; the paper claims ≈ 90 % even at 8×); a cell where L "
+             "compresses nothing at that context (S + 2L > prompt) is left out")
+    out.append(dict(id="lagkv", claim=claim, comparisons=comps, overall=_overall(comps), kl=kl_rows))
     # CriticalKV's own metric: error after W_O at the first answer token, head-wise
     comps, heads = [], []
     for r, ea, eb in _critical_cells(idx, "wo_err", "per_head"):

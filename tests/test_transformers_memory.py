@@ -165,9 +165,9 @@ def test_nbytes_is_what_the_cache_keeps_alive(model, policy, mode, allocation):
     assert _held_bytes(cache) == cache.nbytes
 
 
-@pytest.mark.parametrize("policy,mode,allocation", [("snapkv", "after_prefill", None), ("snapkv", "blockwise", "adakv"),
-                                                    ("criticalkv", "after_prefill", None), ("keydiff", "decoding", None),
-                                                    ("lagkv", "decoding", None)])
+@pytest.mark.parametrize("policy,mode,allocation", [
+    ("snapkv", "after_prefill", None), ("snapkv", "blockwise", "adakv"), ("criticalkv", "after_prefill", None),
+    ("keydiff", "decoding", None), ("lagkv", "decoding", None)])
 def test_a_cache_is_freed_with_its_last_reference(model, policy, mode, allocation):
     """No reference cycle: with the cyclic collector off, a cache's memory goes when the last reference to it goes
     (a cycle would keep every request's KV alive until Python happened to collect, GBs at long context)."""
