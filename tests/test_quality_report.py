@@ -75,3 +75,5 @@ def test_profile_effect_of_a_profile_against_itself_is_nil():
     assert pe["spearman"] == pytest.approx(1.0)
     assert all(r["moved"] == 0 and r["layer_change"] == 0 and r["top10_shared"] == 10 for r in pe["budgets"])
     assert R.profile_effect(a="no-such-profile", b=name) is None
+    other = R.profile_effect(a=R.PAPER_PROFILE, b=name)  # two different shipped profiles do move budget
+    assert other["spearman"] < 0.99 and all(0 < r["moved"] < 1 for r in other["budgets"])
