@@ -1,25 +1,52 @@
-"""A returned cache is freed with its last reference: `generate` at 8K (random Llama of benchmarks/memory.py,
-SnapKV at 0.1), the cache dropped three times; RSS (after malloc_trim) against before. Usage: python
-benchmarks/cache_release.py after_prefill"""
-import ctypes, gc, os, sys, torch
+"""A returned cache is freed with its last reference, as a user meets it: ``generate`` at 8K on the random Llama of
+``benchmarks/memory.py`` (SnapKV at 0.1, ``return_cache=True``), the cache dropped three times; the RSS (after
+``malloc_trim``) against before. Results: ``benchmarks/results/cache_release.md``.
+
+    python benchmarks/cache_release.py [after_prefill|blockwise|decoding]
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import sys
+
+import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+
 from tritonkv.integrations import transformers as tt
-libc = ctypes.CDLL("libc.so.6")
-def rss():
-    libc.malloc_trim(0)
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-torch.manual_seed(0)
-cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=40000)
-m = LlamaForCausalLM(cfg).eval()
-ids = torch.randint(0, 1024, (1, 8192), generator=torch.Generator().manual_seed(1))
-mode = sys.argv[1]
-out = tt.generate(m, ids, policy="snapkv", budget=0.1, mode=mode, block_size=512, max_new_tokens=8, return_cache=True)
-base = rss()
-for i in range(3):
-    out = tt.generate(m, ids, policy="snapkv", budget=0.1, mode=mode, block_size=512, max_new_tokens=8, return_cache=True)
-    cache = out[1] if isinstance(out, tuple) else out.past_key_values
-    held = cache.nbytes / 2**20
-    del out, cache
-    print(f"{mode} iter {i}: cache {held:.2f} MiB, RSS after dropping it {rss() - base:+.2f} MiB vs before")
-gc.collect(); print(f"after gc.collect: {rss() - base:+.2f} MiB")
+
+LIBC = ctypes.CDLL("libc.so.6")
+
+
+def rss_mib() -> float:
+    LIBC.malloc_trim(0)  # freed heap memory back to the system first
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def main(mode: str = "after_prefill", n: int = 8192) -> None:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=40000)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        return tt.generate(model, ids, policy="snapkv", budget=0.1, mode=mode, block_size=512, max_new_tokens=8,
+                           return_cache=True)
+
+    run()  # warm-up: lazy imports and one-time set-up
+    base = rss_mib()
+    for i in range(3):
+        out = run()
+        cache = out[1] if isinstance(out, tuple) else out.past_key_values
+        held = cache.nbytes / 2**20
+        del out, cache
+        print(f"{mode} iter {i}: cache {held:.2f} MiB, RSS after dropping it {rss_mib() - base:+.2f} MiB vs before")
+    gc.collect()
+    print(f"after gc.collect: {rss_mib() - base:+.2f} MiB")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
