@@ -451,7 +451,13 @@ def main(argv):
     res["_seconds"] = round(time.perf_counter() - t0, 2)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f, indent=1)
+    # every rank done before any tears gloo down; then leave without the interpreter's finalisation: a rank was seen
+    # to abort after its work ("terminate called without an active exception", C++ teardown of gloo's threads; 1 of
+    # 3 fresh-clone runs, with or without the barrier). The results are written and closed above.
+    dist.barrier(group=pg)
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
