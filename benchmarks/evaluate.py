@@ -723,10 +723,19 @@ class Store:
 # one case, every configuration
 
 
+def compresses(cfg: Config, n: int) -> bool:
+    """Whether ``cfg`` evicts anything from an ``n``-token prompt: LagKV compresses a partition only once the next
+    L tokens are there (S + 2L tokens), so L = 1024 at 2K is the full cache, not worth measuring."""
+    if cfg.mode != "lagkv":
+        return True
+    pol = lagkv_policy(cfg.policy)
+    return pol.sink + 2 * pol.lag <= n
+
+
 def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *, full_cache=None,
              log=print) -> None:
     """Measure ``configs`` (and the full cache) on ``case``; records go to ``store`` as they are measured."""
-    todo = [c for c in configs if not store.done(case, c)]
+    todo = [c for c in configs if not store.done(case, c) and compresses(c, len(case.prompt))]
     if not todo and store.done(case, FULL):
         return
     lm = case.task == "lm"
