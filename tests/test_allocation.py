@@ -481,6 +481,46 @@ def test_registry_and_errors():
     assert Cake()(shape=(2, 3, 20), budget=4, layer=1, layer_preference=torch.tensor([1.0, 3.0])).tolist() == [[6] * 3] * 2
 
 
+@given(data=st.data())
+def test_cross_layer_table_at_the_sequence_length(data):
+    """With ``seq_len`` (block-wise: a layer's view is shorter than the sequence), an allocator over every layer
+    reads its table at ``seq_len - sink - window`` and caps the row at the layer's own avail; one that allocates
+    within a layer (uniform, adakv) ignores it."""
+    L, H = data.draw(st.integers(1, 6)), data.draw(st.integers(1, 4))
+    sink, window = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 3))
+    N = data.draw(st.integers(sink + window, 90))
+    S = data.draw(st.integers(N, 160))
+    b, l = data.draw(st.integers(0, 100)), data.draw(st.integers(0, L - 1))
+    p = profile_of(data, L, H)
+    t, row = S - sink - window, N - sink - window
+    want = {"headkv": ref.headkv(p, b, t), "surfacelogic": ref.surfacelogic(p, b, t),
+            "pyramid": np.broadcast_to(np.asarray(ref.pyramid(L, b, t))[:, None], (L, H))}
+    for name, table in want.items():
+        got = get_allocator(name)(shape=(1, H, N), budget=b, sink=sink, window=window, layer=l, num_layers=L,
+                                  seq_len=S, profile=torch.from_numpy(p))
+        np.testing.assert_array_equal(got[0].numpy(), np.minimum(table[l], row), err_msg=name)
+    s = torch.from_numpy(rng_of(data).standard_normal((1, H, N)).astype(np.float32))
+    for name in ("uniform", "adakv"):
+        kw = dict(scores=s, budget=b, sink=sink, window=window)
+        assert torch.equal(get_allocator(name)(seq_len=S, **kw), get_allocator(name)(**kw)), name
+    for name in ("pyramid", "uniform"):
+        with pytest.raises(ValueError, match="seq_len"):
+            get_allocator(name)(shape=(1, H, N), budget=b, layer=0, num_layers=L, seq_len=-1)
+
+
+def test_score_table_at_the_sequence_length_fits_the_row():
+    """SCORE's layer totals read at ``seq_len``, each lowered to what the layer's row holds (H·avail)."""
+    g = torch.Generator().manual_seed(0)
+    L, H, N = 3, 2, 12
+    m = head_means(torch.rand(L, 1, H, 6, 8, generator=g))
+    s = torch.randn(1, H, N, generator=g)
+    for b in (8, 11, 30):  # layer totals below and above what a row holds
+        table = score_layer_budgets(*redundancy(m, 0.5)[:2], b, H, 400)[0]
+        for l in range(L):
+            out = Score()(scores=s, budget=b, layer=l, head_means=m, seq_len=400)
+            assert int(out.max()) <= N and int(out.sum()) == min(H * N, int(table[l]))
+
+
 def test_layer_budgets_adds_protected_tokens():
     from tritonkv.api import layer_budgets
 

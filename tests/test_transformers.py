@@ -173,6 +173,25 @@ def test_allocator_keeps_layer_total(lm, prompt):
     assert tt.decode(model, cache, logits, 2).shape == (1, 2)
 
 
+@pytest.mark.parametrize("allocation", ["surfacelogic", "pyramid"])
+def test_cross_layer_allocation_blockwise_holds_its_table(lm, prompt, allocation):
+    """Block-wise, each layer's view is shorter than the sequence and differs between layers; an allocator whose
+    budgets come from one table over every layer must still hand each layer its row of *one* table (at the
+    sequence's length): each head ends holding exactly the after-prefill table's budget, L·H_kv·b in all."""
+    from tritonkv.allocation import get_allocator
+
+    model, _ = lm
+    b, n = 32, prompt.shape[1]
+    cache = tt.make_cache(model, "keydiff", b, allocation=allocation, mode="blockwise", block_size=64)
+    tt.prefill(model, prompt, cache)
+    L = len(cache.layers)
+    table = torch.stack([get_allocator(allocation)(shape=(1, 3, n), budget=b, layer=i, num_layers=L)[0]
+                         for i in range(L)])  # after prefill: every layer's row at the prompt's length
+    held = torch.stack([(layer.pos[0, :, : layer.n] != tt.SENTINEL).sum(-1) for layer in cache.layers])
+    assert len(set(table.flatten().tolist())) > 1  # genuinely per (layer, head)
+    assert held.tolist() == table.tolist() and int(held.sum()) == L * 3 * b
+
+
 def test_decode_kernel_matches_sdpa(lm, prompt):
     model, _ = lm
     runs = []

@@ -37,6 +37,9 @@ INPUTS = {
     "layer_preference": "every layer's preference P_l, [L] or [L, B] (the cake allocator)",
     "positions": "int64 [B, H_kv, N] original positions of the cached tokens (the transformers integration "
                  "passes it; no built-in policy reads it)",
+    "seq_len": "int: tokens of the sequence so far, the same in every layer (the transformers integration passes "
+               "it): the allocators over every layer (pyramid, headkv, surfacelogic, cake, score) compute their "
+               "table at this length, so that layers whose views differ in length read the same table",
     "forced": "bool [B, H_kv, N]: tokens kept like the protected ones, inside the budget (Policy.select; the "
               "transformers integration keeps a padded row's first real tokens with it)",
     "process_group": "tensor parallel: the torch.distributed group (or DeviceMesh) over which the layer's KV heads "

@@ -142,6 +142,10 @@ class Allocator:
     needs: ClassVar[tuple[str, ...]] = ()
     #: how the allocator runs under tensor parallelism (see the class docstring)
     tp_mode: ClassVar[str] = "gather"
+    #: the budgets come from one table over every layer (pyramid, headkv, surfacelogic, cake, score): with a
+    #: ``seq_len`` input the table is computed at the sequence's length, the same in every layer, and each row is
+    #: then capped at the layer's own ``avail`` (block-wise, a layer's view is shorter than the sequence)
+    cross_layer: ClassVar[bool] = False
 
     def __call__(self, scores=None, budget=None, sink: int = 0, window: int = 0, layer=None, num_layers=None,
                  shape=None, process_group=None, **inputs) -> torch.Tensor:
@@ -150,9 +154,15 @@ class Allocator:
         return self.split(scores, budget, sink, window, layer, num_layers, shape, process_group, **inputs)[0]
 
     def split(self, scores=None, budget=None, sink: int = 0, window: int = 0, layer=None, num_layers=None,
-              shape=None, process_group=None, **inputs):
+              shape=None, process_group=None, seq_len=None, **inputs):
         """``(this rank's budgets [B, H_l], every head's [B, H])``, int32; with no process group both are the
-        same ``[B, H]`` tensor."""
+        same ``[B, H]`` tensor.
+
+        ``seq_len``: tokens of the sequence so far, the same in every layer (the transformers integration passes
+        them). A ``cross_layer`` allocator computes its table at ``seq_len - sink - window`` rather than at this
+        layer's ``avail`` and caps the row at ``avail``: otherwise layers whose views differ in length (block-wise
+        prefill with per-head budgets) would each read their own table, and the budgets held over all layers
+        would drift above ``L·H·b``."""
         if scores is not None:
             if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
                 raise ValueError("scores must be a [B, H_kv, N] tensor")
@@ -168,6 +178,11 @@ class Allocator:
         avail = N - sink - window
         if avail < 0:
             raise ValueError(f"sink + window ({sink} + {window}) exceed the row length N = {N}")
+        table = avail  # the avail the allocator computes at
+        if seq_len is not None:
+            seq_len = check_int("seq_len", seq_len)
+            if self.cross_layer:
+                table = max(avail, seq_len - sink - window)
         if layer is not None:
             check_int("layer", layer)
         if num_layers is not None:
@@ -178,22 +193,24 @@ class Allocator:
 
         tp = group_info(process_group)
         Hg = H if tp is None else H * tp.world
-        ctx = dict(B=B, H=Hg, H_local=H, N=N, avail=avail, b=min(b, avail), sink=sink, window=window, device=device,
-                   layer=layer, num_layers=num_layers, tp=tp)
+        ctx = dict(B=B, H=Hg, H_local=H, N=N, avail=table, b=min(b, table), sink=sink, window=window,
+                   device=device, layer=layer, num_layers=num_layers, tp=tp)
         if tp is not None and self.tp_mode == "gather":
             if scores is None:
                 raise ValueError(f"allocation {self.name!r} reads the scores of every head: pass scores")
             scores = tp.cat_heads(scores.to(torch.float32), 1)
         out = self.allocate(scores, ctx, **inputs)
-        out = out.to(device=device, dtype=torch.int32).expand(B, Hg).contiguous()
+        out = out.to(device=device, dtype=torch.int32).expand(B, Hg)
+        out = (out.clamp(max=avail) if table != avail else out).contiguous()
         if tp is None:
             return out, out
         return out[:, tp.heads(H)].contiguous(), out
 
     def allocate(self, scores, ctx: dict, **inputs) -> torch.Tensor:
         """Budgets broadcastable to ``[B, H]``; ``ctx`` holds B, H, N, avail, b (<= avail), sink,
-        window, device, layer, num_layers, and under tensor parallelism ``tp`` (a ``TPGroup``, else None)
-        and ``H_local`` (this rank's heads; ``H`` is then the layer's, ``world·H_local``)."""
+        window, device, layer, num_layers (a ``cross_layer`` allocator given ``seq_len`` sees the sequence's avail;
+        ``split`` caps its result at the row's), and under tensor parallelism ``tp`` (a ``TPGroup``, else None) and ``H_local`` (this rank's heads; ``H`` is then the
+        layer's, ``world·H_local``)."""
         raise NotImplementedError
 
     @staticmethod

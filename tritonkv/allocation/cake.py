@@ -70,6 +70,7 @@ class Cake(Allocator):
     ``[L, B]``, from ``cake_preference`` on each layer), the same for all heads of a layer."""
 
     name = "cake"
+    cross_layer = True
     tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
     needs = ("layer_preference", "layer")
 

@@ -66,6 +66,7 @@ class HeadKV(Allocator):
     """
 
     name = "headkv"
+    cross_layer = True
     tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
 
     profile: Optional[torch.Tensor] = None

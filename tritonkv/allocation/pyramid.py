@@ -60,6 +60,7 @@ class Pyramid(Allocator):
     """PyramidKV: more tokens in lower layers (reads only shapes, ``layer`` and ``num_layers``)."""
 
     name = "pyramid"
+    cross_layer = True
     tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
     needs = ("layer", "num_layers")
 

@@ -156,7 +156,7 @@ def score_layer_budgets(ir: torch.Tensor, td: torch.Tensor, b: int, num_heads: i
 
 def score_head_budgets(scores: torch.Tensor, layer_budget: torch.Tensor, hd: torch.Tensor) -> torch.Tensor:
     """int32 ``[B, H]`` head budgets of one layer from its selectable scores ``[B, H, avail]``, its
-    total ``layer_budget`` (int ``[B]``, <= H·avail) and KV-head distances ``hd [B, H]``."""
+    total ``layer_budget`` (int ``[B]``; lowered to H·avail when above) and KV-head distances ``hd [B, H]``."""
     B, H, M = check_tensor("scores", scores, 3).shape
     if check_tensor("layer_budget", layer_budget, floating=False).numel() != B:
         raise ValueError(f"layer_budget must hold one total per batch row (B = {B}), "
@@ -215,6 +215,7 @@ class Score(Allocator):
     distances the SCORE selection policy needs (pass them to compress() as ``hd=``)."""
 
     name = "score"
+    cross_layer = True
     needs = ("head_means", "layer")
     tp_mode = "gather"  # the layer's scores of every head, gathered once; head_means are the whole model's
 

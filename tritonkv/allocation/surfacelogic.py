@@ -79,6 +79,7 @@ class SurfaceLogic(Allocator):
     """
 
     name = "surfacelogic"
+    cross_layer = True
     tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
     needs = ("layer",)
 

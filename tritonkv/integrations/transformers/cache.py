@@ -284,6 +284,8 @@ class TritonKVLayer(CacheLayerMixin):
             inputs["forced"] = forced
         if cache.num_layers is not None:
             inputs["num_layers"] = cache.num_layers
+        if cache.allocation is not None:  # one table over the layers, whatever each layer's view holds
+            inputs["seq_len"] = self.seen
         if cache._wants_queries:
             inputs["queries"] = self.queries
         module = getattr(self, "module", lambda: None)()
