@@ -29,5 +29,8 @@ for s in 10 15 20 25 30 35 40 45; do chunk "$s-$((s + 4))"; done
 #    compress here; ~5 min a seed)
 $E --tasks needle lm --contexts 4096 --seeds 0-49 --groups criticalkv lagkv allocation
 # 5. catch-up: cells and metrics added after a seed was measured (KeyDiff's 512-token budget, LagKV's L = 512 and
-#    1024, CriticalKV's layer-wise error, the paper-grid SurfaceLogicKV profile) on every 2K seed
+#    1024, CriticalKV's layer-wise error, the paper-grid SurfaceLogicKV profile) on every 2K seed, and the block-wise
+#    cross-layer allocations (SurfaceLogicKV, the composition) dropped and re-measured after the one-table fix
 chunk 0-49
+# 6. 8K (SmolLM2's limit): the same after-prefill claims as at 4K (LagKV's L = 1024 compresses here too)
+$E --tasks needle lm --contexts 8192 --seeds 0-49 --groups criticalkv lagkv allocation
