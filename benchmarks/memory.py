@@ -262,8 +262,10 @@ class AfterPrompt:
         self.hook = model.register_forward_pre_hook(self._pre, with_kwargs=True)
 
     def _pre(self, module, args, kwargs):
-        if self.cache is None and kwargs.get("past_key_values") is not None:
-            self.cache = kwargs["past_key_values"]
+        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache") if cache is None else cache  # transformers >= 5.24 passes it as ``cache``
+        if self.cache is None and cache is not None:
+            self.cache = cache
 
     def put(self, value):
         self.calls += 1
