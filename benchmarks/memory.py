@@ -262,10 +262,8 @@ class AfterPrompt:
         self.hook = model.register_forward_pre_hook(self._pre, with_kwargs=True)
 
     def _pre(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
-        cache = kwargs.get("cache") if cache is None else cache  # transformers >= 5.24 passes it as ``cache``
-        if self.cache is None and cache is not None:
-            self.cache = cache
+        if self.cache is None:  # transformers >= 5.24 passes the cache to forward as ``cache``
+            self.cache = next((kwargs[k] for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
 
     def put(self, value):
         self.calls += 1

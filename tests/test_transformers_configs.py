@@ -11,6 +11,8 @@
   softcapping, a sliding window shorter than the sequence) must be a clear error naming the architecture and the
   feature, not silently different logits.
 """
+import importlib
+
 import pytest
 import torch
 from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
@@ -20,6 +22,9 @@ from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2F
                           Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
 
 from tritonkv.integrations import transformers as tt
+
+# the module: ``tt.generate`` is the function
+tt_generate = importlib.import_module("tritonkv.integrations.transformers.generate")
 
 ATOL = 1e-4
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -134,7 +139,7 @@ def test_answer_questions_from_one_compressed_context(model, ids):
     assert [a.shape for a in small] == [(1, 3)] * 2
 
 
-def test_compressing_context_manager(model, ids):
+def test_compressing_context_manager(model, ids, monkeypatch):
     """``with compressing(model, ...)``: model.generate gets a fresh TritonKVCache per call (exact at full budget,
     bounded when compressed); on exit generate and the attention implementation are the model's own again."""
     attn = model.config._attn_implementation
@@ -147,6 +152,15 @@ def test_compressing_context_manager(model, ids):
     with tt.compressing(model, "keydiff", 0.25):
         out = model.generate(ids, **kw)
         assert out.past_key_values.stored_tokens() == [17 + 3] * 2  # 0.25 of the 70-token prompt, then 3 steps
+    made = []
+    with tt.compressing(model, "keydiff", 0.25):  # a cache of the caller's own is used, and no other is made
+        monkeypatch.setattr(tt_generate, "make_cache", lambda *a, **k: made.append(1))
+        for name in ("past_key_values", "cache"):
+            own = tt.make_cache(model, "keydiff", 10_000)
+            out = model.generate(ids, **kw, **{name: own})
+            assert out.past_key_values is own and torch.equal(out.sequences, ref.sequences)
+        monkeypatch.undo()
+    assert made == []
     assert "generate" not in vars(model) and model.config._attn_implementation == attn
     with pytest.raises(TypeError, match="queris"):
         with tt.compressing(model, "snapkv", 0.25, queris=None):

@@ -104,9 +104,10 @@ def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eo
 def compressing(model, policy, budget, *, mode: str = "after_prefill", allocation=None, block_size: int = 128,
                 decode_every: Optional[int] = None, **cache_kwargs):
     """kvpress's ``with press(model): model.generate(...)``: inside the block, every ``model.generate`` call that
-    passes no ``past_key_values`` (nor ``cache``) gets a fresh ``TritonKVCache`` (``policy``, ``budget`` as a fraction of that
-    call's prompt, ``mode``, ``allocation``) and the ``"tritonkv"`` attention function; blockwise mode also sets
-    ``prefill_chunk_size``. The model's ``generate`` and attention implementation are restored on exit.
+    passes no cache of its own (``past_key_values`` or ``cache``) gets a fresh ``TritonKVCache`` (``policy``,
+    ``budget`` as a fraction of that call's prompt, ``mode``, ``allocation``) and the ``"tritonkv"`` attention
+    function; blockwise mode also sets ``prefill_chunk_size``. The model's ``generate`` and attention
+    implementation are restored on exit.
 
         with compressing(model, "snapkv", 0.25, allocation="adakv"):
             out = model.generate(input_ids, max_new_tokens=64)
@@ -116,8 +117,8 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
     stock = model.generate
 
     def generate_compressed(input_ids=None, *args, **kwargs):
-        own = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers >= 5.24 also takes it as ``cache``
-        if own is None and input_ids is not None:
+        # a caller's own cache is kept, under either name (transformers >= 5.24 also takes it as ``cache``)
+        if kwargs.get("past_key_values") is None and kwargs.get("cache") is None and input_ids is not None:
             kwargs["past_key_values"] = make_cache(model, policy, budget, mode=mode, allocation=allocation,
                                                    block_size=block_size, decode_every=decode_every,
                                                    prompt_length=input_ids.shape[1], **cache_kwargs)
