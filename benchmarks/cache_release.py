@@ -40,7 +40,7 @@ def main(mode: str = "after_prefill", n: int = 8192) -> None:
     base = rss_mib()
     for i in range(3):
         out = run()
-        cache = out[1] if isinstance(out, tuple) else out.past_key_values
+        cache = out[1]
         held = cache.nbytes / 2**20
         del out, cache
         print(f"{mode} iter {i}: cache {held:.2f} MiB, RSS after dropping it {rss_mib() - base:+.2f} MiB vs before")

@@ -86,6 +86,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import tritonkv  # noqa: E402
+from tritonkv.integrations.transformers import cache_kwarg, output_cache  # noqa: E402
 from tritonkv.policies import POLICIES, KeyDiff, Policy, get_policy  # noqa: E402
 
 OUT = os.path.join(HERE, "results", "quality")
@@ -455,7 +456,7 @@ def capture(model, ids: List[int], q_rows: Sequence[int]):
     finally:
         for h in hooks:
             h.remove()
-    c = out.past_key_values
+    c = output_cache(out)
     kv = [(c.layers[i].keys, c.layers[i].values) for i in range(len(model.model.layers))]
     return kv, qs, out.logits[0, -1].float(), outs
 
@@ -550,8 +551,8 @@ def feed(model, cache, ids: List[int], logits_to_keep: int = 1) -> torch.Tensor:
     seen = int(cache.get_seq_length())
     x = torch.tensor([ids])
     with use_tritonkv(model):
-        out = model(input_ids=x, position_ids=torch.arange(seen, seen + len(ids))[None], past_key_values=cache,
-                    use_cache=True, logits_to_keep=logits_to_keep)
+        out = model(input_ids=x, position_ids=torch.arange(seen, seen + len(ids))[None], use_cache=True,
+                    logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
     return out.logits[0].float()
 
 
@@ -588,7 +589,7 @@ def score_choices(model, cache, first_logits: torch.Tensor, cands: List[List[int
         for t in range(1, steps + 1):
             inp = [c[t - 1] if t - 1 < len(c) else c[-1] for c in cands] + [greedy[-1]]
             out = model(input_ids=torch.tensor(inp)[:, None], position_ids=torch.full((n + 1, 1), seen + t - 1),
-                        past_key_values=cache, use_cache=True)
+                        use_cache=True, **{cache_kwarg(model): cache})
             lp = torch.log_softmax(out.logits[:, -1].float(), -1)
             for i, c in enumerate(cands):
                 if t < len(c):

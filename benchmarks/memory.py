@@ -298,7 +298,7 @@ def _generate(model, ids, spec, new_tokens, streamer=None):
     mask = torch.ones_like(ids)
     if spec["policy"] is None:
         out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **gen)
-        return out.sequences[:, ids.shape[1]:], out.past_key_values
+        return out.sequences[:, ids.shape[1]:], tt.output_cache(out)
     kw = dict(block_size=spec["block_size"]) if spec["block_size"] else {}
     out, cache = tt.generate(model, ids, policy=spec["policy"], budget=spec["budget"], mode=spec["mode"],
                              allocation=spec["allocation"], return_cache=True, **kw, **gen)

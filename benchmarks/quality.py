@@ -101,7 +101,9 @@ def capture(model, input_ids: torch.Tensor):
     finally:
         for h in hooks:
             h.remove()
-    cache = out.past_key_values
+    from tritonkv.integrations.transformers import output_cache
+
+    cache = output_cache(out)
     return [(cache.layers[i].keys, cache.layers[i].values, qs[i]) for i in range(len(layers))]
 
 
@@ -137,7 +139,7 @@ def attention_error(keys, values, queries, keep: torch.Tensor) -> torch.Tensor:
 
 def _logprobs_along(model, cache, first_logits, ids: List[int], tritonkv_cache: bool):
     """Log-softmax distributions at the prompt's last token and after each of ``ids[:-1]``: ``[len(ids), V]``."""
-    from tritonkv.integrations.transformers import use_tritonkv
+    from tritonkv.integrations.transformers import cache_kwarg, use_tritonkv
     import contextlib
 
     dists = [torch.log_softmax(first_logits.float().reshape(-1), -1)]
@@ -147,7 +149,7 @@ def _logprobs_along(model, cache, first_logits, ids: List[int], tritonkv_cache: 
         x = torch.tensor([ids[:-1]], dtype=torch.long)
         pos = torch.arange(seen, seen + len(ids) - 1)[None]
         with use_tritonkv(model) if tritonkv_cache else contextlib.nullcontext():
-            out = model(input_ids=x, position_ids=pos, past_key_values=c, use_cache=True)
+            out = model(input_ids=x, position_ids=pos, use_cache=True, **{cache_kwarg(model): c})
         dists += list(torch.log_softmax(out.logits[0].float(), -1))
     return torch.stack(dists)
 

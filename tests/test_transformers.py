@@ -202,8 +202,8 @@ def test_decode_kernel_matches_sdpa(lm, prompt):
         with tt.use_tritonkv(model), torch.no_grad():
             for i in range(1):  # one step: the prefill logits come from the same SDPA path in both runs
                 nxt = steps[-1].argmax(-1, keepdim=True)
-                steps.append(model(input_ids=nxt, position_ids=torch.tensor([[200 + i]]), past_key_values=cache,
-                                   use_cache=True).logits[:, -1])
+                steps.append(model(input_ids=nxt, position_ids=torch.tensor([[200 + i]]), use_cache=True,
+                                   **{tt.cache_kwarg(model): cache}).logits[:, -1])
         runs.append(steps)
     assert _max_diff(runs[0], runs[1]) <= ATOL
 
@@ -304,10 +304,11 @@ def test_decode_step_has_no_graph_break(lm):
     SDPA path; the Triton decode kernel is a triton_op, traced on CUDA by the next test)."""
     model, tok = lm
     n0, cache, logits = _decode_setup(model, tok)
+    kw = {tt.cache_kwarg(model): cache}
     with tt.use_tritonkv(model), torch.no_grad():
-        ex = torch._dynamo.explain(lambda t, p: model(input_ids=t, position_ids=p, past_key_values=cache,
-                                                      use_cache=True).logits)(logits.argmax(-1, keepdim=True),
-                                                                              torch.tensor([[n0]]))
+        ex = torch._dynamo.explain(lambda t, p: model(input_ids=t, position_ids=p, use_cache=True,
+                                                      **kw).logits)(logits.argmax(-1, keepdim=True),
+                                                                    torch.tensor([[n0]]))
     assert ex.graph_break_count == 0, [str(b.reason) for b in ex.break_reasons]
     cache.compress_now()  # host counters catch up with the compiled step
     assert cache.get_seq_length() == n0 + 1 and cache.stored_tokens()[0] == n0 + 1
@@ -321,8 +322,10 @@ def _compiled_loop_matches_eager(model, tok, steps: int, **compile_kw):
     n0, cache, logits = _decode_setup(model, tok)
     _, ref, _ = _decode_setup(model, tok)
 
+    name = tt.cache_kwarg(model)
+
     def step(t, p):
-        return model(input_ids=t, position_ids=p, past_key_values=cache, use_cache=True).logits[:, -1]
+        return model(input_ids=t, position_ids=p, use_cache=True, **{name: cache}).logits[:, -1]
 
     torch._dynamo.reset()
     cstep = torch.compile(step, fullgraph=True, **compile_kw)
@@ -333,7 +336,7 @@ def _compiled_loop_matches_eager(model, tok, steps: int, **compile_kw):
                 p = torch.tensor([[n0 + i]], device=device)
                 torch._dynamo.config.error_on_recompile = i > 0
                 lc = cstep(t_c, p).clone()
-                lr = model(input_ids=t_r, position_ids=p, past_key_values=ref, use_cache=True).logits[:, -1]
+                lr = model(input_ids=t_r, position_ids=p, use_cache=True, **{name: ref}).logits[:, -1]
                 assert float((lc - lr).abs().max()) <= ATOL, i
                 t_c, t_r = lc.argmax(-1, keepdim=True), lr.argmax(-1, keepdim=True)
     finally:

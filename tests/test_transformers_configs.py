@@ -147,24 +147,61 @@ def test_compressing_context_manager(model, ids, monkeypatch):
     ref = model.generate(ids, **kw)
     with tt.compressing(model, "keydiff", 10_000, mode="blockwise", block_size=16):
         out = model.generate(ids, **kw)
-        assert isinstance(out.past_key_values, tt.TritonKVCache)
+        assert isinstance(tt.output_cache(out), tt.TritonKVCache)
         assert torch.equal(out.sequences, ref.sequences)
     with tt.compressing(model, "keydiff", 0.25):
         out = model.generate(ids, **kw)
-        assert out.past_key_values.stored_tokens() == [17 + 3] * 2  # 0.25 of the 70-token prompt, then 3 steps
+        assert tt.output_cache(out).stored_tokens() == [17 + 3] * 2  # 0.25 of the 70-token prompt, then 3 steps
     made = []
     with tt.compressing(model, "keydiff", 0.25):  # a cache of the caller's own is used, and no other is made
         monkeypatch.setattr(tt_generate, "make_cache", lambda *a, **k: made.append(1))
         for name in ("past_key_values", "cache"):
             own = tt.make_cache(model, "keydiff", 10_000)
             out = model.generate(ids, **kw, **{name: own})
-            assert out.past_key_values is own and torch.equal(out.sequences, ref.sequences)
+            assert tt.output_cache(out) is own and torch.equal(out.sequences, ref.sequences)
         monkeypatch.undo()
     assert made == []
     assert "generate" not in vars(model) and model.config._attn_implementation == attn
     with pytest.raises(TypeError, match="queris"):
         with tt.compressing(model, "snapkv", 0.25, queris=None):
             pass
+
+
+def test_cache_keyword_follows_the_model(model, ids):
+    """tritonkv hands its cache to ``forward`` and ``generate`` under the keyword the installed transformers takes
+    (``cache`` from 5.24, where ``past_key_values`` is deprecated and leaves ``forward`` in 5.40), so its own calls
+    raise no deprecation warning; ``output_cache`` reads an output's cache under either name."""
+    import inspect
+    import warnings
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return None
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None):
+            return None
+
+    assert tt.cache_kwarg(Old()) == "past_key_values" and tt.cache_kwarg(New()) == "cache"
+    wrapped = torch.nn.Module()
+    wrapped._orig_mod = New()  # what torch.compile(model) returns
+    assert tt.cache_kwarg(wrapped) == "cache"
+    takes = "cache" in inspect.signature(type(model).forward).parameters
+    assert tt.cache_kwarg(model) == ("cache" if takes else "past_key_values")
+
+    deprecated = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, cache = tt.generate(model, ids, policy="keydiff", budget=16, mode="blockwise", block_size=32,
+                                 max_new_tokens=2, do_sample=False, return_cache=True, return_dict_in_generate=True)
+        assert tt.output_cache(out) is cache
+        logits = tt.prefill(model, ids[:1], tt.make_cache(model, "snapkv", 0.5))
+        assert tt.output_cache(model(input_ids=ids[:1], use_cache=True)) is not None
+        tt.decode(model, tt.make_cache(model, "snapkv", 0.5), logits[:, -1], 2)
+        with tt.compressing(model, "keydiff", 0.5):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+        deprecated = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert deprecated == []
 
 
 def test_criticalkv_reads_each_layers_o_proj(model, ids, monkeypatch):

@@ -427,9 +427,11 @@ def run_model(rank: int, world: int, pg, model_dir: str) -> dict:
 def _prefilled(model, ids, _):
     from transformers import DynamicCache
 
+    from tritonkv.integrations.transformers import cache_kwarg
+
     cache = DynamicCache()
     with torch.no_grad():
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache}).logits[:, -1]
     return cache, logits
 
 

@@ -214,7 +214,7 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
          progress, model_tok, t_start):
     from . import POLICIES, resolve_budget
     from .integrations.needle import SUBJECTS, build_case, rank_candidates
-    from .integrations.transformers import decode, make_cache, prefill, use_tritonkv
+    from .integrations.transformers import cache_kwarg, decode, make_cache, prefill, use_tritonkv
     from .kernels._common import cpu_kernels
 
     n_tokens = n_tokens or (6144 if device == "cuda" else CPU_TOKENS)
@@ -276,7 +276,7 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
         cache, pts = DynamicCache(), []
         t = time.perf_counter()
         for s in range(0, n_tokens, block_size):
-            o = model(input_ids=ids[:, s:s + block_size], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            o = model(input_ids=ids[:, s:s + block_size], use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
             pts.append((min(s + block_size, n_tokens), _dynamic_bytes(cache)))
             tick(min(block_size, n_tokens - s))
         sync()

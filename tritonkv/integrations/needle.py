@@ -211,8 +211,10 @@ PrefillFn = Callable[[torch.nn.Module, torch.Tensor], Tuple[torch.Tensor, object
 @torch.no_grad()
 def full_prefill(model, input_ids: torch.Tensor):
     """The reference prefill: the whole prompt, full cache. Returns ``(last logits [B, V], cache)``."""
+    from .transformers import output_cache
+
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1], out.past_key_values
+    return out.logits[:, -1], output_cache(out)
 
 
 def drop_positions_prefill(positions) -> PrefillFn:
@@ -257,6 +259,9 @@ def rank_candidates(model, prefill_fn: PrefillFn, case: NeedleCase, *, batched: 
     token attends to): one forward instead of one per candidate, the same scores up to float round-off.
     Caches that cannot be expanded (per-head ragged rows) fall back to a copy per candidate."""
     dev = next(model.parameters()).device
+    from .transformers import cache_kwarg
+
+    kw = cache_kwarg(model)
     logits, cache = prefill_fn(model, case.input_ids.to(dev))
     if logits.dim() == 3:
         logits = logits[:, -1]
@@ -269,7 +274,7 @@ def rank_candidates(model, prefill_fn: PrefillFn, case: NeedleCase, *, batched: 
         c = copy.deepcopy(cache)
         c.batch_repeat_interleave(len(case.candidate_ids))
         rows = [ids[:-1] + [ids[-1]] * (longest - len(ids)) for ids in case.candidate_ids]
-        out = model(input_ids=torch.tensor(rows, dtype=torch.long, device=dev), past_key_values=c, use_cache=True)
+        out = model(input_ids=torch.tensor(rows, dtype=torch.long, device=dev), use_cache=True, **{kw: c})
         lp = torch.log_softmax(out.logits.float(), -1)
         for i, ids in enumerate(case.candidate_ids):
             n = len(ids) - 1
@@ -279,7 +284,7 @@ def rank_candidates(model, prefill_fn: PrefillFn, case: NeedleCase, *, batched: 
         if len(ids) > 1:
             c = copy.deepcopy(cache)
             x = torch.tensor([ids[:-1]], dtype=torch.long, device=dev)
-            out = model(input_ids=x, past_key_values=c, use_cache=True)
+            out = model(input_ids=x, use_cache=True, **{kw: c})
             lp = torch.log_softmax(out.logits[0].float(), -1)
             scores[i] += float(lp[torch.arange(len(ids) - 1, device=dev), torch.tensor(ids[1:], device=dev)].sum())
     return RankResult(scores=scores, answer=case.answer)

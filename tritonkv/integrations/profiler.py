@@ -21,6 +21,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .transformers import cache_kwarg, output_cache
 from ..allocation.profiler import (DATA_DIR, EPS, Profile, WeightSums, group_mean, infsc_scores,  # noqa: F401
                                    load_profile, needle_weights, paper_grid, profile_path, save_profile)
 
@@ -55,7 +56,7 @@ def answer_attention(model, case, steps: int = 5, layers: Optional[Sequence[int]
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
     x = torch.tensor([ans[:steps]], dtype=torch.long, device=dev)
     with _eager(model):
-        out = model(input_ids=x, past_key_values=out.past_key_values, use_cache=True,
+        out = model(input_ids=x, use_cache=True, **{cache_kwarg(model): output_cache(out)},
                     output_attentions=True, logits_to_keep=1)
     att = out.attentions
     layers = range(len(att)) if layers is None else layers

@@ -7,7 +7,10 @@ or, with ``model.generate`` directly::
 
     cache = TritonKVCache("keydiff", 512, mode="blockwise")
     with use_tritonkv(model):           # attn_implementation="tritonkv" while inside
-        model.generate(input_ids, past_key_values=cache, prefill_chunk_size=cache.block_size, max_new_tokens=32)
+        model.generate(input_ids, cache=cache, prefill_chunk_size=cache.block_size, max_new_tokens=32)
+
+(``cache=`` from transformers 5.24, ``past_key_values=`` before: ``cache_kwarg(model)`` names the keyword and
+``output_cache(out)`` reads a model output's cache under either name.)
 
 Where things are:
 
@@ -19,7 +22,8 @@ Where things are:
 - ``cache.py``: ``TritonKVCache`` and its layers — when a layer compresses (after every multi-token forward over
   the budget; in ``"decoding"`` mode every ``decode_every`` tokens), budget semantics, ``nbytes`` and
   ``kept_tokens()``;
-- ``generate.py``: ``make_cache``, ``prefill`` (block-wise), ``generate``, ``decode``; for kvpress users the
+- ``generate.py``: ``make_cache``, ``prefill`` (block-wise), ``generate``, ``decode``, ``cache_kwarg`` and
+  ``output_cache`` (the cache's keyword across transformers versions); for kvpress users the
   ``compressing(model, policy, budget)`` context manager (``with compressing(...): model.generate(...)``) and
   ``answer(model, context_ids, questions, ...)`` (compress a context once, answer several questions).
 
@@ -38,9 +42,9 @@ eagerly between steps (``TritonKVCache.compress_now``) and writes into the reser
 """
 from .attention import ATTN_IMPLEMENTATION, attention, masked_attention, use_tritonkv
 from .cache import MODES, LagKVLayer, TritonKVCache, TritonKVLayer
-from .generate import answer, compressing, decode, generate, make_cache, prefill
+from .generate import answer, cache_kwarg, compressing, decode, generate, make_cache, output_cache, prefill
 from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
 
 __all__ = ["TritonKVCache", "TritonKVLayer", "LagKVLayer", "MODES", "SENTINEL", "ATTN_IMPLEMENTATION", "attention",
-           "masked_attention", "use_tritonkv", "make_cache", "prefill", "generate", "decode", "compressing", "answer", "DenseStore",
-           "RaggedStore", "slack_for"]
+           "masked_attention", "use_tritonkv", "make_cache", "prefill", "generate", "decode", "compressing", "answer",
+           "cache_kwarg", "output_cache", "DenseStore", "RaggedStore", "slack_for"]

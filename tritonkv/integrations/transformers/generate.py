@@ -3,12 +3,37 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
+import inspect
 from typing import Optional
 
 import torch
 
 from .attention import use_tritonkv
 from .cache import TritonKVCache
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_cache(cls) -> bool:
+    return "cache" in inspect.signature(cls.forward).parameters
+
+
+def cache_kwarg(model) -> str:
+    """The keyword ``model``'s ``forward`` and ``generate`` take a cache under: ``"cache"`` from transformers 5.24
+    (where ``past_key_values`` is deprecated, and dropped from ``forward`` in 5.40), ``"past_key_values"`` before.
+    A ``torch.compile``'d model is read through its original module.
+
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})"""
+    model = getattr(model, "_orig_mod", model)
+    return "cache" if _forward_takes_cache(type(model)) else "past_key_values"
+
+
+def output_cache(out):
+    """The cache a model output or ``generate`` output carries (its ``cache`` field from transformers 5.24, its
+    ``past_key_values`` before), without the deprecation warning the old name now raises."""
+    names = {f.name for f in dataclasses.fields(out)} if dataclasses.is_dataclass(out) else set()
+    return out.cache if "cache" in names else getattr(out, "past_key_values", None)
 
 
 def make_cache(model, policy, budget, *, mode="after_prefill", allocation=None, block_size=128,
@@ -49,7 +74,7 @@ def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, bloc
             pos = _positions(full_mask, a, ids.shape[1]).to(input_ids.device)
             out = model(input_ids=ids, position_ids=pos.expand(B, -1),
                         attention_mask=None if full_mask is None else full_mask[:, :b],
-                        past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+                        use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
             if progress is not None:
                 progress(ids.shape[1])
     return out.logits
@@ -69,7 +94,7 @@ def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", a
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     with use_tritonkv(model):
-        out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, **generate_kwargs)
+        out = model.generate(input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}, **generate_kwargs)
     return (out, cache) if return_cache else out
 
 
@@ -95,8 +120,8 @@ def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eo
                 pos = real + i
             if attention_mask is not None:  # caches other than ours read the pads from it
                 attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=1)
-            logits = model(input_ids=nxt, position_ids=pos, attention_mask=attention_mask, past_key_values=cache,
-                           use_cache=True).logits[:, -1]
+            logits = model(input_ids=nxt, position_ids=pos, attention_mask=attention_mask, use_cache=True,
+                           **{cache_kwarg(model): cache}).logits[:, -1]
     return torch.cat(out, dim=1)
 
 
@@ -119,7 +144,7 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
     def generate_compressed(input_ids=None, *args, **kwargs):
         # a caller's own cache is kept, under either name (transformers >= 5.24 also takes it as ``cache``)
         if kwargs.get("past_key_values") is None and kwargs.get("cache") is None and input_ids is not None:
-            kwargs["past_key_values"] = make_cache(model, policy, budget, mode=mode, allocation=allocation,
+            kwargs[cache_kwarg(model)] = make_cache(model, policy, budget, mode=mode, allocation=allocation,
                                                    block_size=block_size, decode_every=decode_every,
                                                    prompt_length=input_ids.shape[1], **cache_kwargs)
             if mode == "blockwise":
