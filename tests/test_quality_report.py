@@ -67,6 +67,14 @@ def test_accuracy_claims_need_the_full_cache_gate_and_lagkv_cells_that_compress(
     gated = [dict(r, value=float(r["seed"] % 2)) if r["config"] == R.FULL else r for r in recs]
     assert _claim(R.claim_rows(R.index(gated)), "lagkv")["comparisons"] == []
     assert R._short(lag_big) == "lagkv L=1024 r=0.5" and R._short(lag_small) == "lagkv L=128 r=0.5"
+    # each accuracy is gated by the full cache's score on that accuracy: likelihood passes, greedy (50 %) does not
+    half = (ones * np.arange(N) % 2).astype(float)
+    both = (recs + _recs("needle", 2048, R.FULL, "acc_greedy", half)
+            + _recs("needle", 2048, lag_small, "acc_greedy", ones))
+    assert {c["metric"] for c in _claim(R.claim_rows(R.index(both)), "lagkv")["comparisons"]} == {"acc_ll"}
+    full_greedy = [dict(r, value=1.0) if r["metric"] == "acc_greedy" and r["config"] == R.FULL else r for r in both]
+    assert {c["metric"] for c in _claim(R.claim_rows(R.index(full_greedy)), "lagkv")["comparisons"]} == {
+        "acc_ll", "acc_greedy"}
 
 
 def test_profile_effect_of_a_profile_against_itself_is_nil():
