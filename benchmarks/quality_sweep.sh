@@ -34,3 +34,8 @@ $E --tasks needle lm --contexts 4096 --seeds 0-49 --groups criticalkv lagkv allo
 chunk 0-49
 # 6. 8K (SmolLM2's limit): the same after-prefill claims as at 4K (LagKV's L = 1024 compresses here too)
 $E --tasks needle lm --contexts 8192 --seeds 0-49 --groups criticalkv lagkv allocation
+# 7. mk_needle at 2K to 50 cases (its error metrics enter the CriticalKV, SCORE and SurfaceLogicKV claims; ~1 min a seed)
+$E --tasks mk_needle --contexts 2048 --seeds 0-49 --groups criticalkv lagkv allocation
+# 8. CriticalKV's selection claim (Table 1) had half its cells inconclusive at 50 cases, its intervals touching 0:
+#    100 cases at 2K and 4K for the criticalkv group (~0.5 and ~1.5 min a seed and task)
+$E --tasks needle lm --contexts 2048 4096 --seeds 50-99 --groups criticalkv
