@@ -130,6 +130,19 @@ def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
     """``(measure(...), "graph")`` from a CUDA graph replay, or the eager time when capture fails."""
     if not cuda:
         return measure(fn, cuda), "eager"
+    # a call that synchronises with the host cannot be captured: find out without a capture, whose failure can
+    # leave the default CUDA generator unusable outside graphs
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        syncs = None
+    except RuntimeError as e:
+        syncs = e
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if syncs is not None:
+        print(f"{what}: synchronises with the host ({syncs}); eager time reported", file=sys.stderr)
+        return measure(fn, cuda), "eager"
     try:
         return measure(fn, cuda, graph=True), "graph"
     except Exception as e:  # a host sync inside: report the eager time, say so
@@ -258,7 +271,8 @@ def kvpress_case(kvpress, name, keys, values, queries, keep, W):
     attn = LlamaAttention(cfg, layer_idx=0).to(device=keys.device, dtype=keys.dtype)
     rope = LlamaRotaryEmbedding(cfg).to(keys.device)
     attn.rotary_emb = rope
-    hidden = torch.randn(B, N, Hq * D, device=keys.device, dtype=keys.dtype)
+    g = torch.Generator(device=keys.device).manual_seed(N)  # not the default generator (see measure_graph)
+    hidden = torch.randn(B, N, Hq * D, generator=g, device=keys.device, dtype=keys.dtype)
     cos, sin = rope(hidden, torch.arange(N, device=keys.device)[None])
     kwargs = {"position_embeddings": (cos, sin), "hidden_states": hidden}
     # the same window queries for tritonkv: q_proj of the last W hidden states, with RoPE

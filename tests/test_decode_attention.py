@@ -290,8 +290,8 @@ def test_decode_kernels_compile_ahead_of_time():
              "sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "qk_scale"]
     consts = ["BLOCK_N", "BLOCK_D", "GP", "HAS_START", "NATIVE_DOT"]
 
-    def split(dt, has_start, native):
-        types = ["*" + dt] * 3 + ["*i64", "*i32", "*fp32", "*fp32"] + ["i32"] * 5 + ["i64"] * 8 + ["fp32"]
+    def split(dt, has_start, native, scalar="fp32"):
+        types = ["*" + dt] * 3 + ["*i64", "*i32", "*fp32", "*fp32"] + ["i32"] * 5 + ["i64"] * 8 + [scalar]
         sig = dict(zip(names, types)) | {c: "constexpr" for c in consts}
         return {"module": mod, "kernel": "_decode_split_kernel", "signature": sig,
                 "constexprs": {"BLOCK_N": 64, "BLOCK_D": 128, "GP": 16, "HAS_START": has_start, "NATIVE_DOT": native}}
@@ -302,7 +302,9 @@ def test_decode_kernels_compile_ahead_of_time():
                               "lse_ptr": "*fp32", "G": "i32", "D": "i32", "S": "i32", "SPLIT": "i32", "NH": "i32",
                               "BLOCK_S": "constexpr", "BLOCK_D": "constexpr", "HB": "constexpr"},
                 "constexprs": {"BLOCK_S": block_s, "BLOCK_D": block_d, "HB": hb}}
+    # torch.compile (Inductor) types a Python float argument fp64: the fp64 builds are what a compiled model runs
     assert_compiles(split("bf16", True, True), split("fp16", False, True), split("fp32", True, False),
+                    split("fp32", False, False, "fp64"), split("bf16", True, True, "fp64"),
                     merge("bf16", 64, 32, 1), merge("fp32", 16, 128, 4))
 
 

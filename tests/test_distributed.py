@@ -43,7 +43,10 @@ def free_port() -> int:
 def run_ranks(world: int, suites: str, model_dir: str = "", timeout: float = TIMEOUT) -> dict:
     """Start ``world`` ranks, wait (killing the whole group past ``timeout``), return ``{case: [per-rank dict]}``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # CPU ranks on every machine: with a GPU visible, transformers' tp_plan puts rank r on cuda:r (absent on a
+    # one-GPU machine: rank 1 fails and rank 0 waits in a collective until the time limit)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
@@ -64,15 +67,16 @@ def run_ranks(world: int, suites: str, model_dir: str = "", timeout: float = TIM
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
-        results = {}
+        results, failed = {}, []
         for r, (p, log) in enumerate(zip(procs, logs)):
             log.seek(0)
             text = log.read()
             log.close()
-            path = os.path.join(out, f"rank{r}.json")
-            if p.returncode != 0 or not os.path.exists(path):
-                raise AssertionError(f"rank {r} of {world} exited with {p.returncode}:\n{text[-4000:]}")
-            with open(path) as f:
+            if p.returncode != 0 or not os.path.exists(os.path.join(out, f"rank{r}.json")):
+                failed.append(f"rank {r} of {world} exited with {p.returncode}:\n{text[-3000:]}")
+        assert not failed, "\n".join(failed)  # every rank's log: the one that failed first may not be rank 0
+        for r in range(world):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
                 for case, v in json.load(f).items():
                     results.setdefault(case, []).append(v)
         return results

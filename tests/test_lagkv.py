@@ -374,6 +374,8 @@ def test_lagkv_kernel_compiles_ahead_of_time():
            "D": "i32", "sink": "i32", "lag": "i32", "n_scored": "i32", "parts": "i32", "eps": "fp32",
            "BLOCK_L": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "BLOCK_J": "constexpr",
            "RANK": "constexpr"}
-    # RANK=True compiles every line of the kernel (RANK=False is the same code minus the rank loop)
-    assert_compiles({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_score_kernel", "signature": sig,
-                     "constexprs": {"BLOCK_L": 128, "BLOCK_T": 8, "BLOCK_D": 128, "BLOCK_J": 32, "RANK": True}})
+    # RANK=True compiles every line of the kernel (RANK=False is the same code minus the rank loop); eps as fp64 is
+    # how torch.compile (Inductor) passes a Python float
+    c = {"BLOCK_L": 128, "BLOCK_T": 8, "BLOCK_D": 128, "BLOCK_J": 32, "RANK": True}
+    assert_compiles(*({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_score_kernel",
+                       "signature": {**sig, "eps": f}, "constexprs": c} for f in ("fp32", "fp64")))

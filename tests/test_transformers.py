@@ -291,8 +291,12 @@ def test_needle_negative_control(lm):
 
 
 def _decode_setup(model, tok, capacity=64):
-    ids = tok("The capital of Italy is Rome. The capital of France is", return_tensors="pt",
-              add_special_tokens=False).input_ids.to(model.device)
+    if tok is None:  # a random model: random ids
+        ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    else:
+        ids = tok("The capital of Italy is Rome. The capital of France is", return_tensors="pt",
+                  add_special_tokens=False).input_ids
+    ids = ids.to(model.device)
     cache = tt.make_cache(model, "keydiff", 1000)
     logits = tt.prefill(model, ids, cache)[:, -1]
     cache.reserve(capacity)  # static buffers: the compiled step writes at a device-side fill index
@@ -355,13 +359,23 @@ def test_decode_loop_compiles_fullgraph(lm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled reduce-overhead decoding needs CUDA")
-def test_compiled_decode_loop_cuda():
+@pytest.mark.parametrize("which", ["smollm2", "random-llama"])
+def test_compiled_decode_loop_cuda(which):
     """fullgraph + reduce-overhead (CUDA graphs) decode loop with the split-K decode kernel: no recompile
-    after the first step, logits equal to the eager loop."""
+    after the first step, logits equal to the eager loop. Both models are fp32, so the kernel's non-native
+    (IEEE) dot runs; the random Llama checks the same path where SmolLM2 is not fetched."""
+    from torch._dynamo.utils import counters
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     from tritonkv.integrations.model import load_smollm2
 
-    from torch._dynamo.utils import counters
-
+    if which == "smollm2":
+        model, tok = load_smollm2(device="cuda")
+    else:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, attn_implementation="sdpa")
+        model, tok = LlamaForCausalLM(cfg).to("cuda").eval(), None
     counters.clear()
-    _compiled_loop_matches_eager(*load_smollm2(device="cuda"), steps=8, mode="reduce-overhead")
+    _compiled_loop_matches_eager(model, tok, steps=8, mode="reduce-overhead")
     assert counters["inductor"]["cudagraph_skips"] == 0  # it really ran as CUDA graphs

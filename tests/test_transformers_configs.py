@@ -12,6 +12,7 @@
   feature, not silently different logits.
 """
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -153,14 +154,19 @@ def test_compressing_context_manager(model, ids, monkeypatch):
         out = model.generate(ids, **kw)
         assert tt.output_cache(out).stored_tokens() == [17 + 3] * 2  # 0.25 of the 70-token prompt, then 3 steps
     made = []
-    with tt.compressing(model, "keydiff", 0.25):  # a cache of the caller's own is used, and no other is made
+    # a cache of the caller's own, under either name, is used (handed on under the name this transformers takes:
+    # no error where generate takes only one, no deprecation warning where it warns on the other) and no other made
+    with tt.compressing(model, "keydiff", 0.25), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         monkeypatch.setattr(tt_generate, "make_cache", lambda *a, **k: made.append(1))
         for name in ("past_key_values", "cache"):
             own = tt.make_cache(model, "keydiff", 10_000)
             out = model.generate(ids, **kw, **{name: own})
             assert tt.output_cache(out) is own and torch.equal(out.sequences, ref.sequences)
+        with pytest.raises(ValueError, match="past_key_values or cache"):
+            model.generate(ids, **kw, past_key_values=own, cache=own)
         monkeypatch.undo()
-    assert made == []
+    assert made == [] and [str(w.message) for w in caught if "past_key_values" in str(w.message)] == []
     assert "generate" not in vars(model) and model.config._attn_implementation == attn
     with pytest.raises(TypeError, match="queris"):
         with tt.compressing(model, "snapkv", 0.25, queris=None):
@@ -172,7 +178,6 @@ def test_cache_keyword_follows_the_model(model, ids):
     (``cache`` from 5.24, where ``past_key_values`` is deprecated and leaves ``forward`` in 5.40), so its own calls
     raise no deprecation warning; ``output_cache`` reads an output's cache under either name."""
     import inspect
-    import warnings
 
     class Old(torch.nn.Module):
         def forward(self, input_ids=None, past_key_values=None, use_cache=None):

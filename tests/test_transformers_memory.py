@@ -121,6 +121,21 @@ def test_per_head_budgets_stay_ragged(model):
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_masked_attention_takes_any_sdpa_output_layout(monkeypatch):
+    """CUDA's SDPA kernels return ``[B, H, M, D]`` laid out as ``[B, M, H, D]`` (not contiguous; a per-head
+    cache's block-wise prefill failed on an H100 with a ``view`` error): masked attention over grouped queries
+    gives the same result from that layout as from a contiguous one."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 5, 16, generator=g)
+    k, v = torch.randn(2, 2, 9, 16, generator=g), torch.randn(2, 2, 9, 16, generator=g)
+    pos = torch.stack([torch.randperm(9, generator=g) for _ in range(4)]).view(2, 2, 9).to(torch.int32)
+    want = tt.masked_attention(q, k, v, pos, torch.arange(4, 9), 0.25, ordered=False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    assert torch.equal(tt.masked_attention(q, k, v, pos, torch.arange(4, 9), 0.25, ordered=False), want)
+
+
 @pytest.mark.parametrize("policy", ["keydiff", "snapkv"])
 def test_blockwise_float_budget_is_a_fraction_of_tokens_seen(policy):
     """Streaming 32,768 tokens block-wise at 0.1 with no prompt_length keeps floor(0.1 · 32768) = 3276 tokens per

@@ -406,20 +406,20 @@ def test_kernels_compile_ahead_of_time():
     i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
     kq = i32("H", "G", "N", "W", "D", "skb", "skh", "skn", "sqb", "sqh", "sqw")
     specs = []
+    # the fp32 build takes its scales as fp64, the type torch.compile (Inductor) gives a Python float
     for dt, cast, gmax, hoist, gb, bw in (("bf16", False, False, True, 4, 32), ("fp32", True, True, False, 1, 16)):
-        # (the LSE kernel shares its loads and dot with the score kernel: its bf16 build suffices)
+        f = "fp64" if dt == "fp32" else "fp32"
         blocks = {"BLOCK_N": 64, "GB": gb, "BW": bw, "BLOCK_D": 128}
         tail = {"CAST_FP32": cast, "DOT_PREC": "ieee"}
-        lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32", "scale": "fp32",
+        lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32", "scale": f,
                    "CHUNK": "i32"}
         score_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "lse_ptr": "*fp32", "u_ptr": "*fp32", **kq,
-                     **i32("slb", "slh", "slc", "slg", "slw", "NC"), "scale": "fp32", "out_scale": "fp32",
+                     **i32("slb", "slh", "slc", "slg", "slw", "NC"), "scale": f, "out_scale": f,
                      "CHUNK": "i32"}
         lse_c = {**blocks, **tail}
         score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail}
-        if dt == "bf16":
-            specs.append({"module": mod, "kernel": "_window_lse_kernel", "constexprs": lse_c,
-                          "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}}})
+        specs.append({"module": mod, "kernel": "_window_lse_kernel", "constexprs": lse_c,
+                      "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}}})
         specs.append({"module": mod, "kernel": "_window_score_kernel", "constexprs": score_c,
                       "signature": {**score_sig, **{c: "constexpr" for c in score_c}}})
     pool_sig = {"u_ptr": "*fp32", "out_ptr": "*fp32", **i32("H", "N", "n_pool")}

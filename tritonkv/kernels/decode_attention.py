@@ -56,6 +56,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_p
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          GP: tl.constexpr, HAS_START: tl.constexpr, NATIVE_DOT: tl.constexpr):
     """Stage 1: one (split, row) -> partial O [G, D] and LSE (base 2) [G]."""
+    qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     s = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     length = tl.load(len_ptr + r).to(tl.int64)

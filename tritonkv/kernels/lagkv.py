@@ -36,6 +36,7 @@ def _lagkv_score_kernel(k_ptr, v_ptr, out_ptr, tmp_ptr, H, skb, skh, skn, svb, s
     # K and V travel together as one [BLOCK_T, BLOCK_D, 2] tile (tl.join(K, V)), so every statistic
     # is one reduction for both (under the interpreter each reduction costs ~3 ms). Helpers are
     # inlined for the same reason: every @triton.jit call costs ~2 ms there.
+    eps = tl.cast(eps, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     krow = k_ptr + (r // H) * skb + (r % H) * skh

@@ -96,6 +96,7 @@ def _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid):
 def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw, C, scale,
                        CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                        BLOCK_D: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     kbase = (r // H) * skb + (r % H) * skh
@@ -129,6 +130,8 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                          CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                          BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
                          CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
+    scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
+    out_scale = tl.cast(out_scale, tl.float32)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     kbase = (r // H) * skb + (r % H) * skh

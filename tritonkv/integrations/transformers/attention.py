@@ -83,7 +83,7 @@ def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = T
         q = query[:, :, c0:c0 + c].reshape(B, H, G * c, D)  # query head h*G + g reads KV head h: no repeat_kv
         mask = allowed[:, :, None].expand(B, H, G, c, s).reshape(B, H, G * c, s)
         o = F.scaled_dot_product_attention(q, key[:, :, :s], value[:, :, :s], attn_mask=mask, scale=scaling)
-        out[:, c0:c0 + c] = o.view(B, Hq, c, -1).transpose(1, 2)
+        out[:, c0:c0 + c] = o.reshape(B, Hq, c, -1).transpose(1, 2)  # CUDA SDPA may return a [B, M, H, D] layout
     return out
 
 

@@ -129,10 +129,11 @@ def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eo
 def compressing(model, policy, budget, *, mode: str = "after_prefill", allocation=None, block_size: int = 128,
                 decode_every: Optional[int] = None, **cache_kwargs):
     """kvpress's ``with press(model): model.generate(...)``: inside the block, every ``model.generate`` call that
-    passes no cache of its own (``past_key_values`` or ``cache``) gets a fresh ``TritonKVCache`` (``policy``,
-    ``budget`` as a fraction of that call's prompt, ``mode``, ``allocation``) and the ``"tritonkv"`` attention
-    function; blockwise mode also sets ``prefill_chunk_size``. The model's ``generate`` and attention
-    implementation are restored on exit.
+    passes no cache of its own gets a fresh ``TritonKVCache`` (``policy``, ``budget`` as a fraction of that call's
+    prompt, ``mode``, ``allocation``) and the ``"tritonkv"`` attention function; blockwise mode also sets
+    ``prefill_chunk_size``. A caller's own cache, passed as ``past_key_values`` or ``cache``, is used as it is and
+    handed on under the keyword the installed transformers takes (``cache_kwarg``). The model's ``generate`` and
+    attention implementation are restored on exit.
 
         with compressing(model, "snapkv", 0.25, allocation="adakv"):
             out = model.generate(input_ids, max_new_tokens=64)
@@ -142,8 +143,13 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
     stock = model.generate
 
     def generate_compressed(input_ids=None, *args, **kwargs):
-        # a caller's own cache is kept, under either name (transformers >= 5.24 also takes it as ``cache``)
-        if kwargs.get("past_key_values") is None and kwargs.get("cache") is None and input_ids is not None:
+        # a caller's own cache, under either name, is kept and handed on under the name this transformers takes
+        own = [kwargs.pop(k) for k in ("past_key_values", "cache") if kwargs.get(k) is not None]
+        if len(own) > 1:
+            raise ValueError("pass one cache to generate: past_key_values or cache, not both")
+        if own:
+            kwargs[cache_kwarg(model)] = own[0]
+        elif input_ids is not None:
             kwargs[cache_kwarg(model)] = make_cache(model, policy, budget, mode=mode, allocation=allocation,
                                                    block_size=block_size, decode_every=decode_every,
                                                    prompt_length=input_ids.shape[1], **cache_kwargs)
