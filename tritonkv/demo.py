@@ -124,7 +124,8 @@ def _legend(rows, n_tokens: int, budget: float, block_size: int, key: str, devic
          "(the full cache too, through transformers' DynamicCache), so the gap is what compression costs: "
          "attention over the kept tokens, scoring and evicting after each block."),
         ("decode", f"milliseconds per generated token, every row on {where}; compressed caches attend over "
-         "fewer tokens. Timings on a busy machine are noisy.")]
+         "fewer tokens. Timings on a busy machine are noisy." + ("" if device == "cpu" else " Each row is timed "
+         "after one untimed pass of the same prompt: Triton compiles a kernel at its first launch."))]
     return _wrap(entries)
 
 
@@ -250,6 +251,20 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
         if device == "cuda":
             torch.cuda.synchronize()
 
+    def warm_up(pol):
+        """On a GPU, one untimed pass of the row's path first: Triton compiles each kernel at its first launch,
+        which is not the policy's speed. ``pol`` None: the full cache (the model's own kernels)."""
+        if device == "cpu":
+            return
+        if pol is None:
+            c = DynamicCache()
+            logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): c}).logits[:, -1]
+        else:
+            c = make_cache(model, pol, budget, mode="blockwise", block_size=block_size, prompt_length=n_tokens)
+            logits = prefill(model, ids, c)[:, -1]
+        decode(model, c, logits, 2)
+        sync()
+
     rows, curves = [], {}
 
     def finish(label, cache, logits, t_prefill, kept_bytes, peak_bytes, kv_bytes, kept_tokens, peak_tokens, wrap,
@@ -273,6 +288,7 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
         # the uncompressed reference, read in the same blocks through transformers' own DynamicCache
         from transformers import DynamicCache
 
+        warm_up(None)
         cache, pts = DynamicCache(), []
         t = time.perf_counter()
         for s in range(0, n_tokens, block_size):
@@ -294,6 +310,7 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
             if bar is not None:
                 bar.set_description(pname)
             pol = _policy(pname, n_tokens)
+            warm_up(pol)
             cache = make_cache(model, pol, budget, mode="blockwise", block_size=block_size, prompt_length=n_tokens)
             t = time.perf_counter()
             logits = prefill(model, ids, cache, progress=tick)[:, -1]
