@@ -50,7 +50,7 @@ same path (1024 tokens, budget 0.5, 2 new) so that lazy imports and one-time set
   ``resident / kept`` is the storage's overhead; stock keeps every token and no positions;
 - wall time of ``generate`` (and of the prefill-only run).
 
-Targets (printed in the Markdown, not asserted): peak increase <= 1.2x stock at every N in after_prefill;
+Targets (printed in the Markdown, not asserted; the peak is the CUDA peak allocated on a GPU, the RSS on the CPU): peak increase <= 1.2x stock at every N in after_prefill;
 blockwise below stock as N grows; resident <= 1.1x (kept K/V bytes + positions).
 
 Outputs (``--out``, default ``benchmarks/results``): ``memory.json`` (machine: CPU model, cores, torch and
@@ -687,6 +687,12 @@ def kept_table(rows, model) -> str:
     return "\n".join(out)
 
 
+def peak_kb(r) -> float:
+    """The call's peak increase where the model runs, KiB: the device's allocations on a GPU (where the model, its
+    activations and its cache live), the process's RSS on the CPU."""
+    return r["cuda_peak_increase_bytes"] / 1024 if "cuda_peak_increase_bytes" in r else r["peak_increase_kb"]
+
+
 def targets(data) -> list:
     """``[{target, model, configuration, status, detail}]`` for the three targets."""
     out = []
@@ -696,7 +702,7 @@ def targets(data) -> list:
         stock = _stock(grid, model)
         for key, g in grid.items():
             mode = key.split("/")[1]
-            ratios = {n: g[n]["peak_increase_kb"] / stock[n]["peak_increase_kb"] for n in ns if n in g and n in stock}
+            ratios = {n: peak_kb(g[n]) / peak_kb(stock[n]) for n in ns if n in g and n in stock}
             tensor = {n: g[n]["tensor_peak_bytes"] / stock[n]["tensor_peak_bytes"] for n in ratios
                       if g[n].get("tensor_peak_bytes") and stock[n].get("tensor_peak_bytes")}
             detail = ", ".join(f"{n}: {x:.2f}×" + (f" (tensors {tensor[n]:.2f}×)" if n in tensor else "")
@@ -772,7 +778,8 @@ def markdown(data) -> str:
                     "independent of the C heap)**", "", tt_, ""]
         ct = cuda_table(rows, model)
         if ct:
-            out += ["**CUDA peak allocated increase (MiB, × stock)**", "", ct, ""]
+            out += ["**CUDA peak allocated increase (MiB, × stock; on a GPU the targets read this table)**", "", ct,
+                    ""]
         gen_n = sorted({r["N"] for r in _ok(rows) if r["model"] == model and r["policy"]
                         and r.get("after_prompt_source") == "generate"})
         src = f"; at N={', '.join(map(str, gen_n))} the cache inside `generate` right after the prompt" if gen_n else ""
@@ -836,9 +843,10 @@ def plot(data, path) -> None:
             ns = sorted(g)
             kw = dict(color="black", lw=2.2, marker="s") if mode == "stock" else \
                 dict(color=colors.get(pol, "grey"), ls=styles.get(mode, "-"), marker="o", ms=3)
-            row[0].plot(ns, [g[n]["peak_increase_kb"] / 1024 for n in ns], label=_name(key), **kw)
+            row[0].plot(ns, [peak_kb(g[n]) / 1024 for n in ns], label=_name(key), **kw)
             row[1].plot(ns, [g[n]["after_generate"]["resident_bytes"] / 2**20 for n in ns], label=_name(key), **kw)
-        for ax, title in zip(row, ("peak RSS increase during generate (MiB)", f"resident cache after {nt} tokens (MiB)")):
+        peak = "CUDA peak allocated" if any("cuda_peak_increase_bytes" in r for r in _ok(data["rows"])) else "peak RSS"
+        for ax, title in zip(row, (f"{peak} increase during generate (MiB)", f"resident cache after {nt} tokens (MiB)")):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("prompt length N (tokens)")
