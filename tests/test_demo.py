@@ -7,7 +7,7 @@ import torch
 
 from tritonkv import demo
 
-from test_needle import CharTok, _tiny_llama
+from helpers import CharTok, tiny_llama as _tiny_llama
 
 
 @pytest.fixture(scope="module")

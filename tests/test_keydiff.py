@@ -15,58 +15,10 @@ from reference.select import select as ref_select
 from tritonkv.kernels import keydiff as kkd
 from tritonkv.kernels.keydiff import keydiff_scores
 from tritonkv.policies import KeyDiff
-from helpers import assert_raises_naming, assert_same_scores, both_backends, on_backend  # noqa: E402
+from helpers import DTYPES, assert_kept_matches, assert_raises_naming, assert_same_scores, both_backends, on_backend  # noqa: E402
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # fp32 cosine against fp64: ~1e-7 measured on scores in [-1, 1] (D ≤ 128, N ≤ 300)
 TOL = 2e-6
-
-
-# ------------------------------------------------------------------------------------------------
-# shared with test_knorm.py: kept indices against the oracle, exact unless the oracle's cut is a near-tie
-
-
-def ambiguous_cut(s, k, sink, window, tol, keys=None) -> bool:
-    """True when oracle scores ``s`` (one row) put a near-tie (within ``tol``, not an exact tie) at
-    the selection cut, so fp32 rounding may legitimately pick the other token. With the row's
-    ``keys`` [n, D], an exact tie between tokens whose keys differ is a near-tie too: the scores are
-    equal only mathematically (e.g. KeyDiff's two tokens of a row of 2), and rounding may split them;
-    ties between identical keys stay exact (the lower index must win)."""
-    n = len(s)
-    prot = np.zeros(n, bool)
-    prot[:sink] = True
-    if window:
-        prot[n - window:] = True
-    v = np.sort(s[~prot])[::-1]
-    m = min(k, n) - int(prot.sum())
-    if m <= 0 or m >= len(v):
-        return False
-    a, b = v[m - 1], v[m]
-    if a != b:
-        return a - b <= tol
-    if keys is not None:
-        tied = keys[(s == a) & ~prot]
-        if not (tied == tied[:1]).all():
-            return True
-    near = np.abs(v - a)
-    return bool(((near > 0) & (near <= tol)).any())
-
-
-def assert_kept_matches(idx, lengths, oracle, k, sink, window, tol, keys=None):
-    """``idx`` int64 [R, k_max] and ``lengths`` [R] from the kernel path; ``oracle`` float64 [R, N]
-    scores on the same (rounded) inputs. Kept indices must equal the oracle's selection exactly;
-    at a near-tie, the multiset of kept oracle scores must (and the protected tokens are kept).
-    ``keys`` [R, N, D] (optional) tell mathematical ties of distinct keys from exact duplicates."""
-    n = oracle.shape[1]
-    for r in range(oracle.shape[0]):
-        got = np.asarray(idx[r, : int(lengths[r])])
-        want = ref_select(oracle[r], k, sink, window)
-        if not ambiguous_cut(oracle[r], k, sink, window, tol, None if keys is None else keys[r]):
-            np.testing.assert_array_equal(got, want, err_msg=f"row {r}")
-            continue
-        assert len(got) == len(want) and (np.diff(got) > 0).all()
-        assert set(range(sink)) | set(range(n - window if window else n, n)) <= set(got.tolist())
-        np.testing.assert_allclose(np.sort(oracle[r][got]), np.sort(oracle[r][want]), rtol=0, atol=tol)
 
 
 # ------------------------------------------------------------------------------------------------

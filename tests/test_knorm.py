@@ -11,7 +11,7 @@ import tritonkv
 from aot import assert_compiles
 from reference import knorm as ref
 from reference.select import select as ref_select
-from test_keydiff import DTYPES, assert_kept_matches
+from helpers import DTYPES, assert_kept_matches
 from tritonkv.kernels.knorm import knorm_scores
 from tritonkv.kernels.select import select_indices
 from tritonkv.policies import Knorm

@@ -8,19 +8,7 @@ import torch
 from tritonkv.integrations import needle
 from tritonkv.integrations.needle import (NEEDLE, QUESTION, build_case, drop_positions_prefill, full_prefill,
                                           haystack_text, rank_candidates)
-
-
-class CharTok:
-    """A stand-in tokenizer: one token per character (id = code point)."""
-
-    def __call__(self, text, add_special_tokens=True):
-        assert add_special_tokens is False
-        return {"input_ids": [ord(c) for c in text]}
-
-    @staticmethod
-    def decode(ids):
-        return "".join(chr(int(i)) for i in ids)
-
+from helpers import CharTok, tiny_llama
 
 SAMPLE = """
 Genesis 1
@@ -135,15 +123,6 @@ def test_needle_removed_control_is_near_chance(smollm2):
     assert sum(hits) <= 1, hits
 
 
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("policy", [None, "keydiff", "snapkv"])
 def test_batched_ranking_matches_one_copy_per_candidate(policy):
     """``rank_candidates(..., batched=True)`` (one forward over the cache expanded along the batch) gives the
@@ -151,7 +130,7 @@ def test_batched_ranking_matches_one_copy_per_candidate(policy):
     are padded at their end."""
     from tritonkv.integrations.transformers import make_cache, prefill, use_tritonkv
 
-    model = _tiny_llama()
+    model = tiny_llama()
     case = build_case(CharTok(), 300, 0.5, seed=2, source="synthetic")
     case.candidate_ids[1] = case.candidate_ids[1][:3]  # a shorter candidate
     if policy is None:
