@@ -2,7 +2,7 @@
 ``benchmarks/memory.py`` (SnapKV at 0.1, ``return_cache=True``), the cache dropped three times; the RSS (after
 ``malloc_trim``) against before. Results: ``benchmarks/results/cache_release.md``.
 
-    python benchmarks/cache_release.py [after_prefill|blockwise|decoding]
+    python -m benchmarks.cache_release [after_prefill|blockwise|decoding]
 """
 from __future__ import annotations
 

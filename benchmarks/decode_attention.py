@@ -19,24 +19,22 @@ per head (bf16, D = 128, G = 4 query heads per KV head unless stated):
 
 Writes ``benchmarks/results/<device>-decode_attention.json`` (device, versions, commit, date) and a
 Markdown table. ``--smoke`` runs a tiny case on the CPU (Triton interpreter) to check the program.
+``benchmarks/speed.py`` runs the same cases as its ``decode_attention`` part.
 
-    python benchmarks/decode_attention.py
-    TRITON_INTERPRET=1 python benchmarks/decode_attention.py --smoke --out /tmp/bench
+    python -m benchmarks.decode_attention
+    TRITON_INTERPRET=1 python -m benchmarks.decode_attention --smoke --out /tmp/bench
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import subprocess
-import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import RESULTS, copy_bandwidth, describe, gpu_time, run_info, table, write_results
 from tritonkv.cache import RaggedKV, ragged_append
 from tritonkv.kernels import select as _select
 from tritonkv.kernels.decode_attention import decode_attention, decode_attention_op, plan
@@ -51,29 +49,9 @@ COLUMNS = ["B", "H_kv", "G", "D", "mean", "max", "ragged_us", "padded_us", "dens
 
 
 def bench(fn, cuda: bool, graph: bool = False) -> float:
-    """Median microseconds of ``fn()`` (CUDA events with an L2 flush; replayed from a graph if asked)."""
-    if not cuda:  # the smoke run checks the program, not the speed: one warm-up, one timed call
-        fn()
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    import triton.testing
-
-    return triton.testing.do_bench(cuda_graph(fn) if graph else fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def cuda_graph(fn):
-    """``fn`` captured in a CUDA graph (after two warm-up calls on a side stream); returns its ``replay``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+    """Median microseconds of ``fn()`` (``benchmarks.common.gpu_time``; on the CPU after one warm-up call)."""
+    fn()
+    return gpu_time(fn, cuda, graph)["us"]
 
 
 def adakv_budgets(B: int, H: int, mean: int) -> torch.Tensor:
@@ -211,12 +189,6 @@ def _round16(x: int) -> int:
     return -(-x // 16) * 16
 
 
-def copy_bandwidth(cuda: bool, nbytes: int) -> float:
-    """GB/s of a device-to-device ``clone()`` (bytes read + written)."""
-    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda" if cuda else "cpu").normal_()
-    return 2 * x.numel() * x.element_size() / bench(lambda: x.clone(), cuda) / 1e3
-
-
 def run(args):
     cuda = torch.cuda.is_available() and not args.smoke
     cases = SMOKE_CASES if args.smoke else CASES[: 2 if args.quick else None]
@@ -228,38 +200,16 @@ def run(args):
         print(json.dumps(row), flush=True)
         if cuda:
             torch.cuda.empty_cache()
-    res = dict(device=torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)", torch=torch.__version__,
-               triton=__import__("triton").__version__, commit=_commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               copy_GBps=round(copy_GBps, 1), command=" ".join(sys.argv), rows=rows)
+    res = dict(run_info(cuda), copy_GBps=round(copy_GBps, 1), rows=rows)
     if args.sweep:
         res["sweep"] = sweep(*(CASES[2] if cuda else SMOKE_CASES[0]), cuda)
     return res
 
 
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
-    except OSError:
-        return None
-
-
 def write(result, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
     tag = result["device"].split(" (")[0].replace(" ", "-").lower()
-    base = os.path.join(out_dir, f"{tag}-decode_attention")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    cols = COLUMNS
-    lines = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}; commit "
-             f"{result['commit']}; {result['date']}; copy {result['copy_GBps']} GB/s", "",
-             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in result["rows"]:
-        lines.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return base
+    md = [f"{describe(result)}; copy {result['copy_GBps']} GB/s", ""] + table(result["rows"], COLUMNS)
+    return write_results(os.path.join(out_dir, f"{tag}-decode_attention"), result, "\n".join(md) + "\n")
 
 
 def main(argv=None):
@@ -267,7 +217,7 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="the two smallest cases only")
     p.add_argument("--sweep", action="store_true", help="also time (split_tokens, block_n) variants")
     p.add_argument("--smoke", action="store_true", help="a tiny case on the CPU, to check the program")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)
     res = run(a)
     print("wrote", write(res, a.out))

@@ -1,8 +1,9 @@
-"""The seeds' claims tested with their own metrics, at their budgets, paired over cases (issue 14).
+"""The seeds' claims tested with their own metrics, at their budgets, paired over cases.
 
 SmolLM2-135M-Instruct on the CPU. Every case is generated locally from a seed; every configuration of a claim is
 scored on the same cases, and each (case, configuration, metric) is one line of JSON under
-``benchmarks/results/quality/`` (appended as it is measured; a rerun skips what is there). ``evaluate_report.py``
+``benchmarks/results/quality/`` (``<task>-<context>.jsonl.gz``, appended as it is measured; a rerun skips what is
+there). ``evaluate_report.py``
 turns the lines into intervals, paired tests and verdicts.
 
 Tasks (``build_case``; the prompt is ``context`` tokens long, question included):
@@ -57,39 +58,32 @@ SurfaceLogicKV's allocation reads an INF profile: ``surfacelogic`` the shipped d
 LagKV runs at L = 128 (``lagkv``), 512 and 1024 (``lagkv_l512``, ``lagkv_l1024``); a partition is compressed only
 once S + 2L tokens are held, so L = 1024 compresses nothing below 2064 tokens.
 
-    OMP_NUM_THREADS=2 python benchmarks/evaluate.py --tasks mk_needle --contexts 2048 --seeds 0-49 --groups criticalkv keydiff
-    python benchmarks/evaluate_report.py       # summaries, claims, plots
+    OMP_NUM_THREADS=2 python -m benchmarks.evaluate --tasks mk_needle --contexts 2048 --seeds 0-49 --groups criticalkv keydiff
+    python -m benchmarks.evaluate_report       # summaries, claims, plots
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import dataclasses
-import datetime
 import functools
-import glob
-import json
 import math
 import os
 import platform
 import random
 import re
-import subprocess
 import sys
 import time
 from typing import ClassVar, Dict, List, Sequence, Tuple
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+import tritonkv
+from benchmarks.common import RESULTS, append_jsonl, git, jsonl_files, now, read_jsonl
+from tritonkv.integrations.transformers import cache_kwarg, output_cache
+from tritonkv.policies import POLICIES, KeyDiff, Policy, get_policy
 
-import tritonkv  # noqa: E402
-from tritonkv.integrations.transformers import cache_kwarg, output_cache  # noqa: E402
-from tritonkv.policies import POLICIES, KeyDiff, Policy, get_policy  # noqa: E402
-
-OUT = os.path.join(HERE, "results", "quality")
+OUT = os.path.join(RESULTS, "quality")
 Q_WINDOW = 32
 BLOCK = 128
 CONT = 64  # continuation tokens of the lm task
@@ -262,7 +256,7 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
                 names.append(nm)
         vals = _numbers(rng, 10)
         chains = [names[c * (hops + 1):(c + 1) * (hops + 1)] for c in range(3)]
-        stmts, order_key = [], []
+        stmts = []
         for c, ch in enumerate(chains):
             stmts.append(_enc(tok, f" VAR {ch[0]} = {vals[c]}."))
             for j in range(1, hops + 1):
@@ -272,7 +266,6 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         n_hay = context - len(q) - sum(map(len, stmts))
         # each chain's statements in order, chains interleaved at random depths
         depths = sorted(rng.uniform(0.05, 0.95) for _ in stmts)
-        slots = list(range(len(stmts)))
         per = hops + 1
         seq = [c for c in range(3) for _ in range(per)]
         rng.shuffle(seq)
@@ -358,7 +351,7 @@ GROUPS: Dict[str, List[Config]] = {
                                 # selections use
                                 ("snapkv_k1", "uniform"))],
 }
-# Beyond the seeds (issue 14's compass): KeyDiff's anchor scores (block-wise, no queries needed) + CriticalKV's
+# Beyond the seeds: KeyDiff's anchor scores (block-wise, no queries needed) + CriticalKV's
 # value-aware second stage (‖v W_O‖₁) + SurfaceLogicKV's allocation, at 64 tokens per head, against every single
 # seed method measured block-wise at the same budget, and the composition's ablations (one ingredient removed).
 GROUPS["compose"] = [Config(p, a, "blockwise", "aware", b) for b in (64,)
@@ -658,14 +651,6 @@ def wo_errors(model, kv, q_last, qwin_ctx, n_ctx: int, configs: Sequence[Config]
 # records
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip()
-    except OSError:
-        return ""
-
-
 def required_metrics(case: Case, cfg: Config) -> Tuple[str, ...]:
     """Metrics a finished (case, configuration) must have: the layer-wise error inside the compressed run for the
     context-compressed-before-the-question configurations of a question task."""
@@ -673,24 +658,20 @@ def required_metrics(case: Case, cfg: Config) -> Tuple[str, ...]:
 
 
 class Store:
-    """Per-case records as JSON lines, one file per (task, context); ``done`` says what a rerun may skip."""
+    """Per-case records as gzip-compressed JSON lines, one file per (task, context), one gzip member per
+    (case, configuration) appended; ``done`` says what a rerun may skip. Plain ``.jsonl`` files are read too."""
 
     def __init__(self, out_dir: str = OUT):
         self.dir = out_dir
         os.makedirs(out_dir, exist_ok=True)
         self.seen, self.metrics = set(), set()
-        for f in glob.glob(os.path.join(out_dir, "*.jsonl")):
-            with open(f) as fh:
-                for line in fh:
-                    try:
-                        r = json.loads(line)
-                    except ValueError:  # blank, or a line cut short by a kill: that case is measured again
-                        continue
-                    if r.get("metric") == "seconds":  # the last line of a (case, configuration): complete
-                        self.seen.add(self._k(r))
-                    elif "metric" in r:
-                        self.metrics.add((*self._k(r), r["metric"]))
-        self.commit = _commit()
+        for f in jsonl_files(out_dir):  # a record cut short by a kill is left out: that case is measured again
+            for r in read_jsonl(f):
+                if r.get("metric") == "seconds":  # the last line of a (case, configuration): complete
+                    self.seen.add(self._k(r))
+                elif "metric" in r:
+                    self.metrics.add((*self._k(r), r["metric"]))
+        self.commit = git("rev-parse", "--short=10", "HEAD")
 
     @staticmethod
     def _k(r) -> Tuple:
@@ -703,19 +684,12 @@ class Store:
         return k in self.seen and all((*k, m) in self.metrics for m in required_metrics(case, cfg))
 
     def add(self, case: Case, cfg: Config, metrics: Dict[str, object], seconds: float) -> None:
-        path = os.path.join(self.dir, f"{case.task}-{case.context}.jsonl")
+        path = os.path.join(self.dir, f"{case.task}-{case.context}.jsonl.gz")
         base = dict(task=case.task, seed=case.seed, source=case.source, context=case.context, config=cfg.name,
                     policy=cfg.policy, allocation=cfg.allocation, mode=cfg.mode, setting=cfg.setting,
                     budget=cfg.budget, prompt_tokens=len(case.prompt))
-        with open(path, "a") as fh:
-            for m, v in metrics.items():
-                rec = dict(base, metric=m)
-                if isinstance(v, dict):
-                    rec.update(v)
-                else:
-                    rec["value"] = v
-                fh.write(json.dumps(rec) + "\n")
-            fh.write(json.dumps(dict(base, metric="seconds", value=round(seconds, 3), commit=self.commit)) + "\n")
+        recs = [dict(base, metric=m, **(v if isinstance(v, dict) else {"value": v})) for m, v in metrics.items()]
+        append_jsonl(path, recs + [dict(base, metric="seconds", value=round(seconds, 3), commit=self.commit)])
         self.seen.add((*case.key, cfg.name))
         self.metrics.update((*case.key, cfg.name, m) for m in metrics)
 
@@ -877,11 +851,10 @@ def main(argv=None, model_tok=None):
     model, tok = model_tok
     store = Store(a.out)
     configs = [c for g in a.groups if g != "full" for c in GROUPS[g]]
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": store.commit,
+    meta = {"date": now(), "commit": store.commit,
             "argv": argv if argv is not None else sys.argv[1:], "threads": torch.get_num_threads(),
             "device": f"cpu ({platform.machine()})", "torch": torch.__version__}
-    with open(os.path.join(a.out, "runs.jsonl"), "a") as fh:
-        fh.write(json.dumps(meta) + "\n")
+    append_jsonl(os.path.join(a.out, "runs.jsonl"), [meta])
     for seed in _seeds(a.seeds):
         for ctx in a.contexts:
             for task in a.tasks:

@@ -1,9 +1,9 @@
 """Summaries, paired tests and verdicts from ``benchmarks/evaluate.py``'s per-case records.
 
-Reads every ``benchmarks/results/quality/*.jsonl``; writes ``summary.json`` (every cell with its 95 % bootstrap
+Reads every ``benchmarks/results/quality/*.jsonl.gz``; writes ``summary.json`` (every cell with its 95 % bootstrap
 interval, every claim comparison with its paired interval, McNemar test and verdict), ``README.md`` (the same as
 tables) and ``*.png`` (accuracy and error against budget with interval bands) in the same folder, and returns the
-README section ``benchmarks/report.py`` puts between the quality markers.
+quality section that ``benchmarks/report.py`` puts in ``benchmarks/results/README.md``.
 
 Rules (no hand-set thresholds):
 
@@ -17,10 +17,10 @@ Rules (no hand-set thresholds):
   a ratio of 0.90; CriticalKV's "lower perturbation in 92 % of heads" is compared with the interval of the
   measured head fraction;
 - an accuracy enters the claims at a task and context only where the full cache scores ≥ 90 % there by that same
-  accuracy (the gate the issue sets; likelihood and greedy answer are gated apart), and only with at least 10
+  accuracy (the gate; likelihood and greedy answer are gated apart), and only with at least 10
   paired cases.
 
-    python benchmarks/evaluate_report.py
+    python -m benchmarks.evaluate_report
 """
 from __future__ import annotations
 
@@ -28,18 +28,15 @@ import argparse
 import glob
 import json
 import os
-import sys
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from benchmarks import evaluate_stats as S
+from benchmarks.common import RESULTS, ROOT, jsonl_files, read_jsonl
 
-import evaluate_stats as S  # noqa: E402
-
-OUT = os.path.join(HERE, "results", "quality")
+OUT = os.path.join(RESULTS, "quality")
 MIN_CASES = 10
 FULL_GATE = 0.9
 ACC = ("acc_ll", "acc_greedy")
@@ -47,17 +44,7 @@ LOWER = {"kl", "kl_answer", "wo_err", "layer_err"}  # lower is better; dll and a
 
 
 def load(out_dir: str = OUT) -> List[dict]:
-    recs = []
-    for f in sorted(glob.glob(os.path.join(out_dir, "*.jsonl"))):
-        if os.path.basename(f) == "runs.jsonl":
-            continue
-        with open(f) as fh:
-            for line in fh:
-                try:
-                    recs.append(json.loads(line))
-                except ValueError:  # blank, or cut short while being written
-                    pass
-    return recs
+    return [r for f in jsonl_files(out_dir) for r in read_jsonl(f)]
 
 
 def index(recs: Sequence[dict]) -> Dict[Tuple, Dict[Tuple, dict]]:
@@ -397,7 +384,7 @@ def markdown(recs, summary) -> str:
     runs = sorted({r.get("commit") for r in recs if r.get("commit")})
     secs = sum(r["value"] for r in recs if r["metric"] == "seconds")
     out = ["# Quality evidence: the seeds' claims with their own metrics (SmolLM2-135M-Instruct, CPU)", "",
-           f"Per-case records in `*.jsonl` (commits {', '.join(runs) or '–'}; {secs / 3600:.1f} CPU-hours of "
+           f"Per-case records in `*.jsonl.gz` (commits {', '.join(runs) or '–'}; {secs / 3600:.1f} CPU-hours of "
            "measurement). Produced by `benchmarks/evaluate.py`, summarised by `benchmarks/evaluate_report.py`. "
            "Accuracies in %, with 95 % percentile-bootstrap intervals over cases; comparisons are paired on the "
            "same cases. Method and caveats: the docstrings of both programs.", "", SECOND_LOOK, ""]
@@ -547,9 +534,10 @@ def _headline(comps: Sequence[dict], per_task: int = 3) -> List[dict]:
     return out
 
 
-def readme_section(summary: dict, rel: str = "benchmarks/results/quality", plots_dir: Optional[str] = None) -> str:
-    """The README's "Which policy?" quality text: one line per claim with its verdict and headline interval, then
-    the plots found in ``plots_dir`` (linked as ``rel/<file>``)."""
+def readme_section(summary: dict, rel: str = "quality", plots_dir: Optional[str] = None) -> str:
+    """The quality section of ``benchmarks/results/README.md`` (``rel``: the records' folder from there): one line
+    per claim with its verdict and headline interval, then the plots found in ``plots_dir`` (linked as
+    ``rel/<file>``)."""
     out = [f"Quality on SmolLM2-135M-Instruct (CPU): the seeds' claims tested with their own metrics at their "
            f"budgets, paired over locally generated cases, 95 % bootstrap intervals. Everything (per-case records, "
            f"every cell, plots): [{rel}/README.md]({rel}/README.md). A verdict is read off an interval: "
@@ -582,7 +570,7 @@ def readme_section(summary: dict, rel: str = "benchmarks/results/quality", plots
 
 
 PAPER_PROFILE, DEFAULT_PROFILE = "smollm2-135m-instruct-infsc-paper", "smollm2-135m-instruct-infsc"
-CONTROL_PROFILE = os.path.join(OUT, "profiles", "smollm2-135m-instruct-infsc-4x5-synthetic.json")
+CONTROL_PROFILE = "benchmarks/results/quality/profiles/smollm2-135m-instruct-infsc-4x5-synthetic.json"
 PROFILES = {PAPER_PROFILE: "(shipped; the paper's grid: 6 lengths × 33 depths, 5 answer steps, synthetic haystack)",
             DEFAULT_PROFILE: "(shipped default: 4 lengths × 5 depths, 1 step, KJV haystack)",
             "4x5-synthetic": "(control, not shipped: the default's grid and step on the synthetic haystack)"}
@@ -601,11 +589,10 @@ def profile_effect(a: str = PAPER_PROFILE, b: str = DEFAULT_PROFILE, prompt: int
     of the two KV-head INF profiles, and per budget the share of the L·H·b tokens that move between (layer, head)
     cells (½ Σ|b_a − b_b| / Σ b_b), the largest per-layer change, and how many of the 10 best-funded heads they
     share. None when either profile is missing."""
-    sys.path.insert(0, os.path.dirname(HERE))
     from tritonkv.allocation.profiler import load_profile
     from tritonkv.allocation.surfacelogic import surfacelogic_budgets
     try:
-        pa, pb = load_profile(a).double(), load_profile(b).double()
+        pa, pb = (load_profile(os.path.join(ROOT, p) if p.endswith(".json") else p).double() for p in (a, b))
     except (OSError, ValueError):
         return None
     rank = lambda x: np.argsort(np.argsort(x.ravel().numpy()))  # noqa: E731

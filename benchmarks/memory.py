@@ -1,10 +1,10 @@
 """Memory inside a model, measured: tritonkv's transformers integration against the stock ``model.generate``.
 
-Issue 12, item 6. Every measurement runs in a fresh process (this script re-run with ``--worker``)::
+Every measurement runs in a fresh process (forked from a forkserver, or this module re-run with ``--worker``)::
 
-    python benchmarks/memory.py                     # random Llama, 3 modes x 4 policies + stock, N = 4K..32K
-    python benchmarks/memory.py --smollm2           # ... plus SmolLM2-135M-Instruct (a subset, N = 2K..8K)
-    python benchmarks/memory.py --smoke --out DIR   # N = 512, 1024, one policy per mode (the test's check)
+    python -m benchmarks.memory                     # random Llama, 3 modes x 4 policies + stock, N = 4K..32K
+    python -m benchmarks.memory --smollm2           # ... plus SmolLM2-135M-Instruct (a subset, N = 2K..8K)
+    python -m benchmarks.memory --smoke --out DIR   # N = 512, 1024, one policy per mode (the test's check)
 
 What is compared, at each prompt length N (budget 0.1 = a tenth of the prompt per KV head, 64 new tokens,
 greedy, ``min_new_tokens=64`` so that every run generates exactly 64):
@@ -58,24 +58,21 @@ transformers versions, git commit, date, the exact command; then one row per mea
 (tables and targets), ``memory.png`` (peak increase and resident bytes after 64 tokens against N, one line
 per configuration, stock included). ``--smoke`` writes only when ``--out`` is given. Results are rewritten
 after every measurement, so a run cut short (``--time-budget``) keeps what it measured; configurations not
-started are listed as skipped. ``benchmarks/report.py`` puts a summary in README.md between the
-``memory`` markers (``readme_section``).
+started are listed as skipped. ``benchmarks/report.py`` puts a summary in ``benchmarks/results/README.md``
+(``readme_section``).
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+from benchmarks.common import RESULTS, ROOT, run_info, table, write_results
 
 MODES = ("after_prefill", "blockwise", "decoding")
 POLICIES = (("keydiff", None), ("snapkv", None), ("snapkv", "adakv"), ("lagkv", None))
@@ -379,39 +376,16 @@ def worker(spec: dict) -> dict:
 # the driver: one fresh process per measurement
 
 
-def _git_commit():
-    try:
-        root = os.path.dirname(HERE)
-        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "tritonkv"],
-                               capture_output=True, text=True, cwd=root).stdout.split()
-        return r.stdout.strip() or None, [f for f in dirty if f.startswith("tritonkv/")]
-    except OSError:
-        return None, None
-
-
 def machine() -> dict:
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
-        pass
+    """``benchmarks.common.run_info`` with the usable cores and the memory."""
     mem = None
     try:
         with open("/proc/meminfo") as f:
             mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) // 1024
     except (OSError, StopIteration):
         pass
-    from importlib.metadata import version
-
-    commit, dirty = _git_commit()
-    return dict(cpu=cpu or platform.processor(), cores=os.cpu_count(),
-                affinity=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                mem_total_mb=mem, python=platform.python_version(), torch=version("torch"),
-                transformers=version("transformers"), triton=version("triton"), commit=commit,
-                tritonkv_dirty=bool(dirty), tritonkv_modified=dirty, triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return dict(run_info(), affinity=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                mem_total_mb=mem)
 
 
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "transformers.generation.utils",
@@ -443,7 +417,7 @@ def _child(spec, conn):
 
 
 def run_one(spec: dict, timeout: float, fork: bool = True) -> dict:
-    """One measurement in a fresh process: a child of the forkserver (``fork``), or ``python memory.py --worker``
+    """One measurement in a fresh process: a child of the forkserver (``fork``), or ``python -m benchmarks.memory --worker``
     (a new interpreter that imports everything itself)."""
     t = time.perf_counter()
     done = lambda **kw: dict(kw, process_s=round(time.perf_counter() - t, 1), process="fork" if fork else "exec")  # noqa: E731
@@ -464,9 +438,9 @@ def run_one(spec: dict, timeout: float, fork: bool = True) -> dict:
             return done(**spec, error=f"the process died (exit code {p.exitcode})")
         p.join()
         return done(**payload) if kind == "ok" else done(**spec, error=payload)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--worker", json.dumps(spec)]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return done(**spec, error=f"timed out after {timeout:.0f} s")
     line = next((x for x in reversed(r.stdout.splitlines()) if x.startswith("RESULT ")), None)
@@ -481,8 +455,8 @@ def run(args) -> dict:
              for s in plan(args.smoke, which, args.n, args.modes, args.policies)]
     if not args.default_malloc:  # read by glibc when the forkserver (or a --exec worker) starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
-    exe = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
-    res = dict(machine=machine(), command=" ".join([exe] + sys.argv), smoke=args.smoke, jobs=args.jobs,
+    m = machine()
+    res = dict(machine=m, command=m["command"], smoke=args.smoke, jobs=args.jobs,
                malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
                settings=dict(budget=BUDGET, block_size=BLOCK, new_tokens=SMOKE_NEW_TOKENS if args.smoke else NEW_TOKENS,
                              warmup_tokens=WARMUP_N, warmup_budget=WARMUP_BUDGET, models=MODEL_NAMES, tiny_config=TINY,
@@ -567,124 +541,70 @@ def _name(key):
     return "stock (DynamicCache, sdpa)" if mode == "stock" else f"{mode} · {pol}"
 
 
-def peak_table(rows, model, absolute=False) -> str:
-    grid, ns = _grid(rows, model)
-    stock = _stock(grid, model)
-    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
-    for key, g in grid.items():
-        cells = []
-        for n in ns:
-            r = g.get(n)
-            if r is None:
-                cells.append("—")
-            elif absolute:
-                cells.append(_mib(r["peak_rss_kb"]))
-            else:
-                s = stock.get(n)
-                ratio = f" ({r['peak_increase_kb'] / s['peak_increase_kb']:.2f}×)" if s and key not in stock_key(model) \
-                    else ""
-                cells.append(_mib(r["peak_increase_kb"]) + ratio)
-        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
 def stock_key(model):
     return (f"{model}/stock/dynamic",)
 
 
+def grid_table(rows, model, cell) -> str:
+    """One line per configuration of ``model``, one column per N: ``cell(row, stock_row, is_stock)`` (the stock row
+    None where stock was not measured at that N) gives the text, or None for "—"."""
+    grid, ns = _grid(rows, model)
+    stock = _stock(grid, model)
+    lines = []
+    for key, g in grid.items():
+        cells = [cell(g[n], stock.get(n), key in stock_key(model)) if n in g else None for n in ns]
+        lines.append([_name(key)] + ["—" if c is None else c for c in cells])
+    return "\n".join(table(lines, None, ["configuration"] + [f"N={n}" for n in ns], right=True))
+
+
+def _ratio(r, s, is_stock, field) -> str:
+    """`` (r/s×)`` of ``field`` against stock, or nothing (for stock itself, or without a stock value)."""
+    return f" ({r[field] / s[field]:.2f}×)" if s and s.get(field) and not is_stock else ""
+
+
+def peak_table(rows, model, absolute=False) -> str:
+    if absolute:
+        return grid_table(rows, model, lambda r, s, st: _mib(r["peak_rss_kb"]))
+    return grid_table(rows, model, lambda r, s, st: _mib(r["peak_increase_kb"]) + _ratio(r, s, st, "peak_increase_kb"))
+
+
+def _bytes_table(rows, model, field) -> str:
+    """MiB of ``field`` with the ratio to stock; "" when no row has it."""
+    if not any(field in r for r in _ok(rows) if r["model"] == model):
+        return ""
+    return grid_table(rows, model, lambda r, s, st: None if field not in r else
+                      f"{r[field] / 2**20:.1f}" + _ratio(r, s, st, field))
+
+
 def tensor_table(rows, model) -> str:
     """Peak bytes of live CPU tensors during the call (profiler memory events), MiB with the ratio to stock."""
-    grid, ns = _grid(rows, model)
-    if not any("tensor_peak_bytes" in r for g in grid.values() for r in g.values()):
-        return ""
-    stock = _stock(grid, model)
-    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
-    for key, g in grid.items():
-        cells = []
-        for n in ns:
-            r, s = g.get(n), stock.get(n)
-            if r is None or "tensor_peak_bytes" not in r:
-                cells.append("—")
-                continue
-            ratio = f" ({r['tensor_peak_bytes'] / s['tensor_peak_bytes']:.2f}×)" \
-                if s and s.get("tensor_peak_bytes") and key not in stock_key(model) else ""
-            cells.append(f"{r['tensor_peak_bytes'] / 2**20:.1f}{ratio}")
-        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return _bytes_table(rows, model, "tensor_peak_bytes")
 
 
 def cuda_table(rows, model) -> str:
-    grid, ns = _grid(rows, model)
-    if not any("cuda_peak_increase_bytes" in r for g in grid.values() for r in g.values()):
-        return ""
-    stock = _stock(grid, model)
-    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
-    for key, g in grid.items():
-        cells = []
-        for n in ns:
-            r, s = g.get(n), stock.get(n)
-            if r is None or "cuda_peak_increase_bytes" not in r:
-                cells.append("—")
-                continue
-            ratio = f" ({r['cuda_peak_increase_bytes'] / s['cuda_peak_increase_bytes']:.2f}×)" \
-                if s and key not in stock_key(model) else ""
-            cells.append(f"{r['cuda_peak_increase_bytes'] / 2**20:.1f}{ratio}")
-        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return _bytes_table(rows, model, "cuda_peak_increase_bytes")
 
 
 def resident_table(rows, model, when) -> str:
     """Resident bytes (``when``: after_prompt / after_generate) with resident / kept and, where it differs by more
     than 1 %, the bytes actually held (the storage walk)."""
-    grid, ns = _grid(rows, model)
-    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
-    for key, g in grid.items():
-        cells = []
-        for n in ns:
-            r = g.get(n)
-            st = r and r.get(when)
-            if not st:
-                cells.append("—")
-                continue
-            cell = f"{_bytes(st['resident_bytes'])} ({st['resident_over_kept']:.3f}×)"
-            if abs(st["held_bytes"] - st["resident_bytes"]) > 0.01 * st["resident_bytes"]:
-                cell += f" held {_bytes(st['held_bytes'])} ({st['held_over_kept']:.2f}×)"
-            cells.append(cell)
-        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    def cell(r, s, st):
+        st = r.get(when)
+        if not st:
+            return None
+        held = abs(st["held_bytes"] - st["resident_bytes"]) > 0.01 * st["resident_bytes"]
+        return (f"{_bytes(st['resident_bytes'])} ({st['resident_over_kept']:.3f}×)"
+                + (f" held {_bytes(st['held_bytes'])} ({st['held_over_kept']:.2f}×)" if held else ""))
+    return grid_table(rows, model, cell)
 
 
 def time_table(rows, model) -> str:
-    grid, ns = _grid(rows, model)
-    stock = _stock(grid, model)
-    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
-    for key, g in grid.items():
-        cells = []
-        for n in ns:
-            r, s = g.get(n), stock.get(n)
-            if r is None:
-                cells.append("—")
-                continue
-            ratio = f" ({r['wall_s'] / s['wall_s']:.2f}×)" if s and key not in stock_key(model) else ""
-            cells.append(f"{r['wall_s']:.2f}{ratio}")
-        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return grid_table(rows, model, lambda r, s, st: f"{r['wall_s']:.2f}" + _ratio(r, s, st, "wall_s"))
 
 
 def kept_table(rows, model) -> str:
-    grid, ns = _grid(rows, model)
-    out = ["| configuration | " + " | ".join(f"N={n}" for n in ns) + " |", "|---|" + "---:|" * len(ns)]
-    for key, g in grid.items():
-        cells = []
-        for n in ns:
-            r = g.get(n)
-            if r is None:
-                cells.append("—")
-                continue
-            a, b = r["after_prompt"], r["after_generate"]
-            cells.append(f"{a['kept_per_head_mean']:g} / {b['kept_per_head_mean']:g} (max {b['kept_per_head_max']})")
-        out.append(f"| {_name(key)} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return grid_table(rows, model, lambda r, s, st: f"{r['after_prompt']['kept_per_head_mean']:g} / "
+                      f"{r['after_generate']['kept_per_head_mean']:g} (max {r['after_generate']['kept_per_head_max']})")
 
 
 def peak_kb(r) -> float:
@@ -859,17 +779,12 @@ def plot(data, path) -> None:
 
 
 def write(data, out_dir) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, "memory")
-    with open(base + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(data))
+    base = write_results(os.path.join(out_dir, "memory"), data, markdown(data))
     plot(data, base + ".png")
     return base
 
 
-def readme_section(data, results_dir=RESULTS, rel="benchmarks/results") -> str:
+def readme_section(data, results_dir=RESULTS, rel="") -> str:
     """The README summary from ``memory.json``: per configuration of the random Llama the peak RSS increase as a
     multiple of stock at each N, the worst resident / kept, and the SmolLM2 rows when present."""
     m = data["machine"]
@@ -880,7 +795,7 @@ def readme_section(data, results_dir=RESULTS, rel="benchmarks/results") -> str:
            f"(DynamicCache, sdpa) at the same prompt length, budget {BUDGET}, {NEW_TOKENS} new tokens, each in its "
            f"own process; resident = the larger of `cache.nbytes` and the bytes of the storages it holds, over the "
            f"kept K/V + positions (worst over N, after the prompt and after {NEW_TOKENS} tokens). Full tables, method "
-           f"and plot: [{rel}/memory.md]({rel}/memory.md).", ""]
+           f"and plot: [memory.md]({os.path.join(rel, 'memory.md')}).", ""]
     for model in [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(data["rows"]))]:
         grid, ns = _grid(data["rows"], model)
         stock = _stock(grid, model)
@@ -902,7 +817,7 @@ def readme_section(data, results_dir=RESULTS, rel="benchmarks/results") -> str:
     out.append(f"Targets: {held} of {len(targets(data))} checks hold (see the table in memory.md).")
     out.append("")
     if os.path.exists(os.path.join(results_dir, "memory.png")):
-        out.append(f"![peak and resident memory vs N]({rel}/memory.png)")
+        out.append(f"![peak and resident memory vs N]({os.path.join(rel, 'memory.png')})")
     return "\n".join(out).strip()
 
 

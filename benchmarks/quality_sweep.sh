@@ -5,11 +5,11 @@
 # seeds interleaved so that every cell grows together); a step's wall time on 2 shared cores is noted.
 #
 #   nohup benchmarks/quality_sweep.sh > /tmp/quality_sweep.log 2>&1 &
-#   python benchmarks/evaluate_report.py        # summaries, verdicts, plots (any time)
+#   python -m benchmarks.evaluate_report        # summaries, verdicts, plots (any time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-E="${PYTHON:-.venv/bin/python} benchmarks/evaluate.py --threads $OMP_NUM_THREADS"
+E="${PYTHON:-.venv/bin/python} -m benchmarks.evaluate --threads $OMP_NUM_THREADS"
 
 chunk() {  # seeds $1: the 2K cells (needle and lm: every claim; mk_needle: after-prefill claims)
   $E --tasks needle lm --contexts 2048 --seeds "$1" --groups criticalkv keydiff lagkv allocation compose profile

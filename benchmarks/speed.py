@@ -2,9 +2,9 @@
 
 One command measures everything (about 6 minutes on an H100; see "Duration" below)::
 
-    python benchmarks/speed.py --out $OUT                   # on the GPU machine: all four parts
-    python benchmarks/speed.py --scaling                    # one part only (also --compress/--allocation/--decode)
-    TRITON_INTERPRET=1 python benchmarks/speed.py --smoke   # CPU check of the program (writes nothing)
+    python -m benchmarks.speed --out $OUT                   # on the GPU machine: all four parts
+    python -m benchmarks.speed --scaling                    # one part only (also --compress/--allocation/--decode)
+    TRITON_INTERPRET=1 python -m benchmarks.speed --smoke   # CPU check of the program (writes nothing)
 
 Shapes: B=1, H_kv=8 (H_q=32), D=128, bf16, keep 25%, random K/V/queries drawn on the device. Every row
 has a ``kind``:
@@ -18,8 +18,8 @@ has a ``kind``:
   ``x_kvpress_graph`` = kvpress graph / tritonkv graph. Window policies get the window queries' ``attn_lse``
   as a model's prefill attention provides it (``window_lse``, outside the timed call). ``same_kept``
   (``SAME_SETTINGS`` only: where tritonkv's defaults are the press's exactly) whether tritonkv keeps the
-  tokens that kvpress's scores select under tritonkv's rule; ``torch_compile_us`` a
-  ``torch.compile``d PyTorch pipeline (score, topk, sort, gather; measured last, see below).
+  tokens that kvpress's scores select under tritonkv's rule; ``torch_compile_us`` the policy's plain PyTorch
+  pipeline (``benchmarks/baselines.py``: score, topk, sort, gather) under ``torch.compile`` (measured last).
 - ``allocation``: ``compress(..., "snapkv", 0.25, allocation=a)`` for every allocator ``a`` at the same
   N, as layer 15 of 30 (SmolLM2-135M's depth). Inputs a user would pass: the shipped SmolLM2 INF profile
   with its 3 KV heads tiled to 8 (headkv, surfacelogic, and fixed's precomputed HeadKV budgets), random
@@ -37,16 +37,16 @@ write the kept K+V — over the bandwidth of one 1 GiB ``clone()`` in the same r
 of the case's own keys, 8 MiB at 4K, does not reach the bandwidth). ``x_floor`` = time / floor,
 ``pct_copy_bw`` = floor / time.
 
-Timing: ``triton.testing.do_bench`` (CUDA events, L2 flushed
-before every run, ~100 ms of repeats, at least 20) after a warm-up call; the median is reported with the
-20th/80th percentiles (``p20_us``/``p80_us``) and the repeat count. Every timed result is checked first:
+Timing: ``benchmarks.common.gpu_time`` (``triton.testing.do_bench``: CUDA events, L2 flushed before every run,
+~100 ms of repeats, at least 20) after a warm-up call; the median is reported with the 20th/80th percentiles
+(``p20_us``/``p80_us``) and the repeat count. Every timed result is checked first:
 kept indices ascending and in range, kept K/V equal to the input at those positions (``ok``).
 
 Duration (estimated, not yet measured on the device): ~10 s start-up; compress 30 cases ~90 s (Triton
 compiles each kernel once, ~0.5-1 s each — chunk and split sizes are runtime values; eager + graph timing
 ~0.6 s a case); allocation 24 eager cases ~25 s; decode attention 5 cases ~30 s; scaling 32 cases ~80 s
-(no recompiles per N); ``torch.compile`` of 7 pipelines x 3 N, one full inductor compile each, ~120 s:
-about 6 minutes. ``phase_s`` records the real split. The ``torch.compile`` part runs last, and no part
+(no recompiles per N); ``torch.compile`` of the 10 pipelines x 3 N, one full inductor compile each: about 6-8
+minutes. ``phase_s`` records the real split. The ``torch.compile`` part runs last, and no part
 starts a new case once ``--time-budget`` (default 500 s) has passed, so the run fits a 10-minute command;
 skipped cases are listed (``skipped``, and under the Markdown tables).
 
@@ -60,11 +60,10 @@ the CPU (Triton interpreter) through every path and writes only when ``--out`` i
 from __future__ import annotations
 
 import argparse
-import datetime
+import inspect
 import json
 import math
 import os
-import inspect
 import statistics
 import sys
 import time
@@ -78,10 +77,9 @@ import torch  # noqa: E402
 import tritonkv  # noqa: E402
 from tritonkv import POLICIES  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import decode_attention as da  # noqa: E402
+from benchmarks import baselines, decode_attention as da  # noqa: E402
+from benchmarks.common import RESULTS, copy_bandwidth, gpu_time, run_info, table, write_results  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KV_POLICIES = {"lagkv", "criticalkv"}  # scores read V too
 PARTS = ("compress", "allocation", "decode", "scaling")
 
@@ -93,7 +91,6 @@ SCALING_POLICIES = ["knorm", "keydiff", "snapkv", "lagkv"]
 ALLOCATIONS = ["uniform", "pyramid", "adakv", "headkv", "score", "surfacelogic", "cake", "fixed"]
 ALLOC_POLICY, LAYER, NUM_LAYERS = "snapkv", 15, 30
 PROFILE = "smollm2-135m-instruct-infsc"
-MIN_REPS = 20
 COPY_BYTES = 1 << 30  # the floor's bandwidth: one copy of this many bytes
 # policies whose tritonkv defaults are kvpress's press exactly (no sink/window on either side; TOVA reduces over
 # the KV head's group here and over all heads in kvpress, SnapKV max-pools 7 here and avg-pools 5 there,
@@ -106,30 +103,10 @@ SAME_SETTINGS = {"knorm", "keydiff"}
 # timing
 
 
-def measure(fn, cuda: bool, graph: bool = False) -> dict:
-    """``{us, p20_us, p80_us, reps}`` of ``fn()`` (already called once): do_bench's per-run CUDA-event
-    times (L2 flushed before each) over ~100 ms and at least ``MIN_REPS`` runs; on the CPU one timed call."""
-    if not cuda:  # the smoke run checks the program, not the speed
-        t = time.perf_counter()
-        fn()
-        us = (time.perf_counter() - t) * 1e6
-        return dict(us=round(us, 2), p20_us=round(us, 2), p80_us=round(us, 2), reps=1)
-    import triton.testing
-
-    f = da.cuda_graph(fn) if graph else fn
-    ts = list(triton.testing.do_bench(f, warmup=25, rep=100, return_mode="all"))
-    if len(ts) < MIN_REPS:  # slow calls: repeat long enough for a median
-        ts = list(triton.testing.do_bench(f, warmup=25, rep=int(1.2 * MIN_REPS * statistics.median(ts)) + 1,
-                                          return_mode="all"))
-    q = statistics.quantiles(ts, n=5) if len(ts) > 1 else [ts[0]] * 4
-    return dict(us=round(statistics.median(ts) * 1e3, 2), p20_us=round(q[0] * 1e3, 2), p80_us=round(q[3] * 1e3, 2),
-                reps=len(ts))
-
-
 def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
-    """``(measure(...), "graph")`` from a CUDA graph replay, or the eager time when capture fails."""
+    """``(gpu_time(...), "graph")`` from a CUDA graph replay, or the eager time when capture fails."""
     if not cuda:
-        return measure(fn, cuda), "eager"
+        return gpu_time(fn, cuda), "eager"
     # a call that synchronises with the host cannot be captured: find out without a capture, whose failure can
     # leave the default CUDA generator unusable outside graphs
     torch.cuda.set_sync_debug_mode("error")
@@ -142,13 +119,13 @@ def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
         torch.cuda.set_sync_debug_mode("default")
     if syncs is not None:
         print(f"{what}: synchronises with the host ({syncs}); eager time reported", file=sys.stderr)
-        return measure(fn, cuda), "eager"
+        return gpu_time(fn, cuda), "eager"
     try:
-        return measure(fn, cuda, graph=True), "graph"
+        return gpu_time(fn, cuda, graph=True), "graph"
     except Exception as e:  # a host sync inside: report the eager time, say so
         print(f"{what}: CUDA graph capture failed ({type(e).__name__}: {e}); eager time reported", file=sys.stderr)
         torch.cuda.synchronize()
-        return measure(fn, cuda), "eager"
+        return gpu_time(fn, cuda), "eager"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,41 +269,6 @@ def kvpress_case(kvpress, name, keys, values, queries, keep, W):
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.compile reference pipelines (score -> topk -> sort -> gather)
-
-
-def torch_scores(name, keys, values, queries, W):
-    k = keys.float()
-    if name == "knorm":
-        return -k.norm(dim=-1)
-    if name == "keydiff":
-        a = torch.nn.functional.normalize(k, dim=-1).mean(dim=2, keepdim=True)
-        return -torch.nn.functional.cosine_similarity(k, a, dim=-1)
-    if name == "streaming_llm":
-        return torch.zeros(k.shape[:3], device=k.device)
-    if name in ("snapkv", "tova", "h2o", "surfacelogic"):
-        B, H, N, D = k.shape
-        G = queries.shape[1] // H
-        q = queries.float().view(B, H, G * queries.shape[2], D)
-        logits = torch.einsum("bhqd,bhnd->bhqn", q, k) / math.sqrt(D)
-        w = queries.shape[2]
-        causal = torch.arange(N, device=k.device)[None, :] > (N - w + torch.arange(w, device=k.device))[:, None]
-        logits = logits.masked_fill(causal.repeat(G, 1), float("-inf"))
-        return logits.softmax(-1).mean(2)
-    return None
-
-
-def torch_pipeline(name, keys, values, queries, k, W):
-    def run():
-        s = torch_scores(name, keys, values, queries, W)
-        idx = s.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-        g = idx[..., None].expand(-1, -1, -1, keys.shape[-1])
-        return keys.gather(2, g), values.gather(2, g), idx
-
-    return run if torch_scores(name, keys[..., :4, :], values[..., :4, :], queries[..., :1, :], 1) is not None else None
-
-
-# ---------------------------------------------------------------------------------------------
 # the parts
 
 
@@ -343,7 +285,7 @@ class Ctx:
         self.skipped = []
         # every floor at the bandwidth of one 1 GiB device copy (1 MiB in the CPU smoke run): a copy of the
         # case's own keys is too small at 4K to reach the bandwidth, so per-N copies flattered short cases
-        self.copy_GBps = da.copy_bandwidth(self.cuda, COPY_BYTES if self.cuda else (1 << 20))
+        self.copy_GBps = copy_bandwidth(self.cuda, COPY_BYTES if self.cuda else (1 << 20))
 
     def case(self, N, seed=0):
         return make_case(N, self.B, self.H, self.G, self.D, self.W, self.dtype, self.device, seed)
@@ -408,13 +350,13 @@ def run_compress(ctx: Ctx, rows: list) -> None:
                 emit(rows, error_row("compress", name, N, e, allocation=None))
                 continue
             ok = check_kept(keys, values, out)
-            eager = measure(fn, ctx.cuda)
+            eager = gpu_time(fn, ctx.cuda)
             t, timing = measure_graph(fn, ctx.cuda, f"compress {name} N={N}") if ctx.cuda else (eager, "eager")
             kv_us = kv_graph = same = None
             if kv_ref is not None:
                 press_fn, scores_fn, _ = kv_ref
                 press_fn()
-                kv_us = measure(press_fn, ctx.cuda)["us"]
+                kv_us = gpu_time(press_fn, ctx.cuda)["us"]
                 if ctx.cuda:  # kvpress under a CUDA graph where it allows one (a host sync inside does not)
                     g, g_timing = measure_graph(press_fn, ctx.cuda, f"kvpress {name} N={N}")
                     kv_graph = g["us"] if g_timing == "graph" else None
@@ -488,7 +430,7 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
                 continue
             ok = check_kept(keys, values, out)
             kept, k_max = (int(x) for x in torch.stack([out.length.sum(), out.length.max()]).tolist())
-            t = measure(fn, ctx.cuda)  # eager: compress reads (total, max) back to size the storage
+            t = gpu_time(fn, ctx.cuda)  # eager: compress reads (total, max) back to size the storage
             row = dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N, a.keep), layer=LAYER,
                        num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, tritonkv_us=t["us"], p20_us=t["p20_us"],
                        p80_us=t["p80_us"], reps=t["reps"], timing="eager",
@@ -583,14 +525,14 @@ def run_torch_compile(ctx: Ctx, rows: list) -> None:
         todo = [r for r in rows if r.get("kind") == "compress" and r["N"] == N and "tritonkv_us" in r]
         keys, values, pool = make_case(N, ctx.B, ctx.H, ctx.G, ctx.D, ctx.W, ctx.dtype, ctx.device)
         for r in todo:
-            pipe = torch_pipeline(r["policy"], keys, values, pool["queries"], keep_k(r["keep"], N), ctx.W)
-            if pipe is None or ctx.over_budget(f"torch.compile {r['policy']} N={N}"):
+            if ctx.over_budget(f"torch.compile {r['policy']} N={N}"):
                 continue
+            pipe = baselines.pipeline(r["policy"], keys, values, keep_k(r["keep"], N), pool)
             try:
                 torch._dynamo.reset()  # one code object serves every (policy, N): avoid its recompile limit
                 compiled = torch.compile(pipe)
                 compiled()
-                r["torch_compile_us"] = measure(compiled, ctx.cuda)["us"]
+                r["torch_compile_us"] = gpu_time(compiled, ctx.cuda)["us"]
                 print(json.dumps({"torch_compile": r["policy"], "N": N, "us": r["torch_compile_us"]}), flush=True)
             except Exception as e:
                 print(f"torch.compile {r['policy']} N={N}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -601,10 +543,7 @@ def run_torch_compile(ctx: Ctx, rows: list) -> None:
 def run(args):
     ctx = Ctx(args)
     parts = [p for p in PARTS if getattr(args, p)] or list(PARTS)
-    res = dict(device=torch.cuda.get_device_name() if ctx.cuda else "cpu (Triton interpreter)", torch=torch.__version__,
-               triton=__import__("triton").__version__, commit=da._commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               command=" ".join(sys.argv), parts=parts,
+    res = dict(run_info(ctx.cuda), parts=parts,
                settings=dict(B=ctx.B, H_kv=ctx.H, H_q=ctx.H * ctx.G, D=ctx.D, W=ctx.W, dtype="bfloat16", keep=args.keep,
                              allocation_policy=ALLOC_POLICY, layer=LAYER, num_layers=NUM_LAYERS,
                              time_budget_s=args.time_budget),
@@ -641,15 +580,6 @@ def _dense_ratio(rows):
 
 # ---------------------------------------------------------------------------------------------
 # output
-
-
-def _cell(v):
-    return "–" if v is None else str(v)
-
-
-def table(rows, cols, head=None) -> list:
-    lines = ["| " + " | ".join(head or cols) + " |", "|" + "---|" * len(cols)]
-    return lines + ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
 
 
 def markdown(result) -> str:
@@ -719,12 +649,7 @@ def base_name(result) -> str:
 
 def write(result, out_dir):
     """JSON, Markdown and the two plots; returns the path stem."""
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, base_name(result))
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(markdown(result))
+    base = write_results(os.path.join(out_dir, base_name(result)), result, markdown(result))
     try:
         import matplotlib
 

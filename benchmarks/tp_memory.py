@@ -1,10 +1,10 @@
 """Per-rank memory under tensor parallelism, and what balancing it across ranks costs.
 
-    python benchmarks/tp_memory.py                 # both parts, results in benchmarks/results/tp_memory.{json,md}
-    python benchmarks/tp_memory.py --quick         # smaller prompt, fewer configurations (a smoke run)
-    python benchmarks/tp_memory.py --part llama    # only the random Llama (or --part smollm2)
+    python -m benchmarks.tp_memory                 # both parts, results in benchmarks/results/tp_memory.{json,md}
+    python -m benchmarks.tp_memory --quick         # smaller prompt, fewer configurations (a smoke run)
+    python -m benchmarks.tp_memory --part llama    # only the random Llama (or --part smollm2)
 
-Every rank is a process of this script (``--worker``), gloo on the CPU, the native CPU op bodies.
+Every rank is a process of this module (``--worker``), gloo on the CPU, the native CPU op bodies.
 
 Part ``llama``: a seeded random Llama (4 layers, hidden 256, 16 query / 8 KV heads, head_dim 32, vocab 1024, fp32)
 loaded by transformers with ``tp_plan="auto"`` in 2 processes (4 KV heads each), a prompt of N seeded random ids.
@@ -34,7 +34,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
@@ -44,8 +43,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from benchmarks.common import RESULTS, ROOT, run_info
 LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=8, head_dim=32, max_position_embeddings=8192)
 ALLOCS = [("uniform", None), ("adakv", {}), ("adakv balance 1.5", dict(balance_ranks=1.5)),
@@ -213,11 +211,12 @@ def free_port() -> int:
 
 def launch(world: int, extra: list[str], timeout: float) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
-        procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--rank", str(r), "--world", str(world),
-                                   "--port", str(port), "--out", out, *extra], env=env, start_new_session=True)
+        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.tp_memory", "--worker", "--rank", str(r), "--world",
+                                   str(world), "--port", str(port), "--out", out, *extra], env=env, cwd=ROOT,
+                                  start_new_session=True)
                  for r in range(world)]
         deadline = time.monotonic() + timeout
         try:
@@ -274,23 +273,8 @@ def summarise(rows: list[dict]) -> list[dict]:
     return res
 
 
-def machine() -> dict:
-    from importlib.metadata import version
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "tritonkv"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-    except OSError:
-        commit, dirty = None, None
-    return dict(python=platform.python_version(), torch=version("torch"), transformers=version("transformers"),
-                cores=os.cpu_count(), commit=commit, tritonkv_dirty=dirty, backend="gloo (CPU)",
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-
-
 def markdown(summary: list[dict], meta: dict) -> str:
-    lines = ["# Per-rank memory under tensor parallelism (`benchmarks/tp_memory.py`)", "",
+    lines = ["# Per-rank memory under tensor parallelism (`python -m benchmarks.tp_memory`)", "",
              f"{meta['machine']['date']}, commit {meta['machine']['commit']}"
              f"{' (tritonkv modified)' if meta['machine']['tritonkv_dirty'] else ''}, torch "
              f"{meta['machine']['torch']}, transformers {meta['machine']['transformers']}, gloo on "
@@ -331,7 +315,7 @@ def main():
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25], help=argparse.SUPPRESS)
     ap.add_argument("--part", choices=("llama", "smollm2", "both"), default="both")
     ap.add_argument("--quick", action="store_true", help="N = 512, budget 0.25 only")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -355,7 +339,8 @@ def main():
             rows += launch(3, ["--part", "smollm2", "--tensors", path, *common], timeout=900)
             print(f"smollm2 done ({time.time() - t0:.0f} s)", flush=True)
     summary = summarise(rows)
-    meta = dict(machine=machine(), command="python benchmarks/tp_memory.py " + " ".join(sys.argv[1:]),
+    info = run_info()
+    meta = dict(machine=dict(info, backend="gloo (CPU)"), command=info["command"],
                 llama_n=n, smollm2_n=n, seconds=round(time.time() - t0, 1))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tp_memory.json"), "w") as f:

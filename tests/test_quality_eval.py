@@ -7,16 +7,15 @@ from __future__ import annotations
 import copy
 import math
 import os
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+from benchmarks import evaluate as E
+from benchmarks.common import read_jsonl
+from tritonkv.policies import POLICIES
 
-import evaluate as E  # noqa: E402
-from tritonkv.policies import POLICIES  # noqa: E402
+pytestmark = pytest.mark.bench
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +156,8 @@ def test_records_resume(tmp_path):
     st.add(case, cfg, {"acc_ll": 1, "wo_err": {"value": 0.5, "per_head": [0.5]}}, 1.5)
     again = E.Store(str(tmp_path))
     assert again.done(case, cfg) and not again.done(case, E.FULL)
-    lines = open(tmp_path / "needle-2048.jsonl").read().splitlines()
-    assert len(lines) == 3 and '"metric": "wo_err"' in lines[1] and '"per_head": [0.5]' in lines[1]
+    recs = read_jsonl(str(tmp_path / "needle-2048.jsonl.gz"))  # compressed, one gzip member per configuration
+    assert [r["metric"] for r in recs] == ["acc_ll", "wo_err", "seconds"] and recs[1]["per_head"] == [0.5]
     # a metric added later measures the configurations that lack it again
     ag = E.Config("snapkv", setting="agnostic", budget=0.2)
     again.add(case, ag, {"acc_ll": 1}, 1.0)

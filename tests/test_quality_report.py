@@ -3,16 +3,13 @@ the >= 90 % full-cache gate keeps accuracy claims out, LagKV cells that compress
 layer-wise CriticalKV claim reports per-layer ratios."""
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))
+from benchmarks import evaluate_report as R
 
-import evaluate_report as R  # noqa: E402
+pytestmark = pytest.mark.bench
 
 
 def _recs(task, ctx, config, metric, values, per_layer=None):

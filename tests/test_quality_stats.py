@@ -2,15 +2,13 @@
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from benchmarks import evaluate_stats as S
 
-import evaluate_stats as S  # noqa: E402
+pytestmark = pytest.mark.bench
 
 
 def test_bootstrap_interval_covers_the_mean_of_a_known_distribution():

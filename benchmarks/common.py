@@ -1,0 +1,196 @@
+"""What the benchmarks share: run metadata, GPU and CPU timing, result files, one Markdown table writer.
+
+Every benchmark runs from the repository root as a module (``python -m benchmarks.speed``) and imports this one as
+``benchmarks.common``.
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import gzip
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+MIN_REPS = 20  # a GPU median is taken over at least this many timed calls
+
+
+# ---------------------------------------------------------------------------------------------
+# run metadata
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def git(*args) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def _version(name: str):
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def run_info(cuda: bool = False, argv=None) -> dict:
+    """Where and what ran: the device, the CPU, library versions, the commit (and the files of ``tritonkv/`` it
+    did not include), the date and the command (``argv``: the arguments, default ``sys.argv[1:]``)."""
+    import torch
+
+    modified = [f for f in git("status", "--porcelain", "--untracked-files=no", "--", "tritonkv").split()
+                if f.startswith("tritonkv/")]
+    module = os.path.splitext(os.path.relpath(os.path.abspath(sys.argv[0]), ROOT))[0].replace(os.sep, ".")
+    args = sys.argv[1:] if argv is None else list(argv)
+    return dict(device=torch.cuda.get_device_name() if cuda else "cpu", cpu=cpu_model(), cores=os.cpu_count(),
+                torch_threads=torch.get_num_threads(), python=platform.python_version(), torch=torch.__version__,
+                triton=_version("triton"), transformers=_version("transformers"), commit=git("rev-parse",
+                                                                                            "--short=10", "HEAD"),
+                tritonkv_dirty=bool(modified), tritonkv_modified=modified,
+                triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1", date=now(),
+                command=" ".join(["python -m", module, *args]))
+
+
+def describe(info: dict) -> str:
+    """One line of Markdown: device, versions, commit, date."""
+    dev = info["device"] if info["device"] != "cpu" else f"{info['cpu']} ({info['cores']} cores)"
+    return (f"{dev}; torch {info['torch']}, triton {info['triton']}"
+            f"{' (TRITON_INTERPRET=1)' if info.get('triton_interpret') else ''}; commit `{info['commit'] or '?'}`"
+            f"{' plus changes to ' + ', '.join(info['tritonkv_modified']) if info.get('tritonkv_modified') else ''}"
+            f"; {info['date']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def cuda_graph(fn):
+    """``fn`` captured in a CUDA graph (after two warm-up calls on a side stream); returns its ``replay``."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def gpu_time(fn, cuda: bool, graph: bool = False) -> dict:
+    """``{us, p20_us, p80_us, reps}`` of ``fn()`` (already called once): ``triton.testing.do_bench``'s per-call CUDA
+    event times (L2 flushed before each) over ~100 ms and at least ``MIN_REPS`` calls, replayed from a CUDA graph
+    with ``graph``. Without ``cuda`` (a smoke run checks the program, not the speed): one timed call."""
+    if not cuda:
+        t = time.perf_counter()
+        fn()
+        us = round((time.perf_counter() - t) * 1e6, 2)
+        return dict(us=us, p20_us=us, p80_us=us, reps=1)
+    import triton.testing
+
+    f = cuda_graph(fn) if graph else fn
+    ts = list(triton.testing.do_bench(f, warmup=25, rep=100, return_mode="all"))
+    if len(ts) < MIN_REPS:  # slow calls: repeat long enough for a median
+        ts = list(triton.testing.do_bench(f, warmup=25, rep=int(1.2 * MIN_REPS * statistics.median(ts)) + 1,
+                                          return_mode="all"))
+    q = statistics.quantiles(ts, n=5) if len(ts) > 1 else [ts[0]] * 4
+    return dict(us=round(statistics.median(ts) * 1e3, 2), p20_us=round(q[0] * 1e3, 2), p80_us=round(q[3] * 1e3, 2),
+                reps=len(ts))
+
+
+def copy_bandwidth(cuda: bool, nbytes: int) -> float:
+    """GB/s of one ``clone()`` of ``nbytes`` on the device (bytes read + written): the floors' bandwidth."""
+    import torch
+
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda" if cuda else "cpu").normal_()
+    x.clone()
+    return 2 * x.numel() * x.element_size() / gpu_time(lambda: x.clone(), cuda)["us"] / 1e3
+
+
+def cpu_times(fns, runs: int) -> list:
+    """Wall-clock seconds of ``runs`` alternating calls of each of ``fns`` (already warmed up), so that every
+    function sees the same machine load: one list of times per function."""
+    out = [[] for _ in fns]
+    for _ in range(runs):
+        for f, t in zip(fns, out):
+            t0 = time.perf_counter()
+            f()
+            t.append(time.perf_counter() - t0)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# result files
+
+
+def write_results(base: str, data: dict, markdown: str) -> str:
+    """``base.json`` and ``base.md`` (the folder made if needed); returns ``base``."""
+    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
+    with open(base + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(markdown)
+    return base
+
+
+def read_jsonl(path: str) -> list:
+    """The records of a JSON-lines file, plain or gzip-compressed (``.jsonl.gz``, read transparently). A blank
+    line, or one cut short by a kill while it was written, is left out, as is a compressed tail cut short."""
+    out = []
+    try:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    pass
+    except (EOFError, gzip.BadGzipFile, zlib.error):
+        pass
+    return out
+
+
+def jsonl_files(folder: str, skip=("runs.jsonl",)) -> list:
+    """The JSON-lines files of ``folder`` (``*.jsonl.gz`` and ``*.jsonl``), sorted, but those named in ``skip``."""
+    return sorted(f for pat in ("*.jsonl.gz", "*.jsonl") for f in glob.glob(os.path.join(folder, pat))
+                  if os.path.basename(f) not in skip)
+
+
+def append_jsonl(path: str, records) -> None:
+    """Append ``records`` to a JSON-lines file; a ``.gz`` path gets them as one more gzip member."""
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    with (gzip.open(path, "at") if path.endswith(".gz") else open(path, "a")) as f:
+        f.write(text)
+
+
+def table(rows, cols, head=None, right: bool = False) -> list:
+    """Markdown table lines. ``rows``: dicts read at ``cols`` (None and absent keys show as "–"), or lists of cells;
+    ``head``: the column titles (default ``cols``); ``right``: every column but the first right-aligned."""
+    head = head or cols
+    cells = [[("–" if r.get(c) is None else r[c]) for c in cols] if isinstance(r, dict) else r for r in rows]
+    rule = "|---|" + ("---:|" if right else "---|") * (len(head) - 1)
+    return ["| " + " | ".join(map(str, head)) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in cells]
