@@ -149,7 +149,7 @@ def cpu_times(fns, runs: int) -> list:
 
 
 def write_results(base: str, data: dict, markdown: str) -> str:
-    """``base.json`` and ``base.md`` (the folder made if needed); returns ``base``."""
+    """The JSON and Markdown files ``<base>.json`` and ``<base>.md`` (the folder made if needed); returns ``base``."""
     os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
     with open(base + ".json", "w") as f:
         json.dump(data, f, indent=1)

@@ -40,7 +40,7 @@ class SignedScores(GivenScores):
     nonnegative: ClassVar[bool] = False
 
 
-# CPU op bodies (issue 13): the Triton kernels under the interpreter, or the vectorised PyTorch bodies
+# CPU op bodies: the Triton kernels under the interpreter, or the vectorised PyTorch bodies
 BACKENDS = ("triton", "torch")
 both_backends = pytest.mark.parametrize("backend", BACKENDS)
 
