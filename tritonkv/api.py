@@ -145,6 +145,10 @@ def resolve_budget(budget, n: int) -> int:
 
     (kvpress's ``compression_ratio`` is the fraction *removed*: ``budget = 1 - compression_ratio``.)
     """
+    if type(budget) is float and 0.0 < budget <= 1.0:  # the common cases first, without the ABC checks
+        return max(1, math.floor(budget * n + 1e-6))
+    if type(budget) is int and budget > 0:
+        return budget
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(f"budget must be an int (tokens kept per head) or a float in (0, 1] (fraction kept), "
                         f"got {type(budget).__name__}")
@@ -243,10 +247,13 @@ def _check_inputs(keys, inputs: dict, pol) -> None:
     lse = inputs.get("attn_lse")
     lse = lse.shape if isinstance(lse, torch.Tensor) else None
     a, b = q.shape[1], q.shape[2]
+    lse_hw = tuple(lse[1:]) if lse is not None and len(lse) == 3 else None
     window = _query_window(pol)
+    # the plain reading [B, H_q = a, W = b, D] unless W_O's width, attn_lse [B, H_q, W] or the policy's window
+    # (more queries than it reads, as many heads as its window) say the heads are in the third dimension
     if (q.shape[0] == B and q.shape[3] == D and a > 0 and a % H == 0 and (w is None or w.shape[1] == a * D)
-            and not (lse is not None and len(lse) == 3 and tuple(lse[1:]) == (b, a) and a != b)
-            and not (w is None and window is not None and a == window < b)):
+            and not (lse_hw == (b, a) and a != b)
+            and not (w is None and lse_hw != (a, b) and window is not None and a == window < b)):
         return
     from .diagnostics import queries_layout
 

@@ -87,7 +87,8 @@ def queries_layout(keys_shape, q_shape, lse_shape, wo_shape, window) -> str:
         if H > N:
             return f"{msg}; the keys look like [B, N, H_kv, D] (see the warning): pass keys.transpose(1, 2)"
         if window is not None and b == window:
-            return f"{msg} (the layout fits: W = {b} queries, the policy's window; the head count does not)"
+            return (f"{want}: H_q = {a} is not a multiple of {H} (the layout fits: W = {b} queries, the policy's "
+                    f"window; the head count does not). {layouts}")
         return msg
     if wo_shape is not None and not (wo_plain or wo_swap):
         return (f"o_proj must be W_O [D_model, H_q * D] with H_q * D = {a * D} columns (H_q = {a} from queries "

@@ -127,9 +127,9 @@ def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
 def launch(kernel, grid, *args, **kwargs):
     """Launch a ``@triton.jit`` kernel: directly in eager mode, through ``wrap_triton`` (traceable by
     torch.compile/export) otherwise."""
-    if is_wrap_triton_enabled():
+    if is_wrap_triton_enabled() and not _eager(args, kwargs):
         return wrap_triton(kernel)[grid](*args, **kwargs)
-    return kernel[grid](*args, **kwargs)
+    return kernel.run(*args, grid=grid, warmup=False, **kwargs)  # what kernel[grid](...) calls
 
 
 class Launch(NamedTuple):
@@ -225,6 +225,8 @@ def check_kv_tensor(name: str, t, *, ndim: int = 4) -> None:
 def check_int(name: str, v, lo: int = 0) -> int:
     """``v`` as an int: a TypeError naming ``name`` unless it is an integer (bools are not; NumPy
     integers are), a ValueError when it is below ``lo``. The one integer check of the library."""
+    if type(v) is int and v >= lo:  # the common case, without the ABC check
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
     if v < lo:
