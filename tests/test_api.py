@@ -241,3 +241,160 @@ def test_plain_layout_does_not_warn():
         warnings.simplefilter("error")
         tritonkv.compress((K, V), "knorm", 50)
         tritonkv.compress((K[:, :, :2], V[:, :, :2]), "knorm", 2)  # H_kv = N: not more heads than tokens
+
+
+# -- queries layout: recognised from the keys' H_kv, o_proj's width, attn_lse's shape and the policy's window -------
+
+def _kvh(H, N=64, D=16):
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(1, H, N, D, generator=g), torch.randn(1, H, N, D, generator=g)
+
+
+def test_token_major_queries_whose_window_divides_by_h_kv_are_an_error():
+    """H_kv = 8, H_q = 32 queries of W = 16 tokens passed as [B, W, H_q, D]: W is a multiple of H_kv, so the head
+    count alone cannot tell; attn_lse [B, H_q, W], W_O's width or the policy's window W can (all silently
+    accepted before: the scores came from the wrong heads)."""
+    k, v = _kvh(8)
+    q = torch.randn(1, 32, 16, 16).transpose(1, 2)  # [B, W=16, H_q=32, D]
+    lse = torch.randn(1, 32, 16)
+    want = ["queries", "[B, W, H_q, D]", "[B=1, H_q=32, W=16, D=16]", "queries.transpose(1, 2)"]
+    assert_raises_naming(lambda: tritonkv.compress((k, v), "snapkv", 40, queries=q, attn_lse=lse), ValueError,
+                         want + ["attn_lse"], "attn_lse shows it")
+    snap16 = tritonkv.policies.SnapKV(window=16)
+    assert_raises_naming(lambda: tritonkv.compress((k, v), snap16, 40, queries=q), ValueError,
+                         want + ["window of W = 16", "queries[:, :, -16:]"], "the policy's window shows it")
+    crit = tritonkv.policies.CriticalKV(base=snap16)
+    wo = torch.randn(64, 32 * 16)
+    assert_raises_naming(lambda: tritonkv.compress((k, v), crit, 40, queries=q, o_proj=wo), ValueError,
+                         want + ["o_proj"], "W_O's width shows it")
+
+
+def test_queries_in_the_right_layout_pass():
+    """The same shapes the right way round, fewer queries than the window (the transformers integration's first
+    block), and 16 heads of 32 queries with a window of 16 when attn_lse confirms it, are accepted."""
+    k, v = _kvh(8)
+    q, lse = torch.randn(1, 32, 16, 16), torch.randn(1, 32, 16)
+    snap16, snap32 = tritonkv.policies.SnapKV(window=16), tritonkv.policies.SnapKV(window=32)
+    for pol, inputs in ((snap16, dict(queries=q)), (snap32, dict(queries=q, attn_lse=lse)),
+                        (tritonkv.policies.SnapKV(window=32, sink=0), dict(queries=q[:, :, :5])),
+                        (tritonkv.policies.SnapKV(window=16), dict(queries=q.transpose(1, 2), attn_lse=lse.transpose(1, 2)))):
+        tritonkv.api._check_inputs(k, inputs, pol)  # no error (the kernels are covered elsewhere)
+    out = tritonkv.compress((k, v), snap16, 40, queries=q)
+    assert out.keys.shape == (1, 8, 40, 16)
+
+
+def test_wrong_head_count_in_the_right_layout_has_no_transpose_hint():
+    """[B, H_q = 6, W = 32, D] against H_kv = 4 with the policy's window of 32: the layout is right, the head count
+    is not; the message must not tell the user to transpose (it did: W = 32 divides by 4)."""
+    k, v = _kvh(4)
+    q = torch.randn(1, 6, 32, 16)
+    with pytest.raises(ValueError) as e:
+        tritonkv.compress((k, v), "snapkv", 40, queries=q)
+    msg = str(e.value)
+    assert "queries" in msg and "H_q = 6 is not a multiple of 4" in msg and "[B=1, H_q, W, D=16]" in msg, msg
+    assert "queries.transpose" not in msg and "look like [B, W, H_q, D]" not in msg, msg
+
+
+def test_compression_ratio_instead_of_a_budget_is_explained():
+    """kvpress's call shape compress(kv, press, compression_ratio=r): the TypeError docs/contracts.md promises (it was
+    Python's generic 'missing 1 required positional argument')."""
+    assert_raises_naming(lambda: tritonkv.compress((K, V), "keydiff", compression_ratio=0.5), TypeError,
+                         ["budget", "'compression_ratio'", "fraction removed", "budget = 1 - compression_ratio",
+                          "compress(kv, policy, 0.5)"], "compression_ratio for the budget")
+    assert_raises_naming(lambda: tritonkv.compress((K, V), "keydiff"), TypeError,
+                         ["missing the budget", "fraction kept"], "no budget")
+
+
+# -- host overhead: memoised checks, the eager fast path, launch recording ---------------------------------------
+
+def test_input_names_check_is_memoised_per_type_but_not_for_instance_names(monkeypatch):
+    """The accepted names are computed once per (policy type, allocator type, names); a name accepted only through
+    one object's own ``needs`` is not remembered for another object of the same type."""
+    import dataclasses
+    from typing import ClassVar
+
+    from tritonkv import diagnostics
+    from tritonkv.api import check_input_names
+
+    @dataclasses.dataclass
+    class Custom(tritonkv.Policy):
+        name: ClassVar[str] = "custom_memo"
+        extra: str = "bias"
+
+        @property
+        def needs(self):
+            return (self.extra,)
+
+    calls = []
+    orig = diagnostics.accepted_inputs
+    monkeypatch.setattr(diagnostics, "accepted_inputs", lambda *a: calls.append(a) or orig(*a))
+    check_input_names({"queries": Q, "layer": 1}, "snapkv", "pyramid")
+    n = len(calls)
+    assert n > 0
+    check_input_names({"layer": 2, "queries": Q}, tritonkv.policies.SnapKV(window=4), "pyramid")
+    assert len(calls) == n  # memoised
+    check_input_names({"bias": 1}, Custom())
+    with pytest.raises(TypeError, match="'bias'"):
+        check_input_names({"bias": 1}, Custom(extra="other"))
+
+
+def test_eager_compress_bypasses_the_op_dispatcher():
+    """Eager calls run the launcher bodies directly: no ``tritonkv::`` op reaches the dispatcher (the profiler
+    records every dispatched op); the ops stay registered for torch.compile/export (tests/test_export.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tritonkv.kernels.select import select_into
+
+    k, v = _kv()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = tritonkv.compress((k, v), "knorm", 20)
+    names = {e.name for e in prof.events()}
+    assert not any(n.startswith("tritonkv::") for n in names), sorted(n for n in names if "tritonkv" in n)
+    assert out.keys.shape == (1, 2, 20, 16)
+    assert str(select_into.op._opoverload) == "tritonkv.select_into.default"
+
+
+def test_record_launches_logs_and_dry_run_skips():
+    """record_launches logs each kernel launch (name, grid, constexprs, options, arguments) and, with
+    ``execute=False``, does not run it; blocks do not nest; outside a block launches run unrecorded."""
+    import triton
+    import triton.language as tl
+
+    from tritonkv.kernels._common import launch, record_launches
+
+    @triton.jit
+    def _fill_kernel(out_ptr, n, value, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.zeros([BLOCK], tl.float32) + value, mask=offs < n)
+
+    out = torch.zeros(10)
+    with record_launches(execute=False) as log:
+        launch(_fill_kernel, (2,), out, 10, 3.0, BLOCK=8, num_warps=1)
+        with pytest.raises(RuntimeError, match="nest"):
+            with record_launches():
+                pass
+    assert torch.equal(out, torch.zeros(10))  # not run
+    (rec,) = log
+    assert rec.name == "_fill_kernel" and rec.grid == (2,) and rec.constexprs == {"BLOCK": 8}
+    assert rec.options == {"num_warps": 1} and rec.args["n"] == 10 and rec.args["out_ptr"] is out
+    with record_launches() as log:
+        launch(_fill_kernel, (2,), out, 10, 3.0, BLOCK=8)
+    assert len(log) == 1 and torch.equal(out, torch.full((10,), 3.0))
+    launch(_fill_kernel, (2,), out, 10, 5.0, BLOCK=8)
+    assert len(log) == 1 and torch.equal(out, torch.full((10,), 5.0))
+
+
+def test_every_policy_module_is_imported():
+    """tritonkv.policies imports its modules by name: a module added without its import line would register
+    nothing."""
+    import importlib
+    import pkgutil
+
+    import tritonkv.policies as pkg
+
+    for m in pkgutil.iter_modules(pkg.__path__):
+        mod = importlib.import_module(f"tritonkv.policies.{m.name}")
+        for obj in vars(mod).values():
+            if isinstance(obj, type) and obj.__module__ == mod.__name__ and getattr(obj, "name", "") \
+                    and issubclass(obj, tritonkv.Policy):
+                assert tritonkv.POLICIES.get(obj.name) is obj and getattr(pkg, obj.__name__) is obj, obj

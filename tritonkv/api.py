@@ -5,10 +5,12 @@
 
 With one budget for every head the result is dense (``Compressed``); with an ``allocation``
 (per-head budgets) it is a ``RaggedKV`` that stores each head's kept tokens without padding.
+
+The module reads top-down: ``compress()``, then the checks it runs (cheap on success; the messages of a
+failure are built in ``tritonkv.diagnostics``), then the allocated path.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import warnings
@@ -16,9 +18,10 @@ from typing import NamedTuple
 
 import torch
 
-from ._names import SHARED_NAMES, suggest
+from ._names import SHARED_NAMES
 from .kernels._common import FLOAT_DTYPES, check_kv_tensor
-from .policies import POLICIES, get_policy
+from .policies import get_policy
+from .policies.snapkv import WindowAttentionPolicy
 
 #: The extra inputs ``compress()`` accepts, by name, and what reads them. A policy or allocator
 #: adds its own through its ``needs`` declaration (and optional ones through an ``accepts`` tuple);
@@ -46,7 +49,15 @@ INPUTS = {
                      "are split; each rank passes its own heads and keeps exactly what one process would keep of "
                      "them (tritonkv.distributed; None = one process)",
 }
-_PARAMS = ("kv", "policy", "budget", "allocation")  # compress()'s own parameters
+PARAMS = ("kv", "policy", "budget", "allocation")  # compress()'s own parameters
+
+
+class _Required:
+    def __repr__(self):
+        return "<required>"
+
+
+_REQUIRED = _Required()  # compress()'s budget has no default: a sentinel so that a missing one is explained
 
 
 class Compressed(NamedTuple):
@@ -57,11 +68,87 @@ class Compressed(NamedTuple):
     indices: torch.Tensor
 
 
+def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
+    """Evict tokens from one layer's KV cache.
+
+    Args:
+        kv: ``(keys, values)``, each ``[B, H_kv, N, D]`` (fp32/fp16/bf16, keys with RoPE applied).
+        policy: a name (``"keydiff"``, ``"snapkv"``, ... — see ``tritonkv.POLICIES``) or a policy object
+            such as ``tritonkv.policies.SnapKV(window=32, kernel_size=7)``. Settings (``window``,
+            ``sink``, ``kernel_size``, ...) belong to the policy object, not to ``compress()``.
+        budget: tokens kept per (batch row, KV head) as an int, or the fraction kept as a float in
+            (0, 1] (Python or NumPy numbers). Protected tokens (the policy's sink and recent window)
+            count inside it. kvpress's ``compression_ratio`` is the fraction *removed*:
+            ``budget = 1 - compression_ratio``.
+        allocation: optional allocator (a name such as ``"adakv"``/``"pyramid"`` or an allocator
+            object) that spreads the same total over heads (and layers: pass ``layer=`` and
+            ``num_layers=``); the result is then a ``RaggedKV``. ``"score"`` and ``"surfacelogic"``
+            name both a policy and an allocator: ``allocation="score"`` is SCORE's budget allocator,
+            ``policy="score"`` SCORE's redundancy-penalised selection (likewise SurfaceLogicKV's
+            INF-profile allocator and its window-attention policy).
+        **inputs: what the policy or allocator reads, named after what it is (``tritonkv.api.INPUTS``):
+            ``queries`` (the last window of queries, ``[B, H_q, W, D]``), ``attn_lse``, ``o_proj``
+            (W_O), ``hd``, ``layer``, ``num_layers``, ``profile``, ``head_means``,
+            ``layer_preference``, ``positions``, ``forced``, and any name a policy or allocator declares in its
+            ``needs`` (or ``accepts``, for optional inputs). Any other keyword is a TypeError naming it.
+            ``process_group`` (a ``torch.distributed`` group or DeviceMesh): tensor parallel, the layer's KV
+            heads split over the ranks; every rank passes its own heads' slice (and its query heads' queries)
+            and keeps exactly the tokens one process would keep of those heads. Cross-head allocators and
+            cross-head policies communicate once per layer; see ``tritonkv.distributed`` for the contract.
+
+    Raises:
+        TypeError: an unknown keyword (with the near match, or what to do for a policy setting or
+            kvpress's ``compression_ratio``, also when it replaces the budget). ValueError: a missing input, a
+            budget out of range, queries that are not ``[B, H_q, W, D]`` with ``H_q`` a multiple of the keys'
+            ``H_kv`` (or that ``o_proj``'s width, ``attn_lse``'s shape or the policy's window show to be
+            ``[B, W, H_q, D]``). A ``UserWarning`` when keys have
+            more heads than tokens (probably ``[B, N, H_kv, D]``, not ``[B, H_kv, N, D]``).
+
+    Returns:
+        ``Compressed(keys, values, indices)`` with ``[B, H_kv, k, D]`` tensors and int64 original
+        positions in ascending order; the input tensors themselves (and ``arange`` indices) when
+        ``k >= N``. With ``allocation``: a ``tritonkv.RaggedKV``.
+    """
+    keys, values = _split_kv(kv)
+    pol = get_policy(policy)
+    if budget is _REQUIRED:
+        from .diagnostics import missing_budget
+
+        raise missing_budget(inputs)
+    check_input_names(inputs, pol, allocation)
+    _resolve_group(inputs)
+    B, H, N, D = keys.shape
+    k = resolve_budget(budget, N)
+    missing = pol.missing(inputs)
+    if missing:
+        note = f" (the {SHARED_NAMES[pol.name]})" if pol.name in SHARED_NAMES else ""
+        raise ValueError(f"policy {pol.name!r} needs the input(s) {missing}; pass them to compress() by name{note}")
+    _check_inputs(keys, inputs, pol)
+    if allocation is None and k >= N:
+        idx = torch.arange(N, device=keys.device).expand(B, H, N)
+        return Compressed(keys, values, idx)
+    kk = min(k, N)
+    sink, window = pol.protected(N, kk)
+    if sink + window > kk:
+        raise ValueError(f"budget {k} is smaller than the protected tokens of {pol.name!r} "
+                         f"(sink {sink} + window {window}); raise the budget or lower sink/window")
+    scores = pol.score(keys, values, budget=kk, **inputs)
+    if allocation is None:
+        kout, vout, idx, _ = pol.select(scores, kk, keys, values, sink=sink, window=window, k_max=kk,
+                                        budget=kk, **inputs)
+        return Compressed(kout, vout, idx)
+    return _compress_allocated(pol, allocation, scores, keys, values, kk, sink, window, inputs)
+
+
 def resolve_budget(budget, n: int) -> int:
     """Tokens kept per (batch row, KV head): an int as is, a float f in (0, 1] as max(1, floor(f·n)).
 
     (kvpress's ``compression_ratio`` is the fraction *removed*: ``budget = 1 - compression_ratio``.)
     """
+    if type(budget) is float and 0.0 < budget <= 1.0:  # the common cases first, without the ABC checks
+        return max(1, math.floor(budget * n + 1e-6))
+    if type(budget) is int and budget > 0:
+        return budget
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(f"budget must be an int (tokens kept per head) or a float in (0, 1] (fraction kept), "
                         f"got {type(budget).__name__}")
@@ -96,117 +183,40 @@ def _split_kv(kv):
     return keys, values
 
 
-def _names(x) -> tuple[str, ...]:
-    """``needs``/``accepts`` of a policy or allocator (object or class; a class's property reads as none)."""
-    out = ()
-    for attr in ("needs", "accepts"):
-        v = getattr(x, attr, ())
-        if isinstance(v, (tuple, list, set, frozenset)):
-            out += tuple(n for n in v if isinstance(n, str))
-    return out
-
-
-def accepted_inputs(policy=None, allocation=None) -> set[str]:
-    """The input names ``compress()`` accepts (with this policy and allocator objects)."""
-    from .allocation import ALLOCATORS
-
-    known = set(INPUTS)
-    for x in (*POLICIES.values(), *ALLOCATORS.values(), policy, allocation):
-        if x is not None:
-            known.update(_names(x))
-    return known
-
-
-def _short(v) -> str:
-    """``v`` for a message: numbers and strings as written, anything else as ``...``."""
-    return repr(v) if v is None or isinstance(v, (str, numbers.Number)) else "..."
-
-
-def _ctor(cls, package: str) -> str:
-    """How a user writes ``cls``: ``tritonkv.policies.SnapKV`` when exported there, else its name."""
-    import importlib
-
-    try:
-        if getattr(importlib.import_module(package), cls.__name__, None) is cls:
-            return f"{package}.{cls.__name__}"
-    except Exception:
-        pass
-    return cls.__qualname__
-
-
-def _settings(cls) -> list[str]:
-    """The settings a user passes to the class (its init fields)."""
-    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
-        return []
-    return [f.name for f in dataclasses.fields(cls) if f.init]
-
-
-def _unknown_input(name: str, value, pol, alloc, known) -> str:
-    """Why ``compress(..., name=value)`` is not accepted, and what was probably meant."""
-    from .allocation import ALLOCATORS
-
-    v = _short(value)
-    if name == "compression_ratio":
-        here = ""
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= float(value) < 1:
-            here = f" (here {1 - float(value):.6g}: compress(kv, policy, {1 - float(value):.6g}))"
-        return (f"'compression_ratio' (kvpress's compression_ratio is the fraction removed; tritonkv's budget is "
-                f"the fraction kept: budget = 1 - compression_ratio{here})")
-    pcls = type(pol) if pol is not None else None
-    if pcls is not None and name in _settings(pcls):
-        return (f"{name!r} ({name}={v} is a setting of the policy {pol.name!r}, not an input of compress(): pass "
-                f"{_ctor(pcls, 'tritonkv.policies')}({name}={v}) as the policy)")
-    base = getattr(pol, "base", None)
-    if dataclasses.is_dataclass(pol) and name in (f.name for f in dataclasses.fields(pol)):
-        if base is not None and name in _settings(type(base)):  # CriticalKV/SCORE mirror their base's sink/window
-            return (f"{name!r} ({name}={v} is a setting of the base policy of {pol.name!r}, not an input of "
-                    f"compress(): pass {_ctor(pcls, 'tritonkv.policies')}(base="
-                    f"{_ctor(type(base), 'tritonkv.policies')}({name}={v})) as the policy)")
-    acls = type(alloc) if alloc is not None else None
-    if acls is not None and name in _settings(acls):
-        return (f"{name!r} ({name}={v} is a setting of the allocator {alloc.name!r}, not an input of compress(): "
-                f"pass allocation={_ctor(acls, 'tritonkv.allocation')}({name}={v}))")
-    pols = [n for n, c in POLICIES.items() if name in _settings(c)]  # registry order: snapkv before h2o
-    allocs = [n for n, c in ALLOCATORS.items() if name in _settings(c)]
-    if pols or allocs:
-        parts = []
-        if pols:
-            ex = _ctor(POLICIES[pols[0]], "tritonkv.policies")
-            parts.append(f"of the policies {', '.join(pols)} (e.g. {ex}({name}={v}), passed as the policy)")
-        if allocs:
-            ex = _ctor(ALLOCATORS[allocs[0]], "tritonkv.allocation")
-            parts.append(f"of the allocators {', '.join(allocs)} (e.g. allocation={ex}({name}={v}))")
-        mine = "" if pol is None else (f"; the policy {pol.name!r} has no setting {name!r}: its settings are "
-                                       f"{', '.join(_settings(pcls)) or 'none'}")
-        return f"{name!r} ({name}={v} is a setting {' and '.join(parts)}, not an input of compress(){mine})"
-    s = suggest(name, sorted(known) + list(_PARAMS))
-    return f"{name!r}" + (f" (did you mean {s!r}?)" if s else "")
+_ACCEPTED: set = set()  # (policy type, allocator type, input names) that passed check_input_names
 
 
 def check_input_names(inputs: dict, policy=None, allocation=None) -> None:
     """A TypeError naming every keyword in ``inputs`` that ``compress()`` would not use (with the near
     match or, for a policy/allocator setting or kvpress's ``compression_ratio``, what to do instead).
     ``policy``/``allocation`` may be names or objects; the transformers integration can call this when a
-    cache is built so that a wrong keyword fails before the first forward."""
+    cache is built so that a wrong keyword fails before the first forward.
+
+    Memoised per (policy type, allocator type, input names) for the names every object of those types accepts
+    (a policy's ``needs`` may depend on its settings: names accepted only through them are checked each call)."""
     pol = get_policy(policy) if policy is not None else None
     alloc = None
     if allocation is not None:
         from .allocation import get_allocator
 
         alloc = get_allocator(allocation)
-    known = accepted_inputs(pol, alloc)
-    bad = [n for n in inputs if n not in known]
-    if not bad:
+    key = (type(pol), type(alloc), frozenset(inputs))
+    if key in _ACCEPTED:
         return
-    why = [_unknown_input(n, inputs[n], pol, alloc, known) for n in bad]
-    what = "an unexpected keyword argument" if len(bad) == 1 else "unexpected keyword arguments"
-    raise TypeError(f"compress() got {what} " + "; ".join(why)
-                    + f". The inputs compress() accepts: {', '.join(sorted(known))}")
+    from .diagnostics import accepted_inputs, unknown_inputs
+
+    known = accepted_inputs(pol, alloc)
+    if not known.issuperset(inputs):
+        raise unknown_inputs(inputs, pol, alloc, known)
+    if accepted_inputs(type(pol), type(alloc)).issuperset(inputs):
+        _ACCEPTED.add(key)
 
 
-def _check_layout(keys, inputs: dict) -> None:
-    """Layout mistakes that shapes alone reveal: keys with more heads than tokens (a warning: a short
-    cache can be legitimate) and queries whose head count does not divide by the keys' (an error)."""
+def _check_inputs(keys, inputs: dict, pol) -> None:
+    """Shape/device checks of the named extra inputs that several policies share, and the layout mistakes that
+    shapes reveal: keys with more heads than tokens (a warning: a short cache can be legitimate), queries that are
+    not ``[B, H_q, W, D]`` (an error: recognised from the keys' ``H_kv``, ``o_proj``'s width, ``attn_lse``'s shape
+    and the policy's window)."""
     B, H, N, D = keys.shape
     if H > N:
         warnings.warn(
@@ -214,117 +224,49 @@ def _check_layout(keys, inputs: dict) -> None:
             f"[B, H_kv, N, D] (transformers' cache layout), so keys in [B, N, H_kv, D] are read as {H} heads of "
             f"{N} tokens; pass keys.transpose(1, 2) and values.transpose(1, 2) if so (and ignore this warning "
             f"if the cache really holds fewer tokens than KV heads)", UserWarning, stacklevel=3)
-    q = inputs.get("queries")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B or q.shape[3] != D or H == 0:
-        return  # the plain checks below name what is wrong
-    if q.shape[1] % H:
-        hint = ""
-        if q.shape[2] % H == 0:
-            hint = (f"; queries look like [B, W, H_q, D] (W = {q.shape[1]} tokens of H_q = {q.shape[2]} heads): "
-                    f"pass queries.transpose(1, 2)")
-        elif H > N:
-            hint = f"; the keys look like [B, N, H_kv, D] (see the warning): pass keys.transpose(1, 2)"
-        raise ValueError(f"queries must be [B={B}, H_q, W, D={D}] with H_q a multiple of the keys' H_kv = {H} "
-                         f"(grouped-query attention), got {tuple(q.shape)}: H_q = {q.shape[1]} is not a multiple "
-                         f"of {H}. compress() expects keys/values [B, H_kv, N, D] and queries [B, H_q, W, D] "
-                         f"(transformers' layouts after .transpose(1, 2)){hint}")
-
-
-def _check_inputs(keys, inputs: dict) -> None:
-    """Shape/device checks of the named extra inputs that several policies share."""
-    B, H, N, D = keys.shape
-    q = inputs.get("queries")
+    q, w = inputs.get("queries"), inputs.get("o_proj")
+    if q is None and w is None:
+        return
     if q is not None:
         check_kv_tensor("queries", q)
-        if q.shape[0] != B or q.shape[3] != D or q.shape[1] % H != 0:
-            raise ValueError(f"queries must be [B={B}, H_q (a multiple of H_kv={H}), W, D={D}], got {tuple(q.shape)}")
         if q.device != keys.device:
             raise ValueError(f"queries must be on the device of keys ({keys.device}), got {q.device}")
-    w = inputs.get("o_proj")
     if w is not None:
         w = getattr(w, "weight", w)  # an nn.Linear or its weight
         if not isinstance(w, torch.Tensor) or w.dim() != 2:
             raise ValueError("o_proj must be the output projection weight W_O [D_model, H_q * D] (nn.Linear layout)")
         if w.dtype not in FLOAT_DTYPES:
             raise TypeError(f"o_proj must be float32, float16 or bfloat16, got {w.dtype}")
-        width = None if q is None else q.shape[1] * D
-        if (width is not None and w.shape[1] != width) or w.shape[1] == 0 or w.shape[1] % (H * D):
-            want = f"H_q * D = {width}" if width is not None else f"a multiple of H_kv * D = {H * D}"
-            hint = ""
-            if q is not None and w.shape[1] == q.shape[2] * D:
-                hint = (f"; its columns fit H_q = {q.shape[2]} heads, the queries' third dimension: queries look "
-                        f"like [B, W, H_q, D], pass queries.transpose(1, 2)")
-            raise ValueError(f"o_proj must be W_O [D_model, H_q * D] with {want} columns, got {tuple(w.shape)}"
-                             + hint)
         if w.device != keys.device:
             raise ValueError(f"o_proj must be on the device of keys ({keys.device}), got {w.device}")
+        if q is None:
+            if w.shape[1] == 0 or w.shape[1] % (H * D):
+                raise ValueError(f"o_proj must be W_O [D_model, H_q * D] with a multiple of H_kv * D = {H * D} "
+                                 f"columns, got {tuple(w.shape)}")
+            return
+    lse = inputs.get("attn_lse")
+    lse = lse.shape if isinstance(lse, torch.Tensor) else None
+    a, b = q.shape[1], q.shape[2]
+    lse_hw = tuple(lse[1:]) if lse is not None and len(lse) == 3 else None
+    window = _query_window(pol)
+    # the plain reading [B, H_q = a, W = b, D] unless W_O's width, attn_lse [B, H_q, W] or the policy's window
+    # (more queries than it reads, as many heads as its window) say the heads are in the third dimension
+    if (q.shape[0] == B and q.shape[3] == D and a > 0 and a % H == 0 and (w is None or w.shape[1] == a * D)
+            and not (lse_hw == (b, a) and a != b)
+            and not (w is None and lse_hw != (a, b) and window is not None and a == window < b)):
+        return
+    from .diagnostics import queries_layout
+
+    raise ValueError(queries_layout(keys.shape, q.shape, lse, None if w is None else w.shape, window))
 
 
-def compress(kv, policy, budget, *, allocation=None, **inputs):
-    """Evict tokens from one layer's KV cache.
-
-    Args:
-        kv: ``(keys, values)``, each ``[B, H_kv, N, D]`` (fp32/fp16/bf16, keys with RoPE applied).
-        policy: a name (``"keydiff"``, ``"snapkv"``, ... — see ``tritonkv.POLICIES``) or a policy object
-            such as ``tritonkv.policies.SnapKV(window=32, kernel_size=7)``. Settings (``window``,
-            ``sink``, ``kernel_size``, ...) belong to the policy object, not to ``compress()``.
-        budget: tokens kept per (batch row, KV head) as an int, or the fraction kept as a float in
-            (0, 1] (Python or NumPy numbers). Protected tokens (the policy's sink and recent window)
-            count inside it. kvpress's ``compression_ratio`` is the fraction *removed*:
-            ``budget = 1 - compression_ratio``.
-        allocation: optional allocator (a name such as ``"adakv"``/``"pyramid"`` or an allocator
-            object) that spreads the same total over heads (and layers: pass ``layer=`` and
-            ``num_layers=``); the result is then a ``RaggedKV``. ``"score"`` and ``"surfacelogic"``
-            name both a policy and an allocator: ``allocation="score"`` is SCORE's budget allocator,
-            ``policy="score"`` SCORE's redundancy-penalised selection (likewise SurfaceLogicKV's
-            INF-profile allocator and its window-attention policy).
-        **inputs: what the policy or allocator reads, named after what it is (``tritonkv.api.INPUTS``):
-            ``queries`` (the last window of queries, ``[B, H_q, W, D]``), ``attn_lse``, ``o_proj``
-            (W_O), ``hd``, ``layer``, ``num_layers``, ``profile``, ``head_means``,
-            ``layer_preference``, ``positions``, ``forced``, and any name a policy or allocator declares in its
-            ``needs`` (or ``accepts``, for optional inputs). Any other keyword is a TypeError naming it.
-            ``process_group`` (a ``torch.distributed`` group or DeviceMesh): tensor parallel, the layer's KV
-            heads split over the ranks; every rank passes its own heads' slice (and its query heads' queries)
-            and keeps exactly the tokens one process would keep of those heads. Cross-head allocators and
-            cross-head policies communicate once per layer; see ``tritonkv.distributed`` for the contract.
-
-    Raises:
-        TypeError: an unknown keyword (with the near match, or what to do for a policy setting or
-            kvpress's ``compression_ratio``). ValueError: a missing input, a budget out of range,
-            queries whose head count is not a multiple of the keys'. A ``UserWarning`` when keys have
-            more heads than tokens (probably ``[B, N, H_kv, D]``, not ``[B, H_kv, N, D]``).
-
-    Returns:
-        ``Compressed(keys, values, indices)`` with ``[B, H_kv, k, D]`` tensors and int64 original
-        positions in ascending order; the input tensors themselves (and ``arange`` indices) when
-        ``k >= N``. With ``allocation``: a ``tritonkv.RaggedKV``.
-    """
-    keys, values = _split_kv(kv)
-    pol = get_policy(policy)
-    check_input_names(inputs, pol, allocation)
-    _resolve_group(inputs)
-    B, H, N, D = keys.shape
-    k = resolve_budget(budget, N)
-    missing = pol.missing(inputs)
-    if missing:
-        note = f" (the {SHARED_NAMES[pol.name]})" if pol.name in SHARED_NAMES else ""
-        raise ValueError(f"policy {pol.name!r} needs the input(s) {missing}; pass them to compress() by name{note}")
-    _check_layout(keys, inputs)
-    _check_inputs(keys, inputs)
-    if allocation is None and k >= N:
-        idx = torch.arange(N, device=keys.device).expand(B, H, N)
-        return Compressed(keys, values, idx)
-    kk = min(k, N)
-    sink, window = pol.protected(N, kk)
-    if sink + window > kk:
-        raise ValueError(f"budget {k} is smaller than the protected tokens of {pol.name!r} "
-                         f"(sink {sink} + window {window}); raise the budget or lower sink/window")
-    scores = pol.score(keys, values, budget=kk, **inputs)
-    if allocation is None:
-        kout, vout, idx, _ = pol.select(scores, kk, keys, values, sink=sink, window=window, k_max=kk,
-                                        budget=kk, **inputs)
-        return Compressed(kout, vout, idx)
-    return _compress_allocated(pol, allocation, scores, keys, values, kk, sink, window, inputs)
+def _query_window(pol):
+    """How many of the last queries ``pol`` reads (its window, or its base policy's), or None when unknown."""
+    while not isinstance(pol, WindowAttentionPolicy):
+        pol = getattr(pol, "base", None)
+        if pol is None:
+            return None
+    return pol.q_window or pol.window
 
 
 def _resolve_group(inputs: dict) -> None:

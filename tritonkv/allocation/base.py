@@ -18,6 +18,8 @@ from typing import ClassVar, Optional
 
 import torch
 
+from ..kernels._common import check_int  # noqa: F401  (the library's one integer check; allocators import it here)
+
 ALLOCATORS: dict[str, type["Allocator"]] = {}
 
 EPS_FLOOR = 1e-6  # floor(x + 1e-6): the library's convention for floors of float products (docs/algorithms.md §0)
@@ -58,12 +60,6 @@ def get_allocator(allocation) -> "Allocator":
 def floor_eps(x: float) -> int:
     """``floor(x + 1e-6)``: floors of float products such as α·b or b/β (0.29·100 gives 29)."""
     return math.floor(x + EPS_FLOOR)
-
-
-def check_int(name: str, v, lo: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    return v
 
 
 def check_tensor(name: str, t, ndim=None, *, floating: bool = True) -> torch.Tensor:

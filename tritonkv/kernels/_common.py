@@ -3,9 +3,13 @@
 * ``INTERPRET``: True when kernels run under the Triton interpreter (``TRITON_INTERPRET=1``,
   CPU tensors). The interpreter executes one program after another and pays ~0.5 ms per program,
   so launchers pick larger blocks and shorter grids there.
-* ``triton_op`` / ``launch``: every launcher is registered with ``torch.library.triton_op`` and
-  calls its kernels through ``wrap_triton`` so ``torch.compile(fullgraph=True)`` and
-  ``torch.export`` see through it (``docs/architecture.md``, "Kernels").
+* ``triton_op`` / ``launch``: one op, two entry points. ``@triton_op(name, mutates_args=...)``
+  registers the launcher with ``torch.library.triton_op`` (what ``torch.compile(fullgraph=True)``
+  and ``torch.export`` trace: one op per launcher) and returns a function that, in eager mode
+  (not tracing, no dispatch mode, plain tensors), calls the launcher body directly: the
+  ``torch.library`` dispatcher costs more host time than the kernels of a small compress.
+  ``launch`` then calls the ``@triton.jit`` kernel directly; while tracing it goes through
+  ``wrap_triton`` (``docs/architecture.md``, "Kernels").
 * ``use_triton`` / ``cpu_kernels``: one op, two devices. Every op body starts with
   ``if not use_triton(x): return <vectorised PyTorch body>``: CUDA tensors run the Triton kernels,
   CPU tensors the PyTorch body — unless the Triton interpreter is on (``TRITON_INTERPRET=1``), where
@@ -14,20 +18,23 @@
   torch.export see one op on either device. ``cpu_kernels("torch"|"triton")`` overrides the choice
   for the CPU (a context manager; ``TRITONKV_CPU_KERNELS`` sets the default).
 * ``TORCH_TO_TL``: the pointer type names used by ahead-of-time compile tests.
-* ``record_launches``: log the kernel launches made through ``launch`` (name, grid, constexprs,
+* ``record_launches``: log every Triton kernel launched inside a block (name, grid, constexprs,
   launch options, bound arguments), optionally without running them (``benchmarks/kernel_stats.py``).
+* ``check_int`` and the other argument checks every layer shares.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import numbers
 import os
 from typing import NamedTuple, Optional
 
 import torch
-import triton
-from torch.library import triton_op, wrap_triton  # noqa: F401  (re-exported)
+from torch._library.triton import is_wrap_triton_enabled, wrap_triton_enabled
+from torch.library import wrap_triton
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -70,21 +77,59 @@ FLOAT_DTYPES = tuple(TORCH_TO_TL)
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``); plain Python (``triton.next_power_of_2`` is a
+    constexpr function, several µs per host call)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def launch(kernel, grid, *args, **kwargs):
-    """Launch a ``@triton.jit`` kernel through ``wrap_triton`` (traceable by torch.compile)."""
-    if _recording is not None and not torch.compiler.is_compiling() and _eager(args, kwargs):
-        _recording.append(_launch_record(kernel, grid, args, kwargs))
-        if not _recording.execute:
-            return None
-    return wrap_triton(kernel)[grid](*args, **kwargs)
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code (``triton.cdiv`` is a constexpr function, several µs per host call)."""
+    return -(-a // b)
+
+
+# Argument types of an op call that may skip the dispatcher (anything else, e.g. a tensor subclass, goes
+# through it).
+_PLAIN = frozenset({torch.Tensor, int, float, bool, str, type(None)})
 
 
 def _eager(args, kwargs) -> bool:
-    """No tracing tensor (fake, functional, proxy) among the arguments: a real launch."""
-    return all(type(a) is torch.Tensor for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+    """A real call: not traced by torch.compile/export, no dispatch mode, only plain tensors."""
+    return (not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
+            and _PLAIN.issuperset(map(type, args)) and (not kwargs or _PLAIN.issuperset(map(type, kwargs.values()))))
+
+
+def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
+    """``torch.library.triton_op`` with an eager fast path (a decorator).
+
+    The op is registered as usual (its ``CustomOpDef`` is the ``.op`` attribute of the result), and
+    traced calls go through it: torch.compile and torch.export see one op. An eager call runs the
+    body directly, with ``wrap_triton`` off as the op's own eager kernel would (``launch`` then calls
+    the kernels without the tracing wrapper)."""
+    def dec(fn):
+        op = torch.library.triton_op(name, mutates_args=mutates_args, schema=schema)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if not _eager(args, kwargs):
+                return op(*args, **kwargs)
+            prev = getattr(wrap_triton_enabled, "value", True)
+            wrap_triton_enabled.value = False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wrap_triton_enabled.value = prev
+
+        call.op = op
+        return call
+    return dec
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """Launch a ``@triton.jit`` kernel: directly in eager mode, through ``wrap_triton`` (traceable by
+    torch.compile/export) otherwise."""
+    if is_wrap_triton_enabled() and not _eager(args, kwargs):
+        return wrap_triton(kernel)[grid](*args, **kwargs)
+    return kernel.run(*args, grid=grid, warmup=False, **kwargs)  # what kernel[grid](...) calls
 
 
 class Launch(NamedTuple):
@@ -98,13 +143,6 @@ class Launch(NamedTuple):
     options: dict
     kernel: object
     args: dict
-
-
-class _Recording(list):
-    execute = True
-
-
-_recording: Optional[_Recording] = None  # the active log of record_launches(); None: not recording
 
 
 def _launch_record(kernel, grid, args, kwargs) -> Launch:
@@ -121,26 +159,57 @@ def _launch_record(kernel, grid, args, kwargs) -> Launch:
                   {n: v for n, v in bound.arguments.items() if n not in const})
 
 
+def _kernel_classes() -> list[type]:
+    """The classes whose ``run(*args, grid, warmup, **kwargs)`` launches a ``@triton.jit`` kernel."""
+    from triton.runtime.jit import JITFunction
+
+    classes = [JITFunction]
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:  # pragma: no cover
+        pass
+    return classes
+
+
+_recording = [False]  # a record_launches() block is open
+
+
 @contextlib.contextmanager
 def record_launches(execute: bool = True):
-    """Log every launch made through ``launch`` inside the block; yields the list of ``Launch``es.
+    """Log every Triton kernel launched inside the block; yields the list of ``Launch``es.
 
     With ``execute=False`` the kernels are not run (a dry run: outputs stay unwritten, so only code
     whose control flow and shapes do not depend on kernel outputs gives the launches of a real
-    run). Off (the default) it costs one global check per launch. Launches traced by
-    ``torch.compile``/``torch.export`` (``torch.compiler.is_compiling()``, or fake/functional
-    tensor arguments) are neither logged nor skipped. The log holds references to
-    the argument tensors until it is dropped. Not thread-safe; blocks do not nest."""
-    global _recording
-    if _recording is not None:
+    run). The block wraps the launch method of Triton's kernel objects (``JITFunction.run``, and the
+    interpreter's) while it is open; launchers themselves carry no hook. Launches traced by
+    ``torch.compile``/``torch.export`` run no kernel and are not logged; a launch whose arguments
+    include a tensor subclass (fake, functional) is neither logged nor skipped. The log holds
+    references to the argument tensors until it is dropped. Not thread-safe; blocks do not nest."""
+    if _recording[0]:
         raise RuntimeError("record_launches() blocks do not nest")
-    log = _Recording()
-    log.execute = bool(execute)
-    _recording = log
+    log: list = []
+    originals = {cls: cls.__dict__["run"] for cls in _kernel_classes()}
+
+    def wrap(run):
+        def recording_run(self, *args, grid, warmup, **kwargs):
+            if warmup or not all(type(a) is torch.Tensor for a in (*args, *kwargs.values())
+                                 if isinstance(a, torch.Tensor)):
+                return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+            log.append(_launch_record(self, grid, args, kwargs))
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs) if execute else None
+        return recording_run
+
+    _recording[0] = True
     try:
+        for cls, run in originals.items():
+            cls.run = wrap(run)
         yield log
     finally:
-        _recording = None
+        for cls, run in originals.items():
+            cls.run = run
+        _recording[0] = False
 
 
 def check_kv_tensor(name: str, t, *, ndim: int = 4) -> None:
@@ -154,8 +223,10 @@ def check_kv_tensor(name: str, t, *, ndim: int = 4) -> None:
 
 
 def check_int(name: str, v, lo: int = 0) -> int:
-    """``v`` as an int: a TypeError naming ``name`` unless it is an integer (bools are not), a
-    ValueError when it is below ``lo``."""
+    """``v`` as an int: a TypeError naming ``name`` unless it is an integer (bools are not; NumPy
+    integers are), a ValueError when it is below ``lo``. The one integer check of the library."""
+    if type(v) is int and v >= lo:  # the common case, without the ABC check
+        return v
     if isinstance(v, bool) or not isinstance(v, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
     if v < lo:

@@ -1,18 +1,19 @@
 """Eviction policies: one small class per policy, registered by name.
 
-Every module of this package is imported here so its ``@register_policy`` classes are reachable
-by name from ``tritonkv.compress``.
+Each module below registers its policy class(es) with ``@register_policy`` when imported, which makes
+them reachable by name from ``tritonkv.compress``. A new policy module is added to this list.
 """
-import importlib
-import pkgutil
-
 from .base import POLICIES, Policy, get_policy, register_policy
+from .criticalkv import CriticalKV
+from .snapkv import SnapKV
+from .h2o import H2O
+from .keydiff import KeyDiff
+from .knorm import Knorm
+from .lagkv import LagKV
+from .score import ScoreSelect
+from .streaming_llm import StreamingLLM
+from .surfacelogic import SurfaceLogicKV
+from .tova import TOVA
 
-for _m in pkgutil.iter_modules(__path__):
-    if _m.name != "base":
-        _mod = importlib.import_module(f"{__name__}.{_m.name}")
-        for _cls in POLICIES.values():
-            if _cls.__module__ == _mod.__name__:
-                globals()[_cls.__name__] = _cls
-
-__all__ = ["POLICIES", "Policy", "get_policy", "register_policy"] + [c.__name__ for c in POLICIES.values()]
+__all__ = ["POLICIES", "Policy", "get_policy", "register_policy", "CriticalKV", "SnapKV", "H2O", "KeyDiff", "Knorm",
+           "LagKV", "ScoreSelect", "StreamingLLM", "SurfaceLogicKV", "TOVA"]

@@ -1,0 +1,225 @@
+"""Host time of an eager ``tritonkv.compress``: every layer above the kernel launch, measured on the CPU.
+
+On a GPU a small compress is host-bound: inside ``generate`` block-wise prefill calls it once per layer per
+block, and its CUDA graph replays in 0.01-0.5 ms where the eager call used to cost 0.4-1.8 ms of Python. This
+program measures that Python without a GPU:
+
+* CPU tensors take the Triton branch of every op (``tritonkv.kernels._common._cpu = "triton"``, the
+  interpreter off), so the launchers pick their GPU configurations;
+* a fake Triton driver answers device 0, stream 0, target ``sm_90``;
+* ``JITFunction._do_compile`` is replaced by a stub kernel that Triton caches like a compiled one, whose
+  ``run`` (the C launcher and ``cuLaunchKernel``) does nothing.
+
+So argument checks, policy and allocator code, ``torch.library`` dispatch where it is used, Triton's binder
+(argument specialisation, cache key) and the torch allocations run for real; missing are the C launcher
+(argument packing, a few µs per launch), the CUDA allocator and the device itself. Outputs of the
+stubbed kernels are never written: nothing is checked, only timed (allocators that read values back, such as
+AdaKV's two totals, read whatever the uninitialised buffers hold; the sizes below keep that harmless).
+
+Each case runs ``--warmup`` calls, then ``--rounds`` rounds of ``--calls`` calls; the minimum over rounds of the
+mean per call is reported (``host_us``), with a calibration: the time of a 1000-iteration empty Python loop on
+the same core (about 15-25 µs on an idle modern core).
+
+    python benchmarks/host_time.py                          # this checkout's tritonkv
+    python benchmarks/host_time.py --compare <git ref> --json benchmarks/results/host_time.json
+
+``--compare REF`` also measures the ``tritonkv`` package of git revision ``REF`` (extracted to a temporary
+directory, run in a subprocess with the same harness), interleaving the two so that a loaded machine affects
+both alike. Run without ``TRITON_INTERPRET``. Standalone: needs torch and triton only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import timeit
+
+B, H, G, N, D, W = 1, 8, 4, 1024, 128, 32  # H_q = H·G = 32 window queries of W tokens; keep 25 %
+KEEP = 0.25
+# (case, policy name, inputs it gets, allocation): every dense policy, and SnapKV/KNorm with an allocator
+CASES = [
+    ("knorm", "knorm", (), None),
+    ("keydiff", "keydiff", (), None),
+    ("lagkv", "lagkv", (), None),
+    ("streaming_llm", "streaming_llm", (), None),
+    ("snapkv", "snapkv", ("queries", "attn_lse"), None),
+    ("tova", "tova", ("queries", "attn_lse"), None),
+    ("h2o", "h2o", ("queries", "attn_lse"), None),
+    ("surfacelogic", "surfacelogic", ("queries",), None),
+    ("criticalkv", "criticalkv", ("queries", "o_proj"), None),
+    ("score", "score", ("queries", "hd"), None),
+    ("knorm+pyramid", "knorm", ("layer", "num_layers"), "pyramid"),
+    ("snapkv+adakv", "snapkv", ("queries", "attn_lse"), "adakv"),
+]
+
+
+def loop_us(reps: int = 200) -> float:
+    """µs of a 1000-iteration empty Python loop (min over ``reps``): the machine's speed."""
+    def loop():
+        for _ in range(1000):
+            pass
+    return min(timeit.repeat(loop, number=1, repeat=reps)) * 1e6
+
+
+def gpu_path_on_cpu():
+    """Route CPU tensors to the Triton bodies with a fake driver and stub kernels (see the docstring)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    from tritonkv.kernels import _common
+
+    if _common.INTERPRET:
+        raise SystemExit("run without TRITON_INTERPRET=1: the measurement needs Triton's JIT path")
+
+    class FakeDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    class StubKernel:  # what a compiled kernel offers JITFunction.run
+        function = packed_metadata = None
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, *args):
+            return None
+
+    def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        kernel = self.device_caches[device][0][key] = StubKernel()
+        return kernel
+
+    driver.set_active(FakeDriver())
+    JITFunction._do_compile = stub_compile
+    _common._cpu[0] = "triton"
+
+
+def make_inputs():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    values = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    pool = dict(queries=torch.randn(B, H * G, W, D, generator=g).to(torch.bfloat16),
+                attn_lse=torch.randn(B, H * G, W, generator=g),
+                o_proj=torch.randn(H * G * D, H * G * D, generator=g).to(torch.bfloat16),
+                hd=torch.rand(H, generator=g) + 0.1, layer=3, num_layers=8)
+    return keys, values, pool
+
+
+def measure(calls: int, rounds: int, warmup: int, only=None) -> dict:
+    """``{case: host µs per call}`` for this process's tritonkv."""
+    gpu_path_on_cpu()
+    import torch
+    import tritonkv
+
+    torch.set_num_threads(1)
+    keys, values, pool = make_inputs()
+    out = {}
+    for case, name, needs, allocation in CASES:
+        if only and case not in only:
+            continue
+        inputs = {n: pool[n] for n in needs}
+        extra = {} if allocation is None else {"allocation": allocation}
+
+        def call():
+            return tritonkv.compress((keys, values), name, KEEP, **extra, **inputs)
+        for _ in range(warmup):
+            call()
+        t = min(timeit.repeat(call, number=calls, repeat=rounds)) / calls
+        out[case] = round(t * 1e6, 1)
+    return out
+
+
+def _worker(args) -> None:
+    json.dump(dict(host_us=measure(args.calls, args.rounds, args.warmup, args.only), loop_us=round(loop_us(), 1)),
+              sys.stdout)
+
+
+def _run_tree(tree: str, args) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(args.calls), "--rounds",
+           str(args.rounds), "--warmup", str(args.warmup)] + (["--only", *args.only] if args.only else [])
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
+    if r.returncode:
+        raise SystemExit(f"host_time worker for {tree} failed:\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout)
+
+
+def _git(*a, cwd) -> str:
+    return subprocess.run(["git", *a], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=30, help="calls per round")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds (the minimum mean is reported)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="worker runs per tree, interleaved (min is kept)")
+    ap.add_argument("--compare", metavar="REF", help="also measure the tritonkv of this git revision (before)")
+    ap.add_argument("--only", nargs="*", help="cases to run")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return _worker(args)
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"after": (repo, _git("rev-parse", "HEAD", cwd=repo))}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.compare:
+            sha = _git("rev-parse", args.compare, cwd=repo)
+            subprocess.run(f"git archive {sha} tritonkv | tar -x -C {tmp}", shell=True, cwd=repo, check=True)
+            trees = {"before": (tmp, sha), **trees}
+        runs = {k: [] for k in trees}
+        for _ in range(args.repeats):
+            for k, (tree, _sha) in trees.items():
+                runs[k].append(_run_tree(tree, args))
+    res = {}
+    for k, rs in runs.items():
+        res[k] = dict(commit=trees[k][1], host_us={c: min(r["host_us"][c] for r in rs) for c in rs[0]["host_us"]},
+                      loop_us=min(r["loop_us"] for r in rs))
+    cases = list(res["after"]["host_us"])
+    print(f"{'case':<16}" + "".join(f"{k:>12}" for k in res) + ("   after/before" if "before" in res else ""))
+    for c in cases:
+        row = "".join(f"{res[k]['host_us'][c]:>12.1f}" for k in res)
+        if "before" in res:
+            row += f"   {res['after']['host_us'][c] / res['before']['host_us'][c]:>8.2f}"
+        print(f"{c:<16}{row}")
+    print("calibration, 1000-iteration Python loop (us): "
+          + ", ".join(f"{k} {v['loop_us']}" for k, v in res.items()))
+    if args.json:
+        import torch
+        import triton
+
+        doc = dict(what="host time per eager tritonkv.compress, GPU path driven on the CPU with stub launches "
+                        "(benchmarks/host_time.py docstring)",
+                   shape=dict(B=B, H_kv=H, H_q=H * G, N=N, D=D, W=W, dtype="bfloat16", keep=KEEP),
+                   machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                                python=platform.python_version(), torch=torch.__version__,
+                                triton=triton.__version__),
+                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                   settings=dict(calls=args.calls, rounds=args.rounds, warmup=args.warmup, repeats=args.repeats),
+                   **res)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
