@@ -414,7 +414,7 @@ def test_kernels_compile_ahead_of_time():
         lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32", "scale": f,
                    "CHUNK": "i32"}
         score_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "lse_ptr": "*fp32", "u_ptr": "*fp32", **kq,
-                     **i32("slb", "slh", "slc", "slg", "slw", "NC"), "scale": f, "out_scale": f,
+                     **i32("slb", "slh", "slc", "slg", "slw", "NC"), "w_ptr": "*fp32", "scale": f,
                      "CHUNK": "i32"}
         lse_c = {**blocks, **tail}
         score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail}

@@ -25,7 +25,8 @@ def value_norms(V: np.ndarray, W: np.ndarray, h: int, G: int, norm: str = "l1") 
     for q in range(h * G, (h + 1) * G):
         p = V @ W[:, q * d:(q + 1) * d].T  # W_O^q v_j for every j
         n += np.abs(p).sum(axis=1) if norm == "l1" else np.sqrt((p * p).sum(axis=1))
-    return n / G
+    # a token whose value has a non-finite element ranks lowest (docs/contracts.md, "Non-finite inputs")
+    return np.where(np.isfinite(V).all(axis=1), n / G, np.nan)
 
 
 def ranked(key: np.ndarray, candidates) -> list:

@@ -15,6 +15,10 @@ whose bf16 ``tl.dot`` is wrong) both are cast to fp32 and multiplied in IEEE fp3
 On the CPU (outside the interpreter) the op runs ``_value_norms_torch``: the same projections as
 batched fp32 matmuls over token chunks.
 
+**Non-finite values** (``docs/contracts.md``): a token whose value has a NaN or ±inf element gets a
+NaN norm (it ranks lowest), in both norms, on the kernels and the PyTorch bodies alike; the flag
+comes from the tile each program has loaded anyway (no extra pass over the values).
+
 **The L2 option** (``norm="l2"``): n_j = (1/G) Σ_q ‖W_O^q v_j‖₂. With W_O^q = Q_q R_q (QR, R_q
 ``[d, d]`` triangular), ‖W_O^q v‖₂ = ‖R_q v‖₂ and R_qᵀ R_q = (W_O^q)ᵀ W_O^q is the head's Gram
 matrix: per token G·d² multiply-adds instead of G·d·D_model (d = 128, D_model = 4096, G = 4,
@@ -29,8 +33,7 @@ u R_qᵀ ≈ u_hi·hi + u_hi·lo + u_lo·hi on the tensor cores with fp32 accumu
 bf16 values, so two products), in 32-channel slices of u and 64-column blocks of the product
 (‖p‖² summed over the blocks; on the GPU 128 tokens a program); the interpreter runs the same bf16
 operands multiplied in fp32. Error: |Δ‖p‖| ≤ (3d·ε₃₂ + 5·2⁻¹⁶)·‖|u| |R_qᵀ|‖ + (d + 4)·ε₃₂·‖p‖ per head
-(measured ~10⁻⁵ relative on random heads; the L1 kernel's is ~10⁻⁶). A NaN value gives
-NaN, an infinite one +inf. The L2 norm is a different criterion from the paper's L1 norm: see
+(measured ~10⁻⁵ relative on random heads; the L1 kernel's is ~10⁻⁶). The L2 norm is a different criterion from the paper's L1 norm: see
 ``tritonkv.policies.criticalkv`` for what it changes in the selection.
 """
 from __future__ import annotations
@@ -57,6 +60,7 @@ def _value_norm_kernel(v_ptr, w_ptr, out_ptr, H, G, N, D, DM, svb, svh, svn, swm
     v = tl.load(v_ptr + src, mask=nmask[:, None] & dmask[None, :], other=0.0)
     if not NATIVE_DOT:
         v = v.to(tl.float32)
+    finite = tl.sum(tl.where(v * 0.0 == 0.0, 0, 1), 1) == 0  # per token, from the tile loaded (x·0 = 0 iff finite)
     m = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for q in range(G):
@@ -70,9 +74,8 @@ def _value_norm_kernel(v_ptr, w_ptr, out_ptr, H, G, N, D, DM, svb, svh, svn, swm
                 p = tl.dot(v, w)
             else:
                 p = tl.dot(v, w.to(tl.float32), input_precision="ieee")
-            # padded W_O rows are zeros: an infinite value times 0 is NaN there, so mask them out
             acc += tl.sum(tl.where((rows < DM)[None, :], tl.abs(p), 0.0), 1)
-    tl.store(out_ptr + r * N + offs, acc / G, mask=nmask)
+    tl.store(out_ptr + r * N + offs, tl.where(finite, acc / G, float("nan")), mask=nmask)
 
 
 def _blocks(n: int, d: int, dm: int, native: bool):
@@ -96,8 +99,7 @@ def _value_norms_torch(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tens
     of their group, ``[B, H, 1, n, d] @ [H, G, d, D_model]`` (W_O^q transposed, a view) in fp32,
     then the L1 norm over D_model (one fused reduction) and the mean over the G heads. The chunk
     n keeps that block under ``TORCH_BLOCK`` elements; the chunk count depends only on shapes.
-    IEEE fp32 throughout: a NaN value gives NaN, an infinite one +inf (NaN where it meets an exact
-    zero of W_O)."""
+    IEEE fp32 throughout; a token whose value has a non-finite element gets NaN."""
     B, H, N, D = values.shape
     DM = o_proj.shape[0]
     G = o_proj.shape[1] // (H * D)
@@ -107,7 +109,8 @@ def _value_norms_torch(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tens
     out = torch.empty((B, H, N), dtype=torch.float32, device=values.device)
     for t0 in range(0, N, chunk):
         p = v[:, :, :, t0:t0 + chunk] @ w  # [B, H, G, n, D_model]
-        out[:, :, t0:t0 + chunk] = torch.linalg.vector_norm(p, ord=1, dim=-1).sum(2) / G
+        n = torch.linalg.vector_norm(p, ord=1, dim=-1).sum(2) / G
+        out[:, :, t0:t0 + chunk] = torch.where(torch.isfinite(v[:, :, 0, t0:t0 + chunk]).all(-1), n, float("nan"))
     return out
 
 
@@ -188,8 +191,7 @@ def _value_norm_l2_kernel(v_ptr, f_ptr, out_ptr, H, G, N, D, svb, svh, svn, sfs,
                     p = tl.dot(a_lo, f_hi, p, out_dtype=tl.float32)
             sq += tl.sum(p * p, 1)
         acc += tl.sqrt(sq)
-    n = tl.where(inf, float("inf"), acc * m / G)
-    tl.store(out_ptr + r * N + offs, tl.where(nan, float("nan"), n), mask=nmask)
+    tl.store(out_ptr + r * N + offs, tl.where(nan | inf, float("nan"), acc * m / G), mask=nmask)
 
 
 def _blocks_l2(n: int, d: int):
@@ -240,7 +242,7 @@ def split_factors(factors: torch.Tensor) -> torch.Tensor:
 def _value_norms_l2_torch(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     """The L2 op's CPU body: R_qᵀ = hi + lo in fp32, the kernel's scaling by a power of two, u R_qᵀ
     as batched fp32 matmuls (no split of u) over token chunks of at most ``TORCH_BLOCK`` elements of
-    ``[B, H, G, n, d]``, the norm, the group mean, and the kernel's NaN/inf rules."""
+    ``[B, H, G, n, d]``, the norm, the group mean, and NaN for a value with a non-finite element."""
     B, H, N, D = values.shape
     G = factors.shape[1] // H
     f = (factors[0].float() + factors[1].float()).reshape(H, G, D, D)
@@ -254,7 +256,7 @@ def _value_norms_l2_torch(values: torch.Tensor, factors: torch.Tensor) -> torch.
         m = torch.where((e > 0) & (e < 0xFF), (e << 23).view(torch.float32), 1.0).unsqueeze(-1)
         p = (v / m).unsqueeze(2) @ f  # [B, H, G, n, d]
         n = torch.linalg.vector_norm(p, dim=-1).sum(2) * m.squeeze(-1) / G
-        out[:, :, t0:t0 + chunk] = torch.where(nan, float("nan"), torch.where(inf, float("inf"), n))
+        out[:, :, t0:t0 + chunk] = torch.where(nan | inf, float("nan"), n)
     return out
 
 

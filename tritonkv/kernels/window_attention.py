@@ -79,6 +79,20 @@ def _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32: tl.constexpr):
 
 
 @triton.jit
+def _finite_cols(kt):
+    """Per key of a [BLOCK_D, BLOCK_N] tile: True when every element is finite (x·0 is 0 only for a
+    finite x), from the tile already loaded."""
+    return tl.sum(tl.where(kt * 0.0 == 0.0, 0, 1), 0) == 0
+
+
+@triton.jit
+def _load_w(w_ptr, wbase, W, g, i, valid):
+    """Per query row: its weight in the reduction (0 for a row left out) and ln of it."""
+    w = tl.load(w_ptr + wbase + g.to(tl.int64) * W + i, mask=valid, other=0.0)
+    return w, tl.log(w)
+
+
+@triton.jit
 def _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid):
     """ln Σ over all keys per row, combined from NC partial LSEs (NC = 1: ``attn_lse`` as given)."""
     offs = lbase + g.to(tl.int64) * slg + i.to(tl.int64) * slw
@@ -113,7 +127,8 @@ def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb
                 j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
                 kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
                 s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
-                s = tl.where(valid[:, None] & (j[None, :] <= pos[:, None]), s, float("-inf"))
+                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & _finite_cols(kt)[None, :]
+                s = tl.where(vis, s, float("-inf"))
                 new = tl.maximum(mx, tl.max(s, 1))
                 safe = tl.where(new == float("-inf"), 0.0, new)
                 tot = tot * tl.exp(mx - safe) + tl.sum(tl.exp(s - safe[:, None]), 1)
@@ -126,26 +141,29 @@ def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb
 
 @triton.jit(do_not_specialize=["slb", "slh", "slc", "NC", "CHUNK"])
 def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw,
-                         slb, slh, slc, slg, slw, NC, scale, out_scale,
+                         slb, slh, slc, slg, slw, NC, w_ptr, scale,
                          CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                          BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
                          CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
     scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
-    out_scale = tl.cast(out_scale, tl.float32)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     kbase = (r // H) * skb + (r % H) * skh
     qbase = (r // H) * sqb + (r % H) * G * sqh
     lbase = (r // H) * slb + (r % H) * slh
+    wbase = r * G * W  # row weights [B, H_q, W], contiguous
     d = tl.arange(0, BLOCK_D)
     n_chunk = tl.minimum(CHUNK, N - c * CHUNK)  # keys of this chunk
-    if HOIST:  # a single row block: queries and LSEs stay in registers for every key tile
+    if HOIST:  # a single row block: queries, LSEs and weights stay in registers for every key tile
         g_h, i_h, pos_h, valid_h = _rows(0, 0, G, W, N, GB, BW)
         q_h = _load_q(q_ptr, qbase, sqh, sqw, g_h, i_h, valid_h, d, D, CAST_FP32)
-        lse_h = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g_h, i_h, valid_h)
+        w_h, lw_h = _load_w(w_ptr, wbase, W, g_h, i_h, valid_h)
+        valid_h = valid_h & (w_h > 0)
+        lse_h = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g_h, i_h, valid_h) - lw_h
     for t0 in range(0, n_chunk, BLOCK_N):
         j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
         kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
+        kfin = _finite_cols(kt)
         acc = tl.zeros([BLOCK_N], tl.float32)
         for g0 in range(0, G, GB):
             hs = tl.zeros([GB, BLOCK_N], tl.float32)  # per-head sums over the window rows
@@ -155,9 +173,11 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                 else:
                     g, i, pos, valid = _rows(g0, w0, G, W, N, GB, BW)
                     q = _load_q(q_ptr, qbase, sqh, sqw, g, i, valid, d, D, CAST_FP32)
-                    lse = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid)
+                    w, lw = _load_w(w_ptr, wbase, W, g, i, valid)
+                    valid = valid & (w > 0)
+                    lse = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid) - lw
                 s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
-                vis = valid[:, None] & (j[None, :] <= pos[:, None])
+                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & kfin[None, :]
                 p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))
                 hs += tl.sum(tl.reshape(p, [GB, BW, BLOCK_N]), 1)
             if GROUP_MAX:  # padded heads add zeros; u >= 0. tl.max skips NaN: a NaN head makes the max NaN
@@ -166,7 +186,7 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                                  propagate_nan=tl.PropagateNan.ALL)
             else:
                 acc += tl.sum(hs, 0)
-        tl.store(u_ptr + r * N + j, acc * out_scale, mask=j < N)
+        tl.store(u_ptr + r * N + j, tl.where(kfin, acc, float("nan")), mask=j < N)
 
 
 @triton.jit
@@ -189,7 +209,7 @@ def _window_pool_kernel(u_ptr, out_ptr, H, N, n_pool, KSIZE: tl.constexpr, POOL_
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     j = c * BLOCK + tl.arange(0, BLOCK)
-    res = _head_value(u_ptr, r, j, j < N, H, N, LAYER)
+    res = _head_value(u_ptr, r, j, j < N, H, N, LAYER)  # NaN: a non-finite key, kept as it is
     if KSIZE > 1:
         if POOL_MAX:
             acc = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -197,15 +217,15 @@ def _window_pool_kernel(u_ptr, out_ptr, H, N, n_pool, KSIZE: tl.constexpr, POOL_
             acc = tl.zeros([BLOCK], tl.float32)
         for t in tl.static_range(KSIZE):
             jj = j - KSIZE // 2 + t
-            m = (jj >= 0) & (jj < n_pool)
-            v = _head_value(u_ptr, r, jj, m, H, N, LAYER)
+            v = _head_value(u_ptr, r, jj, (jj >= 0) & (jj < n_pool), H, N, LAYER)
+            m = (jj >= 0) & (jj < n_pool) & (v == v)  # a NaN neighbour (non-finite key) is a hole, like padding
             if POOL_MAX:
-                acc = tl.maximum(acc, tl.where(m, v, float("-inf")), propagate_nan=tl.PropagateNan.ALL)
+                acc = tl.maximum(acc, tl.where(m, v, float("-inf")))
             else:
-                acc += v  # padding counts as zero
+                acc += tl.where(m, v, 0.0)  # padding and holes count as zero
         if not POOL_MAX:
             acc = acc / KSIZE
-        res = tl.where(j < n_pool, acc, res)
+        res = tl.where((j < n_pool) & (res == res), acc, res)
     tl.store(out_ptr + r * N + j, res, mask=j < N)
 
 
@@ -238,6 +258,43 @@ def _config(N: int, G: int, W: int, D: int, chunk: int) -> dict:
 TORCH_BLOCK = 1 << 25
 
 
+def row_weights(queries: torch.Tensor, attn_lse: torch.Tensor, N: int, H: int, row_reduce: str,
+                head_reduce: str) -> torch.Tensor:
+    """fp32 ``[B, H_q, W]``: each query row's weight in u, the row and head reductions folded in.
+
+    A row whose query holds a non-finite element, or whose given LSE is not finite (−inf is right
+    only for a row at a negative position, W > N, which sees no key and still counts), is left out
+    (weight 0); the mean over rows divides by the rows left in of that head, the mean over the group
+    by the heads with a row left in (``"max"``: no division). All rows finite: 1/(W·G) (``"sum"``: 1/G)."""
+    B, Hq, W = queries.shape[:3]
+    ok = torch.isfinite(queries).all(-1)
+    if attn_lse.numel() > 0:
+        ok &= torch.isfinite(attn_lse) | (torch.arange(N - W, N, device=queries.device) < 0)
+    w = ok.to(torch.float32)
+    rows = w.sum(-1, keepdim=True)  # [B, H_q, 1] rows left in
+    if row_reduce == "mean":
+        w = w / rows.clamp(min=1)
+    if head_reduce != "max":
+        heads = (rows > 0).view(B, H, Hq // max(H, 1)).sum(-1, keepdim=True)  # [B, H, 1] heads left in
+        w = (w.view(B, H, -1) / heads.clamp(min=1)).view(B, Hq, W)
+    return w.contiguous()
+
+
+def pool_torch(u: torch.Tensor, n_pool: int, kernel_size: int, pool: str) -> torch.Tensor:
+    """``_window_pool_kernel``'s pooling over [0, n_pool) of rows ``[..., N]``: output j covers
+    [j − κ//2, j − κ//2 + κ); max ignores the padding, avg counts it as zeros, a NaN neighbour (a
+    non-finite key) is a hole like the padding, a NaN entry stays NaN; entries from n_pool on are
+    copied."""
+    if kernel_size <= 1 or n_pool <= 0:
+        return u.contiguous()
+    pad = kernel_size // 2
+    fill = float("-inf") if pool == "max" else 0.0
+    own = u[..., :n_pool]
+    win = torch.nn.functional.pad(torch.where(own == own, own, fill), (pad, kernel_size - 1 - pad), value=fill).unfold(-1, kernel_size, 1)
+    pooled = win.amax(-1) if pool == "max" else win.sum(-1) / kernel_size
+    return torch.cat([torch.where(own == own, pooled, own), u[..., n_pool:]], dim=-1).contiguous()
+
+
 def _lse_from(mx: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
     """mx + ln(tot) with the kernel's rules: −inf where tot = 0 (no visible key), NaN where tot is
     NaN (a NaN logit, or +inf: inf − inf), as the oracle's max-shifted sum gives."""
@@ -260,25 +317,29 @@ def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: 
     ``repeat_kv``); per token chunk their logits ``τ·q·kᵀ`` are one batched matmul ``[B, H, G·W, n]``
     (n keeps the block under ``TORCH_BLOCK`` elements). Every row sees the keys up to N − W; only
     the last W − 1 keys need the causal mask (key j visible to row i iff j ≤ N − W + i), applied in
-    place. Then, in place on the block (no second one is allocated):
+    place; keys with a non-finite element are masked out like invisible ones, and rows left out
+    (``row_weights``: a non-finite query or given LSE) see nothing (their query is zeroed first).
+    Then, in place on the block (no second one is allocated):
 
     * one chunk, no ``attn_lse``: e = exp(logit − row max), the row's LSE from Σ e, and the head
-      sums Σ_i r_i·e_ij with r_i = exp(row max − LSE_i) as one batched mat-vec per head;
+      sums Σ_i r_i·e_ij with r_i = w_i·exp(row max − LSE_i) as one batched mat-vec per head;
     * otherwise: pass 1 the partial LSE of every chunk (or ``attn_lse``), combined as the kernel
-      does; pass 2 recomputes each chunk's logits, e = exp(logit − LSE), r = 1.
+      does; pass 2 recomputes each chunk's logits, e = exp(logit − LSE), r = w.
 
     Entries of keys a row does not see are 0, also when r is not finite (the last W − 1 keys are
     summed again elementwise with them zeroed), as in the kernel. Then the reduction over the G
-    heads (sum or max, times the kernel's ``out_scale``), the layer mean and the pooling over
-    [0, N − W) (max ignores the padding, avg counts it as zeros) as ``_window_pool_kernel``; window
-    positions keep their unpooled u."""
+    heads (sum or max; the row weights w hold the means), NaN at non-finite keys, the layer mean and
+    ``pool_torch``; window positions keep their unpooled u."""
     B, H, N, D = keys.shape
     Hq, W = queries.shape[1], queries.shape[2]
     G = Hq // max(H, 1)
     dev = keys.device
     if B * H == 0 or N == 0:
         return torch.empty((B, H, N), dtype=torch.float32, device=dev)
-    q = queries.float().reshape(B, H, G * W, D) * scale  # rows of KV head h: its G heads × W rows
+    w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce).view(B, H, G * W, 1)
+    left_in = w > 0
+    q = torch.where(left_in, queries.float().reshape(B, H, G * W, D), 0.0) * scale  # rows of KV head h
+    kfin = torch.isfinite(keys).all(-1)  # [B, H, N]
     pos = (N - W + torch.arange(W, device=dev)).repeat(G)[:, None]  # [G·W, 1] position of each row
     first = max(N - W + 1, 0)  # keys before this one are visible to every row
     chunk = max(1, TORCH_BLOCK // (B * H * G * W))
@@ -287,6 +348,7 @@ def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: 
     def logits(t0: int, t1: int):
         """Logits of keys [t0, t1), −inf where not visible; (block, c, visibility of columns c…)."""
         s = q @ keys[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, G·W, n]
+        s.masked_fill_(~(kfin[:, :, None, t0:t1] & left_in), float("-inf"))
         c = min(max(first - t0, 0), t1 - t0)
         vis = torch.arange(t0 + c, t1, device=dev) <= pos  # [G·W, n − c]
         s[..., c:].masked_fill_(~vis, float("-inf"))
@@ -315,28 +377,21 @@ def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: 
             if len(spans) == 1:
                 once = e, shift, c, vis
         lse = _combine_lse(torch.stack(parts))  # [B, H, G·W, 1]
-    out_scale = (1.0 / W if row_reduce == "mean" else 1.0) * (1.0 if head_reduce == "max" else 1.0 / G)
+    lse = torch.where(left_in & (lse > float("-inf")), lse, 0.0)  # rows that see no finite key: e = 0
     u = torch.empty((B, H, N), dtype=torch.float32, device=dev)
     for t0, t1 in spans:
         if once is not None:
             e, shift, c, vis = once
-            r = torch.exp(shift - lse)
+            r = torch.where(left_in, torch.exp(shift - lse) * w, 0.0)
         else:
             s, c, vis = logits(t0, t1)
-            e, r = s.sub_(lse).exp_(), torch.ones_like(lse)
+            e, r = s.sub_(lse).exp_(), w
         hs = head_sums(e, r, c, vis)
-        u[:, :, t0:t1] = (hs.amax(2) if head_reduce == "max" else hs.sum(2)) * out_scale
+        red = hs.amax(2) if head_reduce == "max" else hs.sum(2)
+        u[:, :, t0:t1] = torch.where(kfin[:, :, t0:t1], red, float("nan"))
     if head_reduce == "layer":
         u = (u.sum(1, keepdim=True) / H).expand(B, H, N)
-    n_pool = max(N - W, 0)
-    if kernel_size > 1 and n_pool > 0:
-        pad = kernel_size // 2
-        fill = float("-inf") if pool == "max" else 0.0
-        padded = torch.nn.functional.pad(u[..., :n_pool], (pad, kernel_size - 1 - pad), value=fill)
-        win = padded.unfold(-1, kernel_size, 1)  # [B, H, n_pool, κ]: output j covers [j − κ//2, j − κ//2 + κ)
-        pooled = win.amax(-1) if pool == "max" else win.sum(-1) / kernel_size  # amax keeps NaN
-        u = torch.cat([pooled, u[..., n_pool:]], dim=-1)
-    return u.contiguous()
+    return pool_torch(u, max(N - W, 0), kernel_size, pool)
 
 
 @triton_op("tritonkv::window_attention_score", mutates_args=())
@@ -370,8 +425,8 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
         launch(_window_lse_kernel, (C, R), keys, queries, lse, *kq, C, scale, **common)
     pooled = kernel_size > 1 or head_reduce == "layer"
     u = torch.empty_like(out) if pooled else out
-    out_scale = (1.0 / W if row_reduce == "mean" else 1.0) * (1.0 if head_reduce == "max" else 1.0 / G)
-    launch(_window_score_kernel, (C, R), keys, queries, lse, u, *kq, *lstr, NC, scale, out_scale,
+    w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce)
+    launch(_window_score_kernel, (C, R), keys, queries, lse, u, *kq, *lstr, NC, w, scale,
            GROUP_MAX=head_reduce == "max", HOIST=G <= cfg["GB"] and W <= cfg["BW"], **common)
     if pooled:
         block = min(next_pow2(N), 4096 if INTERPRET else 1024)

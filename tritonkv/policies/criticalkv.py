@@ -87,9 +87,10 @@ class CriticalKV(Policy):
     Needs the base's inputs plus ``o_proj`` (W_O ``[D_model, H_q·d]``, nn.Linear layout, or the
     module). Protected tokens are the base's (``sink``/``window`` mirror it and are not settable).
 
-    Non-finite inputs: base scores behave as the base policy's (NaN ranks lowest in both stages);
-    ‖v W_O‖₁ is NaN for a value holding NaN (the token ranks lowest in stage 2) and +inf for one
-    holding ±inf (stage 2 takes it first, unless its base score is NaN).
+    Non-finite inputs (``docs/contracts.md``): a token whose key or value has a NaN or ±inf element
+    ranks lowest in both stages (score NaN, norm NaN), and the others are scored as if it were
+    absent: ``score`` hands the base keys with such a token's key made NaN, which every base treats
+    as absent (one elementwise pass over K and V, small beside the ‖v W_O‖ projections).
     """
 
     name: ClassVar[str] = "criticalkv"
@@ -121,7 +122,10 @@ class CriticalKV(Policy):
         return self.base.protected(n, budget)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
-        """The base scores s (what allocators such as AdaKV see); the transform is in ``select``."""
+        """The base scores s (what allocators such as AdaKV see; NaN where the value is not finite);
+        the transform is in ``select``."""
+        if isinstance(values, torch.Tensor) and values.shape[:3] == keys.shape[:3]:
+            keys = torch.where(torch.isfinite(values).all(-1, keepdim=True), keys, float("nan"))
         return self.base.score(keys, values, **inputs)
 
     def stage1_budgets(self, budgets: torch.Tensor, protected: int) -> torch.Tensor:
