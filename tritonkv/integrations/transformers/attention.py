@@ -1,7 +1,9 @@
 """The ``"tritonkv"`` attention function: attention over a ``TritonKVCache`` layer in memory linear in T and S.
 
-transformers calls ``cache.update`` (which stores the new keys and remembers the layer in ``_ACTIVE``) and then
-the attention function registered in ``AttentionInterface``. Attention is by *position*, not slot: a query at
+transformers calls ``cache.update`` and then the attention function registered in ``AttentionInterface``; the layer
+reaches the attention call through transformers' own attention kwargs (``cache.update`` receives the dict the model
+then spreads into the attention call and adds ``LAYER_KWARG`` to it), or, where a transformers version does not hand
+that dict to ``cache.update``, through the context variable ``_LAYER_UPDATED_LAST`` (eager only). Attention is by *position*, not slot: a query at
 sequence index i sees every stored token with index <= i (every kept token precedes the block being fed; the
 block itself is causal), never a pad or an empty slot. Three paths, none of which builds an ``[H, T, S]``
 tensor:
@@ -21,6 +23,7 @@ After attending, the layer compresses when its schedule says so (``TritonKVLayer
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import weakref
 
 import torch
@@ -33,8 +36,33 @@ from .storage import SENTINEL
 ATTN_IMPLEMENTATION = "tritonkv"
 MASK_ELEMENTS = 1 << 21  # per query chunk: mask elements (8 MB as fp32)
 
-# (layer, keys returned by its last update): how the attention function finds its layer
-_ACTIVE: list = [None]
+LAYER_KWARG = "tritonkv_layer"  # the attention kwarg carrying (layer, the keys its update returned)
+# the same pair where transformers does not hand the attention kwargs to ``cache.update`` (read once, then cleared)
+_LAYER_UPDATED_LAST: contextvars.ContextVar = contextvars.ContextVar("tritonkv_layer_updated_last", default=None)
+
+
+def hand_over(layer, keys, update_kwargs: dict) -> None:
+    """Tell the attention call that follows ``cache.update`` which layer (and which returned keys) it reads:
+    through the attention kwargs when transformers passes them to ``update`` (as ``kwargs=``), else through
+    ``_LAYER_UPDATED_LAST``."""
+    attn_kwargs = update_kwargs.get("kwargs")
+    if isinstance(attn_kwargs, dict):
+        attn_kwargs[LAYER_KWARG] = (layer, keys)
+        return
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("a compiled step with a TritonKVCache needs a transformers whose attention layers "
+                                  "pass their kwargs to cache.update (kwargs=...); this one does not: decode eagerly")
+    _LAYER_UPDATED_LAST.set((layer, keys))
+
+
+def _take_layer(kwargs: dict):
+    """The (layer, keys) handed over by ``hand_over`` for this attention call, or None."""
+    active = kwargs.pop(LAYER_KWARG, None)
+    if active is None and not torch.compiler.is_compiling():
+        active = _LAYER_UPDATED_LAST.get()
+        if active is not None:
+            _LAYER_UPDATED_LAST.set(None)
+    return active
 
 
 def _chunk(T: int, per_query: int) -> int:
@@ -106,7 +134,7 @@ def decode_sdpa(query, key, value, scaling):
 def attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
     """``AttentionInterface`` entry ``"tritonkv"``. With a ``TritonKVCache`` it attends over the compressed
     layer and then compresses it when due; with any other cache it is plain causal attention."""
-    active, _ACTIVE[0] = _ACTIVE[0], None
+    active = _take_layer(kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     ours = active is not None and active[1] is key
     compiling = torch.compiler.is_compiling()
@@ -119,7 +147,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     if attention_mask is not None and T > 1 and not compiling:
         layer.mark_padding(attention_mask[:, -T:].bool())
     out = layer.attend(query, key, value, scaling)
-    if not compiling:
+    if compiling:
+        layer.roll_queries(query)  # window policies: the saved queries stay current, on the device
+    else:
         layer.after_attention(query)
     return out, None
 

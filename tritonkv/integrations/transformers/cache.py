@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ...api import Compressed, check_input_names, compress, resolve_budget
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
-from .attention import _ACTIVE, block_attention, causal_attention, decode_sdpa, masked_attention
+from .attention import block_attention, causal_attention, decode_sdpa, hand_over, masked_attention
 from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
@@ -60,11 +60,42 @@ def _query_window(policy: Policy) -> int:
     return w if isinstance(w, int) and w > 0 else 32
 
 
+def _read_only(name: str):
+    def setter(self, value):
+        if value is None and getattr(self, "store", None) is None:  # the mixin's constructor
+            return
+        raise AttributeError(f"TritonKVLayer.{name} is a read-only view of the layer's storage: write through "
+                             f"update() (new tokens) or compress_to() (eviction)")
+    return setter
+
+
+def _compact(keys, values, pos):
+    """Each head's slots that hold a token moved to the front (in order), ``SENTINEL`` slots after them; the
+    width is the longest head's count (one host read)."""
+    valid = pos != SENTINEL
+    w = int(valid.sum(-1).max())
+    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[..., :w]
+    take = order[..., None].expand(*order.shape, keys.shape[-1])
+    return keys.gather(2, take), values.gather(2, take), pos.gather(2, order)
+
+
+def _pad_to(t, width: int, fill):
+    """``t`` ``[B, H, m, ...]`` padded with ``fill`` to ``width`` slots on dim 2."""
+    if t.shape[2] == width:
+        return t
+    extra = t.new_full((*t.shape[:2], width - t.shape[2], *t.shape[3:]), fill)
+    return torch.cat([t, extra], dim=2)
+
+
 class TritonKVLayer(CacheLayerMixin):
     """One layer: its ``store`` (dense or ragged), the tokens seen so far and the last queries (window policies).
 
-    ``keys``/``values``/``pos`` are the dense buffers (``pos``: each slot's sequence index, ``SENTINEL`` for pads
-    and empty slots); ``n`` the slots in use (the longest row of a ragged store)."""
+    ``keys``/``values``/``pos`` are read-only views of the storage (``pos``: each slot's sequence index,
+    ``SENTINEL`` for pads and empty slots); ``n`` the slots in use (the longest row of a ragged store).
+
+    Left-padded batches: once a forward carries pads (``mark_padding``), the layer keeps per-row counters (``pads``,
+    ``row_n``, ``row_since``, ``row_alloc``) and decides and runs each compression per batch row on that row's own
+    tokens (``compress_rows``), exactly as the row alone would: a row's logits do not depend on its neighbours."""
 
     is_compileable = False
     is_sliding = False
@@ -80,14 +111,20 @@ class TritonKVLayer(CacheLayerMixin):
         self.has_invalid = False  # some slot below n holds no token (a pad, or a gap of a shorter row)
         self.peak = 0  # most slots ever in use
         self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies
+        self._qbuf = self._qcount = None  # reserved: a fixed window of queries kept current on the device
+        self.pads: Optional[list[int]] = None  # per batch row, pads fed (set by the first padded forward)
+        self.row_n: list[int] = []  # per row: the longest head's tokens held (pads never count)
+        self.row_since: list[int] = []  # per row: real tokens fed since its last compression
+        self.row_alloc: list[bool] = []  # per row: last compressed with per-head budgets
+        self.row_block: list[int] = []  # per row: real tokens fed since the row's last block end
 
     # the owning cache, held weakly: a strong back-reference would put every cache in a reference cycle, so its
     # tensors would outlive the last reference until Python's cyclic collector ran (GBs at long context)
     cache = property(lambda self: self._cache())
 
     # the mixin's attributes, read from the store
-    keys = property(lambda self: None if self.store is None else self._dense().keys, lambda self, v: None)
-    values = property(lambda self: None if self.store is None else self._dense().values, lambda self, v: None)
+    keys = property(lambda self: None if self.store is None else self._dense().keys, _read_only("keys"))
+    values = property(lambda self: None if self.store is None else self._dense().values, _read_only("values"))
     pos = property(lambda self: None if self.store is None else self._dense().pos)
     n = property(lambda self: 0 if self.store is None else self.store.n)
 
@@ -119,13 +156,45 @@ class TritonKVLayer(CacheLayerMixin):
         if capacity > self.store.capacity:
             self.store.resize(capacity)
         self.store.static = True
+        static = [self.store.keys, self.store.values, self.store.pos, self.fill, self.seen_dev]
+        if self.cache._wants_queries and self._qbuf is None and self.queries is not None:
+            # window policies: the last W queries in a fixed buffer that compiled steps roll on the device
+            W, q = self.cache.q_window, self.queries
+            self._qbuf = q.new_zeros(*q.shape[:2], W, q.shape[-1])
+            self._qbuf[:, :, W - q.shape[2]:] = q
+            self._qcount = torch.full((), q.shape[2], dtype=torch.int64, device=self.device)
+            static += [self._qbuf, self._qcount]
         if not _compiling():  # fixed data pointers: a compiled step (CUDA graphs) mutates them in place
-            for t in (self.store.keys, self.store.values, self.store.pos, self.fill, self.seen_dev):
+            for t in static:
                 torch._dynamo.mark_static_address(t)
+
+    def roll_queries(self, query) -> None:
+        """Window policies in a reserved (compiled) layer: shift the fixed window of saved queries by the new ones, in
+        place on the device (no shape or host value changes, so no recompile)."""
+        if self._qbuf is None:
+            return
+        W = self._qbuf.shape[2]
+        self._qbuf.copy_(torch.cat([self._qbuf, query], dim=2)[:, :, -W:])
+        self._qcount.add_(query.shape[2])
+
+    def _reserved_queries(self):
+        """The saved window of a reserved layer: its last ``min(queries fed, W)`` queries (one host read)."""
+        W = self._qbuf.shape[2]
+        return self._qbuf[:, :, W - min(int(self._qcount), W):]
+
+    def _check_shape(self, key_states) -> None:
+        B, H, _, D = key_states.shape
+        if (B, H, D) != self._shape:
+            raise ValueError(
+                f"this TritonKVCache layer {self.layer_idx} holds keys for batch {self._shape[0]}, "
+                f"{self._shape[1]} KV heads of dim {self._shape[2]}, but the model gave [B, H_kv, T, D] = "
+                f"{tuple(key_states.shape)}: a cache belongs to one model and batch (make a new one with make_cache)")
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif not _compiling():
+            self._check_shape(key_states)
         T = key_states.shape[2]
         if _compiling():  # static shapes, no host state: write at the device fill index, return everything
             st = self.store
@@ -136,7 +205,7 @@ class TritonKVLayer(CacheLayerMixin):
             st.pos.index_copy_(2, slot, p.expand(*st.pos.shape[:2], T))
             self.fill.add_(T)
             self.seen_dev.add_(T)
-            _ACTIVE[0] = (self, st.keys)
+            hand_over(self, st.keys, kwargs)
             return st.keys, st.values
         if self.store.ragged and T == 1:  # a decode step over per-head rows: append in place
             self.store.append(key_states, value_states)
@@ -154,16 +223,27 @@ class TritonKVLayer(CacheLayerMixin):
             self.fill.fill_(self.store.n)
         self.seen += T
         self.since += T
+        if self.pads is not None:  # a padded batch: every row counts the new tokens (mark_padding takes pads off)
+            self.row_n = [n + T for n in self.row_n]
+            self.row_since = [n + T for n in self.row_since]
+            self.row_block = [n + T for n in self.row_block]
         self.seen_dev.fill_(self.seen)
         self.peak = max(self.peak, self.n)
         self.cache._record(self.layer_idx, self.n)
-        _ACTIVE[0] = (self, out)
+        hand_over(self, out, kwargs)
         return out, (value_states if out is key_states else self.store.view()[1])
 
     def _slack(self, kept: int) -> int:
         return slack_for(kept, self.cache.decode_every)
 
-    def get_mask_sizes(self, query_length: int):
+    def get_mask_sizes(self, query_length):
+        """``(kv_length, kv_offset)``. Before transformers 5.x's length argument a tensor of cache positions came
+        here (its length is the query length). Compiled: the static capacity, so that the fill level is never a
+        host value that dynamo guards on (the attention function masks by position, not by this size)."""
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
+        if _compiling():
+            return self.store.capacity, 0
         return self.n + query_length, 0
 
     def get_seq_length(self):
@@ -172,6 +252,8 @@ class TritonKVLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    get_max_cache_shape = get_max_length  # the same question under its name before transformers 5.x
 
     def reset(self):
         if self.is_initialized:
@@ -184,12 +266,19 @@ class TritonKVLayer(CacheLayerMixin):
             self.seen_dev.zero_()
         self.seen = self.peak = self.since = 0
         self.has_invalid, self.allocated, self.queries = False, False, None
+        if self._qbuf is not None:
+            self._qbuf.zero_()
+            self._qcount.zero_()
+        self.pads, self.row_n, self.row_since, self.row_alloc, self.row_block = None, [], [], [], []
 
     def _index_batch(self, fn):
         if self.is_initialized:
+            if self.pads is not None:
+                raise NotImplementedError("beam search / batch reindexing of a left-padded batch is not supported")
             self.store.index_batch(fn)
             if self.queries is not None:
                 self.queries = fn(self.queries)
+            self._shape = (self.store.keys.shape[0],) + self._shape[1:]
 
     def reorder_cache(self, beam_idx):
         self._index_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -205,10 +294,22 @@ class TritonKVLayer(CacheLayerMixin):
 
     # -- attention and compression ---------------------------------------------------------------
     def mark_padding(self, real: torch.Tensor) -> None:
-        """``real`` bool ``[B, T]``: which of the last ``T`` fed tokens are real (False = padding)."""
+        """``real`` bool ``[B, T]``: which of the last ``T`` fed tokens are real (False = padding). The first forward
+        with pads starts the per-row counters (see the class docstring)."""
         T = real.shape[1]
-        if bool(real.all()):
+        if self.pads is None:
+            if bool(real.all()):
+                return
+            B = real.shape[0]
+            self.pads, self.row_n, self.row_since = [0] * B, [self.n] * B, [self.since] * B
+            self.row_alloc, self.row_block = [self.allocated] * B, [T] * B
+        pads = (~real).sum(-1).tolist()
+        if not any(pads):
             return
+        self.pads = [p + q for p, q in zip(self.pads, pads)]
+        self.row_n = [n - q for n, q in zip(self.row_n, pads)]
+        self.row_since = [n - q for n, q in zip(self.row_since, pads)]
+        self.row_block = [n - q for n, q in zip(self.row_block, pads)]
         st = self.store
         sl = slice(st.n - T, st.n)
         st.pos[:, :, sl] = torch.where(real[:, None, :], st.pos[:, :, sl], SENTINEL)
@@ -249,6 +350,7 @@ class TritonKVLayer(CacheLayerMixin):
             W = cache.q_window
             recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
             self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
+            self.roll_queries(query)  # a reserved layer's buffer too (mixed eager and compiled steps)
         cache._maybe_compress(self, prefill=T > 1)
         if cache.mode == "after_prefill":  # only this forward's compression reads them: keep none between forwards
             self.queries = None
@@ -272,38 +374,107 @@ class TritonKVLayer(CacheLayerMixin):
             self.store = self.store.to_dense()
             self.has_invalid = True
         keys, values, pos = self.store.view()
+        out = self._select(keys, values, pos, k, invalid=self.has_invalid, queries=self.queries, seq_len=self.seen)
+        if isinstance(out, RaggedStore):
+            self.store = out
+            self.has_invalid, self.allocated = False, True
+        else:
+            self.store.replace(*out, self._slack(out[0].shape[2]))
+            self.has_invalid = bool((out[2] == SENTINEL).any())
+        self._compressed()
+
+    def _compressed(self) -> None:
+        cache = self.cache
+        self.since = 0
+        self.fill.fill_(self.n)
+        cache._record(self.layer_idx, self.n)
+        cache.compressions += 1
+
+    def _select(self, keys, values, pos, k: int, *, invalid: bool, queries, seq_len: int, offset: int = 0):
+        """Run the policy (and allocator) over the slots ``keys``/``values`` ``[B, H, N, D]`` at sequence indices
+        ``pos`` (``invalid``: some hold no token). Returns ``(keys, values, pos)`` of the kept slots, or a
+        ``RaggedStore`` (per-head budgets) that holds no empty slot. ``offset``: subtracted from the positions the
+        policy sees (a padded row's pads), ``seq_len``: the tokens of the sequence (allocators' tables)."""
+        cache = self.cache
         policy, forced = cache.policy, None
-        if self.has_invalid:
+        if invalid:
             valid = pos != SENTINEL
             sink = policy.protected(pos.shape[2], k)[0]
             policy = _MaskedPolicy(policy, valid)
             if sink:  # a padded row's sink is its first real tokens: forced, not +inf scores
                 forced = valid & (valid.to(torch.int32).cumsum(-1) <= sink)
-        inputs = dict(layer=self.layer_idx, positions=pos, **cache.inputs)
+        seen_pos = pos if not offset else torch.where(pos != SENTINEL, pos - offset, SENTINEL)
+        inputs = dict(layer=self.layer_idx, positions=seen_pos, **cache.inputs)
         if forced is not None:
             inputs["forced"] = forced
         if cache.num_layers is not None:
             inputs["num_layers"] = cache.num_layers
         if cache.allocation is not None:  # one table over the layers, whatever each layer's view holds
-            inputs["seq_len"] = self.seen
+            inputs["seq_len"] = seq_len
         if cache._wants_queries:
-            inputs["queries"] = self.queries
+            inputs["queries"] = queries
         module = getattr(self, "module", lambda: None)()
         if "o_proj" in policy.needs and "o_proj" not in inputs and module is not None:
             inputs["o_proj"] = module.o_proj.weight  # CriticalKV: this layer's W_O
         out = compress((keys, values), policy, k, allocation=cache.allocation, **inputs)
         if isinstance(out, Compressed):
-            idx = out.indices
-            newpos = pos.gather(2, idx)
-            self.store.replace(out.keys, out.values, newpos, self._slack(idx.shape[2]))
-            self.has_invalid = bool((newpos == SENTINEL).any())
-        else:  # a RaggedKV (per-head budgets): stored as it is, no padding back
-            self.store = RaggedStore.from_selection(out, pos, self.seen, self._slack(k))
+            return out.keys, out.values, pos.gather(2, out.indices)
+        # a RaggedKV (per-head budgets): stored as it is, no padding back
+        store = RaggedStore.from_selection(out, pos, self.seen, self._slack(k))
+        return store.without_empty(self._slack(k)) if invalid else store
+
+    def rows_due(self) -> list:
+        """Per batch row of a padded layer: the row's budget when its own schedule (the rule of
+        ``TritonKVCache._maybe_compress`` on its own counters) says it compresses now, else None. A row's forward
+        is its block: the real tokens fed since its last block end (several forwards of a row-aligned prefill)."""
+        cache = self.cache
+        ends = cache._block_ends  # rows whose prefill block ends with this forward (None: every row's)
+        due = []
+        for b, pad in enumerate(self.pads):
+            k = resolve_budget(cache.budget, max(1, (cache.prompt_length or self.seen) - pad))
+            n, since, alloc = self.row_n[b], self.row_since[b], self.row_alloc[b]
+            if ends is not None and not ends[b]:
+                due.append(None)
+                continue
+            prefill, self.row_block[b] = self.row_block[b] > 1, 0
+            if prefill:
+                now = (ends is None or ends[b]) and (n > k or (alloc and since > 0))
+            else:
+                now = cache.decode_every is not None and (since if alloc else n - k) >= cache.decode_every
+            due.append(k if now else None)
+        return due
+
+    def compress_rows(self, due: list) -> None:
+        """A padded layer: compress each row whose entry of ``due`` is a budget, on that row's own tokens (its pads
+        and empty slots removed, positions counted from its first real token, its own queries and length), and
+        keep the other rows as they are; the rows then share one dense store (shorter rows end in empty slots) or,
+        with per-head budgets, one ragged store."""
+        st = self.store.to_dense() if self.store.ragged else self.store
+        keys, values, pos = st.view()
+        parts = []
+        for b, k in enumerate(due):
+            kb, vb, pb = _compact(keys[b:b + 1], values[b:b + 1], pos[b:b + 1])
+            if k is not None:
+                real = self.seen - self.pads[b]
+                q = self.queries
+                q = None if q is None else q[b:b + 1, :, q.shape[2] - min(q.shape[2], real):]
+                out = self._select(kb, vb, pb, k, invalid=self.row_alloc[b] or bool((pb == SENTINEL).any()),
+                                   queries=q, seq_len=real, offset=self.pads[b])
+                kb, vb, pb = out.padded() if isinstance(out, RaggedStore) else out
+                self.row_since[b], self.row_alloc[b] = 0, self.cache.allocation is not None
+                self.row_n[b] = int((pb != SENTINEL).sum(-1).max())
+            parts.append((kb, vb, pb))
+        width = max(p[0].shape[2] for p in parts)
+        K, V, P = (torch.cat([_pad_to(p[i], width, fill) for p in parts]) for i, fill in ((0, 0), (1, 0), (2, SENTINEL)))
+        if self.cache.allocation is not None:
+            self.store = RaggedStore.from_padded(K, V, P, self.seen, self._slack(max(due, key=lambda k: k or 0)))
             self.has_invalid, self.allocated = False, True
-        self.since = 0
-        self.fill.fill_(self.n)
-        cache._record(self.layer_idx, self.n)
-        cache.compressions += 1
+        else:
+            if self.store.ragged or not self.store.static:
+                self.store = DenseStore.wrap(K, V, P)
+            self.store.replace(K, V, P, self._slack(width))
+            self.has_invalid = bool((P == SENTINEL).any())
+        self._compressed()
 
 
 class LagKVLayer(TritonKVLayer):
@@ -322,6 +493,8 @@ class LagKVLayer(TritonKVLayer):
             raise NotImplementedError("recursive LagKV runs eagerly (its partitions have data-dependent sizes)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        else:
+            self._check_shape(key_states)
         B, H, T, _ = key_states.shape
         new_pos = torch.arange(self.seen, self.seen + T, device=self.device, dtype=torch.int32).expand(B, H, T)
         if len(self.state):
@@ -337,7 +510,7 @@ class LagKVLayer(TritonKVLayer):
         self.seen_dev.fill_(self.seen)
         self.peak = max(self.peak, self.n)
         self.cache._record(self.layer_idx, self.n)
-        _ACTIVE[0] = (self, keys)
+        hand_over(self, keys, kwargs)
         return keys, values
 
     def mark_padding(self, real):
@@ -435,14 +608,18 @@ class TritonKVCache(Cache):
             self._layer_class = LagKVLayer
         self.compressions = 0
         self.frozen = False
+        self._block_ends: Optional[list[bool]] = None  # set by ``prefill`` around row-aligned blocks of a padded batch
         self.record = record
         self.trace: list[tuple[int, int]] = []  # (layer, slots in use) after every change, when ``record``
 
     # -- transformers' Cache protocol -------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if self.num_layers is not None and not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"this TritonKVCache was made for a model of {self.num_layers} layers, but layer "
+                             f"{layer_idx} wrote to it: a cache belongs to one model (make a new one with make_cache)")
         while len(self.layers) <= layer_idx:
             self.layers.append(self._layer_class(self, len(self.layers)))
-        return self.layers[layer_idx].update(key_states, value_states)
+        return self.layers[layer_idx].update(key_states, value_states, **kwargs)
 
     # -- the schedule -----------------------------------------------------------------------------
     def _record(self, layer_idx: int, n: int) -> None:
@@ -455,6 +632,11 @@ class TritonKVCache(Cache):
 
     def _maybe_compress(self, layer: TritonKVLayer, *, prefill: bool) -> None:
         if self.frozen or _compiling():
+            return
+        if layer.pads is not None:  # a left-padded batch: each row on its own schedule and tokens
+            due = layer.rows_due()
+            if any(k is not None for k in due):
+                layer.compress_rows(due)
             return
         k = self.budget_for(layer.seen)
         if prefill:  # over budget; per-head layers are over the layer total after any new token
@@ -484,9 +666,15 @@ class TritonKVCache(Cache):
         """Apply the decoding schedule eagerly (for decode steps that ran compiled)."""
         for layer in self.layers:
             n, layer.seen = int(layer.fill), int(layer.seen_dev)
-            layer.since += n - layer.store.n
+            step = n - layer.store.n
+            layer.since += step
+            if layer.pads is not None:
+                layer.row_n = [r + step for r in layer.row_n]
+                layer.row_since = [r + step for r in layer.row_since]
             layer.store.n = n
             layer.peak = max(layer.peak, layer.n)
+            if layer._qbuf is not None:
+                layer.queries = layer._reserved_queries()
             self._maybe_compress(layer, prefill=False)
 
     def stored_tokens(self) -> list[int]:

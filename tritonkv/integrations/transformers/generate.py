@@ -52,12 +52,32 @@ def _positions(attention_mask, start: int, T: int):
     return pos.clamp(min=0)[:, start:start + T]
 
 
+def _row_blocks(attention_mask, start0: int, T: int, block_size: int):
+    """``(end, rows ending a block there)`` for feeding columns ``[start0, start0 + T)`` of a left-padded batch so
+    that every row's blocks start at its own first real token, as for the row alone: the forwards end at the union
+    of the rows' block ends; ``rows`` is None where every row's block ends (always at the last column)."""
+    stop = start0 + T
+    if attention_mask is None:
+        return [(e, None) for e in range(start0 + block_size, stop, block_size)] + [(stop, None)]
+    pads = (attention_mask[:, :stop] == 0).sum(-1).tolist()
+    ends = sorted({e for p in pads for e in range(p + block_size, stop, block_size) if e > start0} | {stop})
+    out = []
+    for e in ends:
+        rows = [e == stop or (e - p) % block_size == 0 for p in pads]
+        out.append((e, None if all(rows) else rows))
+    return out
+
+
 @torch.no_grad()
 def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, block_size: Optional[int] = None,
             logits_to_keep: int = 1, progress=None):
     """Feed ``input_ids`` ``[B, T]`` into ``cache`` (in blocks of ``block_size`` in blockwise mode) with RoPE at
     the tokens' true positions; returns the logits of the last ``logits_to_keep`` tokens. ``progress``: an
-    optional callable taking the number of tokens fed by each block."""
+    optional callable taking the number of tokens fed by each block.
+
+    A left-padded batch (``attention_mask``) in blockwise mode is fed so that each row's blocks start at its first
+    real token (forwards end wherever some row's block ends; a row compresses only at its own block ends): every
+    row keeps what it would keep alone."""
     B, T = input_ids.shape
     if block_size is None:
         block_size = cache.block_size if cache.mode == "blockwise" else T
@@ -66,17 +86,32 @@ def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, bloc
     if attention_mask is not None and attention_mask.shape[1] != start0 + T:
         raise ValueError(f"attention_mask must cover the tokens already seen plus input_ids "
                          f"({start0 + T} columns), got {attention_mask.shape[1]}")
+    return _feed(model, input_ids, cache, full_mask, start0, _row_blocks(full_mask, start0, T, block_size),
+                 logits_to_keep, progress)
+
+
+def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_keep: int = 1, progress=None):
+    """One forward per ``(end, rows)`` of ``blocks`` (``_row_blocks``) over columns of ``input_ids`` (which starts
+    at column ``start0``); returns the last forward's logits."""
+    B = input_ids.shape[0]
     out = None
+    a = start0
     with use_tritonkv(model):
-        for s in range(0, T, block_size):
-            ids = input_ids[:, s:s + block_size]
-            a, b = start0 + s, start0 + s + ids.shape[1]
+        for b, rows in blocks:
+            ids = input_ids[:, a - start0:b - start0]
             pos = _positions(full_mask, a, ids.shape[1]).to(input_ids.device)
-            out = model(input_ids=ids, position_ids=pos.expand(B, -1),
-                        attention_mask=None if full_mask is None else full_mask[:, :b],
-                        use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
+            if isinstance(cache, TritonKVCache):
+                cache._block_ends = rows
+            try:
+                out = model(input_ids=ids, position_ids=pos.expand(B, -1),
+                            attention_mask=None if full_mask is None else full_mask[:, :b],
+                            use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
+            finally:
+                if isinstance(cache, TritonKVCache):
+                    cache._block_ends = None
             if progress is not None:
                 progress(ids.shape[1])
+            a = b
     return out.logits
 
 
@@ -89,10 +124,12 @@ def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", a
     batches with ``attention_mask``). Returns the generated ids (and the cache with ``return_cache``)."""
     cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                        decode_every=decode_every, prompt_length=input_ids.shape[1], **(cache_kwargs or {}))
-    if mode == "blockwise":
-        generate_kwargs.setdefault("prefill_chunk_size", block_size)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
+    if mode == "blockwise":  # every block but the last one here, each row's blocks from its first real token
+        blocks = _row_blocks(attention_mask, 0, input_ids.shape[1], block_size)
+        if len(blocks) > 1:
+            _feed(model, input_ids, cache, attention_mask, 0, blocks[:-1])
     with use_tritonkv(model):
         out = model.generate(input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}, **generate_kwargs)
     return (out, cache) if return_cache else out

@@ -132,8 +132,34 @@ class RaggedStore:
         seq = pos.reshape(R, N).to(torch.int64)[row, slot.clamp(min=0)]
         kv._positions = torch.where(slot >= 0, seq, -1)
         kv.next_position.fill_(seen)
+        if slack > kv._free:  # built with fewer free slots per row than this layer's rule: re-lay them now, not
+            kv.repack(slack)  # after the first few decode steps
         kv.slack = slack
         return cls(kv)
+
+    @classmethod
+    def from_padded(cls, keys, values, pos, seen: int, slack: int) -> "RaggedStore":
+        """Ragged rows holding exactly the slots of ``keys``/``values`` ``[B, H, N, D]`` whose sequence index ``pos``
+        is not ``SENTINEL`` (in order; the shared select kernel copies them), with ``slack`` free slots per row."""
+        valid = pos != SENTINEL
+        lengths = valid.sum(-1).reshape(-1)
+        total, longest = torch.stack([lengths.sum(), lengths.max()]).tolist()
+        scores = torch.where(valid, 0.0, float("-inf"))  # every real slot, and only those, is in its row's top-k
+        kv = RaggedKV.from_selection(scores, lengths, keys, values, slack=slack, total=int(total),
+                                     k_max=int(longest))
+        return cls.from_selection(kv, pos, seen, slack)
+
+    def padded(self):
+        """``(keys, values, pos)`` ``[B, H, longest row, D]``: each row's tokens first, ``SENTINEL`` after."""
+        return self.to_dense().view()
+
+    def without_empty(self, slack: int) -> "RaggedStore":
+        """This store, or a copy without the slots that hold no token (a selection over padded rows keeps them when
+        a head's budget exceeds its tokens)."""
+        kv = self.kv
+        if not bool((kv.positions == SENTINEL).any()):
+            return self
+        return RaggedStore.from_padded(*self.padded(), int(kv.next_position[0]), slack)
 
     def append(self, keys, values) -> None:
         """One new token per row, in place (``RaggedKV.append``)."""
