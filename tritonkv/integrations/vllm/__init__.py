@@ -1,0 +1,48 @@
+"""tritonkv inside vLLM: a general plugin (entry point ``vllm.general_plugins``, name ``tritonkv``).
+
+vLLM calls ``register()`` in every process it starts (front end, engine core, workers), possibly more than once;
+the second and later calls do nothing. ``register()`` only fills vLLM's registries:
+
+* the KV-cache spec ``TritonKVSpec`` and its manager ``TritonKVManager`` (``KVCacheSpecRegistry``), which free the
+  blocks of a running request that hold no kept token;
+* the attention backend ``TritonKVCPUBackend`` over ``CPU_ATTN`` (vLLM's CPU platform always picks that one).
+
+It changes nothing until ``additional_config`` has a ``"tritonkv"`` entry (``config.py``). Usage and limits:
+``docs/vllm.md``.
+"""
+from __future__ import annotations
+
+import logging
+
+from .config import CONFIG_KEY, TritonKVConfig, TritonKVConfigError, kept_start, parse_config
+
+logger = logging.getLogger("vllm.tritonkv")  # under vLLM's logger: printed with its process prefix
+
+#: vLLM releases the plugin is tested with (``>=`` the first, ``<`` the second)
+VLLM_TESTED = ("0.32", "0.34")
+
+_REGISTERED = [0]  # how many times register() did its work in this process (0 or 1)
+
+
+def register() -> None:
+    """Fill vLLM's registries once per process (the ``vllm.general_plugins`` entry point)."""
+    if _REGISTERED[0]:
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from .spec import TritonKVManager, TritonKVSpec
+
+    # the built-in specs first: the registry registers them only while it is empty
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(TritonKVSpec, TritonKVManager, uniform_type_base_spec=FullAttentionSpec)
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.backend.TritonKVCPUBackend")
+    _REGISTERED[0] = 1
+    import os
+
+    logger.info("tritonkv vLLM plugin registered (pid %d)", os.getpid())
+
+
+__all__ = ["register", "CONFIG_KEY", "TritonKVConfig", "TritonKVConfigError", "kept_start", "parse_config",
+           "VLLM_TESTED"]
