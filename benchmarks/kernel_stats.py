@@ -12,8 +12,9 @@ N = 32768; window queries W = 32, their ``attn_lse`` for the window policies and
 ``benchmarks/speed.py``. **Which Triton.** The code a GPU runs is the code its Triton compiles: GPU images
 with torch 2.11 ship Triton 3.6, the newest wheel is 3.9, and the two compile the same kernel very
 differently (e.g. ``tl.histogram``). Run the program under each (``make stats`` installs ``triton==3.6.0``
-into ``.cache/triton-3.6.0`` and puts it ahead on ``PYTHONPATH``; compiling needs no GPU and no CUDA torch);
-every result file names its version.
+into ``.cache/triton-3.6.0`` and puts it ahead on ``PYTHONPATH``; compiling needs no GPU and no CUDA torch:
+the CPU torch 2.13 of the venv imports and drives Triton 3.6 fine for this); every result file names its
+version.
 
 **Launches.** The launchers choose block sizes from shapes alone, with a GPU branch and an interpreter
 branch. This program drops ``TRITON_INTERPRET`` before triton is imported, routes CPU tensors to the Triton
@@ -1242,6 +1243,15 @@ def markdown(res: dict) -> str:
                    f"{r['model_us']['H100']} | {r['model_us']['H200']} | "
                    f"{'—' if not ms else str(ms['us']) + ('' if ms.get('timing') == 'graph' else ' (' + str(ms.get('timing')) + ')')} | "
                    f"{'—' if r['model_over_measured'] is None else r['model_over_measured']} |")
+    ratios = sorted((r["model_over_measured"], r["name"]) for r in res["workloads"] if r["model_over_measured"])
+    if ratios:
+        mid = ratios[len(ratios) // 2][0]
+        off = [f"{n} {x}" for x, n in ratios if not 1 / 3 <= x <= 3]
+        out.append(f"\nCalibration with Triton {res['triton']}: model / measured from {ratios[0][0]} "
+                   f"({ratios[0][1]}) to {ratios[-1][0]} ({ratios[-1][1]}), median {mid}; outside 1/3–3: "
+                   f"{', '.join(off) or 'none'}. A ratio far below 1 is time the model cannot see (latency-bound "
+                   "loops, host time in eager rows); the measured run used Triton "
+                   f"{meas.get('triton', '?')}, so only a run with that version is calibrated against it.")
     for r in res["workloads"]:
         if r.get("readback"):
             out.append(f"\n{r['name']}: its host read-back (`tolist`) returned {r['readback']} in this dry run "
