@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.tritonkv-installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench-speed bench-quality clean
+.PHONY: install test test-fast demo bench-speed bench-quality stats clean
 
 install: $(STAMP)
 
@@ -53,6 +53,19 @@ bench-quality: $(STAMP)
 	PYTHON=$(PY) benchmarks/quality_sweep.sh
 	$(PY) -m benchmarks.evaluate_report
 	$(PY) -m benchmarks.report
+
+# Compile-time kernel statistics (no GPU needed): every kernel compiled with Triton 3.6 (what GPU images with
+# torch 2.11 run; installed into $(STATS_TRITON) and put ahead on PYTHONPATH, the venv untouched) and with the
+# installed Triton, then their comparison -> benchmarks/results/kernel_stats*. A few minutes.
+STATS_TRITON_VERSION ?= 3.6.0
+STATS_TRITON := .cache/triton-$(STATS_TRITON_VERSION)
+stats: $(STAMP)
+	test -d $(STATS_TRITON)/triton || $(PY) -m pip install -q --no-deps --target $(STATS_TRITON) "triton==$(STATS_TRITON_VERSION)"
+	PYTHONPATH=$(CURDIR)/$(STATS_TRITON):$(CURDIR) $(PY) benchmarks/kernel_stats.py
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/kernel_stats.py
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/kernel_stats.py --compare \
+		benchmarks/results/kernel_stats-triton-$(STATS_TRITON_VERSION).json \
+		benchmarks/results/kernel_stats-triton-$$(PYTHONPATH= $(PY) -c "import triton; print(triton.__version__)").json
 
 clean:
 	rm -rf $(VENV) .cache .hypothesis

@@ -1,65 +1,94 @@
-"""Compile-time evidence for every Triton kernel of tritonkv, with no GPU: registers, spills, shared
-memory, occupancy, fenced atomics, and launches and bytes per compress.
+"""Compile-time evidence for every Triton kernel of tritonkv, with no GPU, per Triton version: registers,
+spills, shared memory, occupancy, the SASS of each hot loop, and per policy the device launches in order,
+their bytes, host syncs and a simple time model.
 
-    python benchmarks/kernel_stats.py            # full run: N = 32768, sm_90 + sm_80 -> benchmarks/results/
-    python benchmarks/kernel_stats.py --smoke    # N = 2048, sm_90 only (< 60 s), writes nothing unless --out
+    python benchmarks/kernel_stats.py              # N = 32768, sm_90 + sm_80 -> results/kernel_stats-triton-<v>.*
+    python benchmarks/kernel_stats.py --smoke      # N = 2048, sm_90 only (< 60 s), writes nothing unless --out
+    python benchmarks/kernel_stats.py --compare A.json B.json --out results/kernel_stats.md
+    make stats                                     # Triton 3.6 (side environment) and the installed one + comparison
 
 Target shape (``docs/architecture.md``, Benchmarks): B = 1, H_kv = 8, H_q = 32, D = 128, bf16 K/V, keep 25 %,
-N = 32768; window queries W = 32 and W_O ``[4096, 4096]`` as in ``benchmarks/speed.py``.
+N = 32768; window queries W = 32, their ``attn_lse`` for the window policies and W_O ``[4096, 4096]``, as in
+``benchmarks/speed.py``. **Which Triton.** The code a GPU runs is the code its Triton compiles: GPU images
+with torch 2.11 ship Triton 3.6, the newest wheel is 3.9, and the two compile the same kernel very
+differently (e.g. ``tl.histogram``). Run the program under each (``make stats`` installs ``triton==3.6.0``
+into ``.cache/triton-3.6.0`` and puts it ahead on ``PYTHONPATH``; compiling needs no GPU and no CUDA torch:
+the CPU torch 2.13 of the venv imports and drives Triton 3.6 fine for this); every result file names its
+version.
 
-**Which configurations.** The launchers choose block sizes from shapes alone, with a GPU branch and an
-interpreter branch (``INTERPRET``). This program never turns the interpreter on (it drops
-``TRITON_INTERPRET`` before triton is imported), so every launcher takes its GPU branch, exactly as on a
-GPU. It routes CPU tensors to the Triton bodies (``_common._cpu``) and runs, at the target shape, each
-policy's ``tritonkv.compress``, decode attention over a ``RaggedKV`` holding 25 % per head, and one ragged
-append inside ``_common.record_launches(execute=False)``: every launch is logged (kernel, grid,
-constexprs, launch options, arguments) and not run. Nothing downstream of a kernel reads its output to
-decide shapes or launches (the library's contract: shapes depend on shapes and static budgets), so the
-log is the launch sequence of a GPU run. The ragged cache for decoding is built by
-``RaggedKV.from_selection`` (also dry) and then given its lengths (8192 per row).
+**Launches.** The launchers choose block sizes from shapes alone, with a GPU branch and an interpreter
+branch. This program drops ``TRITON_INTERPRET`` before triton is imported, routes CPU tensors to the Triton
+bodies and runs each workload inside ``_common.record_launches(execute=False)``: every Triton launch is logged
+(kernel, grid, constexprs, options, arguments) and not run, so the log is the launch sequence of a GPU run
+(shapes and launches never depend on kernel outputs — except the host read-backs, see below). A
+``TorchDispatchMode`` logs the torch-side ops in between, in order: fills/memsets and compute ops (one device
+launch each on a GPU), allocations (``empty*``: no launch; zero-filled here so that nothing reads garbage),
+views (nothing). Workloads: every policy in ``tritonkv.POLICIES`` (window policies with ``attn_lse``),
+CriticalKV with ``norm="l2"``, SnapKV + AdaKV allocation (layer 15 of 30), decode attention over a RaggedKV
+holding 25 % and one ragged append.
+
+**Host syncs**: ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ``int(t)``), ops whose output shape
+depends on values (``nonzero``, ``masked_select``, ``unique``...) and ``Tensor.tolist()`` (which reads memory
+without a dispatch, so it is wrapped during the run), each with the line of tritonkv that made it. A
+check of a value computed only from a small input (``hd``, a profile: not K/V, not a kernel output) is
+listed apart as an ``input check``: the run holds every input on the CPU, where such a check needs no
+device read, while on a GPU it syncs only if the caller passes that input on the device.
+Validation the library does only for host tensors (``_common.on_host``) is switched off during the run, as
+on a GPU. A read-back feeds host control flow: in a dry run it would read unwritten memory, so ``tolist`` of
+an integer tensor returns what a real run reads where that is static (``READBACK``: an allocator's total
+``B·H·k`` and ``k``), and the run says so.
 
 **Compiling.** Each distinct launch configuration is compiled with ``triton.compile(ASTSource(...),
-target=GPUTarget("cuda", cap, 32))`` (``tests/aot.py``'s pattern), with the signature, constexprs and
-argument specialisation (``tt.divisibility`` 16, ints equal to 1 as constants) computed by Triton's own
-JIT binder from the logged arguments, so the compiled code is the code a GPU launch would compile. From
-it: registers and spill bytes from the ptxas log (``CompiledKernel.n_regs``/``n_spills`` need a CUDA
-driver to load the binary), cross-checked against ``cuobjdump --dump-resource-usage``; shared memory,
-num_warps and num_stages from ``k.metadata``; fenced atomics from the PTX (a global ``atom``/``red``
-whose memory order is ``acq_rel``/``acquire``/``release``; ``tl.atomic_add``'s default ``sem`` is
-``acq_rel``, ``sem="relaxed"`` gives ``red.global.gpu.relaxed``) and the ``MEMBAR`` instructions in the
-SASS (an ``acq_rel`` atomic compiles to ``MEMBAR.ALL.GPU; ATOMG; CCTL.IVALL; MEMBAR.ALL.GPU``).
-Stats are triton-version dependent: the JSON records the version (CPU CI: 3.9; the GPU image: 3.6).
+target=GPUTarget("cuda", cap, 32))`` with the signature, constexprs and argument specialisation computed by
+Triton's own JIT binder from the logged arguments. Registers and spills from the ptxas log (cross-checked
+with ``cuobjdump --dump-resource-usage``), shared memory, warps and stages from the metadata, fenced atomics
+from the PTX.
 
-**Occupancy** (``occupancy()``; CUDA occupancy calculator rules, H100 = sm_90 and A100 = sm_80 limits in
-``ARCH``): registers per warp = ceil(regs·32 / 256)·256; CTAs/SM = min(⌊⌊65536 / regs per warp⌋ /
-warps⌋, ⌊2048 / (32·warps)⌋, 32, ⌊smem per SM / (shared + 1 KB reserved)⌋); occupancy = CTAs·warps / 64.
+**SASS loops.** ``nvdisasm -g`` (Triton's own copy) prints the SASS with the source line of every
+instruction. A loop is a backward branch ``BRA`` to a lower address; its body is the address range; loops
+nest by range; ``own`` counts exclude the loops inside. The backward branch carries the line of the source
+``for`` it closes, so its trip count is evaluated from that ``for``'s ``range(start, stop, step)`` with the
+launch's arguments and constexprs (``tl.program_id`` at the middle program of its axis, locals assigned
+before the loop evaluated in order; a range that depends on loaded values has no trip count and counts as
+one). Iterations per program = trip count × the iterations of the enclosing SASS loop. Counted per loop and
+per kernel: all instructions, ``ATOMS`` (shared-memory atomics), ``POPC``, ``VOTE``, ``BAR``, ``SHFL``,
+``LDG``/``STG``, ``LDGSTS``, ``HGMMA``/``HMMA``, ``MUFU``, ``MEMBAR``.
 
-**Launches and bytes per compress** come from the same log, not from hand counts:
-- launches: the Triton launches (exact), plus the torch-side device operations seen by a
-  ``TorchDispatchMode`` (fills, copies, arithmetic: one kernel or memset each on a GPU; views and
-  ``empty`` allocations are not launches; allocations are counted apart). Host reads of device values
-  (``item``, ``bool(t)``) are counted as syncs. Caveat: the run is on CPU tensors, so validation that
-  the library does only for CPU inputs (``on_host()`` guards) shows up here and not on a GPU.
-- bytes, an upper bound: per launch, the sizes of its distinct tensor arguments, as if every byte of
-  every argument crossed HBM once (re-reads inside a launch assumed to hit L2; an argument a launch
-  never touches, or touches in part, still counts whole). ``est. MB`` tightens one known gap: a kernel
-  that gathers rows from a large tensor into a small one, or scatters them the other way
-  (``TOUCHES_AT_MOST``), touches only that many rows of the large one, so it counts at the size of the
-  small one. Torch-side ops count their outputs (fills) or inputs + outputs (the rest).
+**Occupancy** (``occupancy()``; CUDA occupancy calculator rules, ``ARCH``): registers per warp =
+ceil(regs·32 / 256)·256; CTAs/SM = min(⌊⌊65536 / regs per warp⌋ / warps⌋, ⌊2048 / (32·warps)⌋, 32,
+⌊smem per SM / (shared + 1 KB reserved)⌋); occupancy = CTAs·warps / 64.
 
-**Targets** (issue 16, reported, not fixed): no spills in any kernel; no kernel under 25 % occupancy on
-sm_90 without a reason in ``LOW_OCCUPANCY_REASONS``; at most 6 launches per compress for the key-only
-policies (keydiff, knorm, streaming_llm; checked on Triton launches and on all device launches); no
-fenced atomics. The exit status is 0 when the program ran (targets missed are results, not errors) and 1
-when a kernel failed to compile or a workload failed to run.
+**Bytes per launch** (``launch_bytes``), by formula: each tensor argument counts its size once as read if
+the kernel ``tl.load``s through it and once as written if it ``tl.store``s through it (atomics: both); which
+pointer parameters are loaded/stored is read from the kernel's source (``pointer_access``: the AST of the
+kernel and of the ``@triton.jit`` helpers it calls, with pointer arithmetic followed through assignments).
+An argument used neither way counts as read. A gather/scatter between a large and a small tensor
+(``TOUCHES_AT_MOST``) counts the large one at the size of the small one. Re-reads inside one launch are
+assumed to hit L2; bytes are what crosses HBM or L2 once (the scores, ~1 MB, stay in L2 on an H100/H200).
+Torch-side ops: fills write their output; other ops read their inputs and write their outputs.
 
-Outputs (full run): ``benchmarks/results/kernel_stats.json`` and ``.md``.
+**Time model** (``MACHINES``, estimates for a GPU-less machine, not measurements), per device launch:
+``t = LAUNCH_US + max(bytes / copy bandwidth, t_issue + t_atoms)`` with
+``t_issue = Σ_loops own instructions × iterations × warps × programs / (SMs × 4 issue/clk × clock)``
+(straight-line code once per program) and ``t_atoms = ATOMS × iterations × warps × programs × ATOMS_WAVEFRONTS
+/ (SMs × clock)`` (worst case: every shared atomic of a warp serialised over one bank, as Triton 3.6's
+ballot histogram does; Triton ≥ 3.8's per-element atomics conflict less, so this overstates them). Latency
+(dependent loads, few warps) and L2 bandwidth are ignored. Calibration: the modelled H200 totals are
+divided by the measured ones in ``results/nvidia-h200-speed.json`` (Triton 3.6, CUDA-graph replay; the
+allocation row eager) — the model only aims at the right order of magnitude.
+
+Outputs: ``results/kernel_stats-triton-<version>.json`` and ``.md`` per run, ``results/kernel_stats.md``
+comparing them (``--compare``). The exit status is 1 when a kernel failed to compile or a workload failed.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import builtins
 import contextlib
 import datetime
+import functools
+import inspect
 import io
 import json
 import math
@@ -71,6 +100,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 # Compiled code, never the interpreter: the launchers must take their GPU branch.
 os.environ.pop("TRITON_INTERPRET", None)
@@ -88,6 +118,7 @@ from tritonkv.kernels import _common  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
+SPEED_JSON = os.path.join(RESULTS, "nvidia-h200-speed.json")
 
 # (B, H_kv, G, D, W), keep fraction, N
 SHAPE = dict(B=1, H=8, G=4, D=128, W=32)
@@ -97,6 +128,8 @@ ARCHS_FULL, ARCHS_SMOKE = (90, 80), (90,)
 KEY_ONLY = ("keydiff", "knorm", "streaming_llm")
 MAX_LAUNCHES = 6
 MIN_OCCUPANCY = 0.25
+ALLOCATED = {"snapkv+adakv": ("snapkv", "adakv")}  # workload: (policy, allocator), as benchmarks/speed.py
+LAYER, NUM_LAYERS = 15, 30
 
 # Per-SM limits (CUDA occupancy calculator; H100 SXM and A100).
 ARCH = {
@@ -106,16 +139,29 @@ ARCH = {
              smem_per_sm=164 * 1024, smem_reserved_per_cta=1024),
 }
 
+# Time model (sm_90 SASS). copy_GBps: measured device-to-device copy bandwidth (H200: results/nvidia-h200-
+# speed.json; H100 SXM: ~2.9 TB/s); SMs and boost clock from the data sheets; issue: warp instructions per
+# SM per clock (4 schedulers); launch_us: cost of one dependent launch in a CUDA graph (launch + tail).
+MACHINES = {
+    "H100": dict(copy_GBps=2900.0, sms=132, clock_GHz=1.98, issue_per_clk=4, launch_us=3.0),
+    "H200": dict(copy_GBps=4226.0, sms=132, clock_GHz=1.98, issue_per_clk=4, launch_us=3.0),
+}
+ATOMS_WAVEFRONTS = 32  # shared-memory wavefronts per ATOMS instruction (worst case: 32-way bank conflict)
+MODEL_ARCH = "sm_90"
+
 # Kernels that move rows between a large tensor and a small one touch only those rows of the large
-# one: {kernel: {argument: the argument whose size bounds what it touches}} (``est. MB``).
+# one: {kernel: {argument: the argument whose size bounds what it touches}}. A renamed kernel falls back
+# to the whole-tensor rule (an upper bound).
 TOUCHES_AT_MOST = {
     "_select_compact_kernel": {"k_ptr": "ko_ptr", "v_ptr": "vo_ptr"},  # gathers the kept rows
     "_ragged_append_kernel": {"ko_ptr": "k_ptr", "vo_ptr": "v_ptr", "pos_ptr": "next_ptr"},  # one row per head
 }
 
-# Kernels allowed under 25 % occupancy on sm_90, and why. Only reasons that hold: a kernel missing
-# here and under the bar is reported as a miss.
-# Keys are kernel names; none is excused today (see the results for the kernels under the bar).
+# SASS instructions counted per loop and per kernel (by mnemonic, before the first '.').
+SASS_OPS = ("ATOMS", "ATOMG", "RED", "REDG", "POPC", "VOTE", "BAR", "SHFL", "LDG", "STG", "LDS", "STS", "LDGSTS",
+            "HGMMA", "HMMA", "MUFU", "MEMBAR")
+
+# Kernels allowed under 25 % occupancy on sm_90, and why (none is excused today).
 LOW_OCCUPANCY_REASONS: dict[str, str] = {}
 
 
@@ -123,22 +169,45 @@ LOW_OCCUPANCY_REASONS: dict[str, str] = {}
 # running the library at the target shape, launches logged and not run
 
 
+def _caller() -> str | None:
+    """``file:line`` of the innermost tritonkv frame on the stack (where a sync was made)."""
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        if "tritonkv" + os.sep in fr.filename and "_common.py" not in fr.filename:
+            return f"{os.path.relpath(fr.filename, ROOT)}:{fr.lineno}"
+    return None
+
+
 class TorchOps(TorchDispatchMode):
-    """Logs the aten ops of the block, descending into tritonkv's custom ops (a mode sees a custom op
-    whole; its Python body is run again under the mode so the fills and allocations inside show)."""
+    """Logs the aten ops of the block in order with the Triton launches (``at``: how many Triton launches
+    came before), descending into tritonkv's custom ops (a mode sees a custom op whole; its Python body is
+    run again under the mode so the fills and allocations inside show). Allocations are zero-filled."""
 
     META = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "as_strided", "unsqueeze",
             "squeeze", "permute", "t", "transpose", "alias", "detach", "split", "unbind", "narrow",
             "lift_fresh", "_reshape_alias", "diagonal", "unflatten", "flatten", "split_with_sizes",
-            "view_as", "expand_as", "_to_copy_noop"}
+            "view_as", "expand_as", "_to_copy_noop", "unsqueeze_", "squeeze_", "as_strided_", "set_"}
     ALLOC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
     FILL = {"zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
-            "new_full", "fill_", "zero_", "arange", "scalar_tensor"}
-    SYNC = {"_local_scalar_dense", "is_nonzero", "item", "equal"}
+            "new_full", "fill_", "zero_", "arange", "scalar_tensor", "linspace"}
+    # a host read of device values, or an output shape that depends on them (the host waits for the device)
+    SYNC = {"_local_scalar_dense", "is_nonzero", "item", "equal", "nonzero", "masked_select", "unique",
+            "_unique", "_unique2", "unique_consecutive", "unique_dim", "argwhere", "nonzero_static_",
+            "repeat_interleave", "_assert_async"}
 
-    def __init__(self):
+    def __init__(self, launches=None, inputs=()):
         super().__init__()
         self.ops = []
+        self.launches = launches if launches is not None else []
+        self.from_inputs = {t.data_ptr() for t in inputs}  # storage computed from small inputs only
+
+    def input_only(self, ts) -> bool:
+        """Whether the tensors ``ts`` derive only from the workload's small inputs (not K/V, not kernel
+        outputs): a check of such a value reads the host when the caller passes the input there."""
+        return bool(ts) and all(t.data_ptr() in self.from_inputs for t in ts)
+
+    def note(self, op: str, kind: str, nbytes: int = 0, **kw):
+        self.ops.append(dict(op=op, kind=kind, bytes=nbytes, read=kw.pop("read", 0), write=kw.pop("write", 0),
+                             at=len(self.launches), **kw))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -153,19 +222,27 @@ class TorchOps(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         kind = ("meta" if name in self.META else "alloc" if name in self.ALLOC else "fill" if name in self.FILL
                 else "sync" if name in self.SYNC else "compute")
-        if kind != "meta":
-            ins = _tensors(args) + _tensors(kwargs)
-            outs = _tensors(out)
-            if kind == "alloc":
-                nbytes = _nbytes(outs)
-            elif kind == "fill":
-                nbytes = _nbytes(outs or ins[:1])
-            elif kind == "sync":
-                nbytes = 0
-            else:
-                nbytes = _nbytes(ins + outs)
-            self.ops.append(dict(op=str(func), kind=kind, bytes=nbytes,
-                                 shapes=[list(t.shape) for t in (outs or ins)][:3]))
+        if name == "repeat_interleave" and (kwargs.get("output_size") is not None or "int" in func._overloadname):
+            kind = "compute"  # integer repeats, or the output size given: no read-back
+        if kind == "meta":
+            return out
+        ins = _tensors(args) + _tensors(kwargs)
+        outs = _tensors(out)
+        if kind == "alloc":
+            for t in outs:
+                t.zero_()  # outside the log: nothing downstream reads unwritten memory
+            self.note(str(func), kind, _nbytes(outs), shapes=[list(t.shape) for t in outs][:3])
+            return out
+        read = 0 if kind == "fill" else _nbytes(ins)
+        write = _nbytes(outs or ins[:1]) if kind != "sync" else 0
+        only = kind != "fill" and self.input_only(ins)
+        if only:
+            self.from_inputs.update(t.data_ptr() for t in outs)
+        if kind == "sync" and only:
+            kind = "input_check"
+        self.note(str(func), kind, read + write, read=read, write=write,
+                  shapes=[list(t.shape) for t in (outs or ins)][:3],
+                  **({"where": _caller()} if kind in ("sync", "input_check") else {}))
         return out
 
 
@@ -197,9 +274,41 @@ def triton_on_cpu():
         _common._cpu[0] = old
 
 
+@contextlib.contextmanager
+def gpu_like(mode: TorchOps, readback=None):
+    """Inside the block: ``on_host`` is False in every tritonkv module (validation of host tensors is
+    skipped, as for CUDA tensors) and ``Tensor.tolist`` logs a host sync; an integer read-back returns
+    ``readback`` when given (what a real run reads; the dry run's memory is unwritten)."""
+    patched = [(m, m.on_host) for m in list(sys.modules.values())
+               if (getattr(m, "__name__", "") or "").startswith("tritonkv") and callable(getattr(m, "on_host", None))]
+    tolist = torch.Tensor.tolist
+
+    def logged_tolist(t):
+        real = tolist(t)
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            return real
+        mode.note("Tensor.tolist", "input_check" if mode.input_only([t]) else "sync", 0, shapes=[list(t.shape)],
+                  where=_caller(),
+                  **({"replaced": [real, list(readback)]} if readback is not None and not t.is_floating_point()
+                     and t.numel() == len(readback) else {}))
+        if readback is not None and not t.is_floating_point() and t.numel() == len(readback):
+            return list(readback)
+        return real
+
+    for m, _ in patched:
+        m.on_host = lambda t: False
+    torch.Tensor.tolist = logged_tolist
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist = tolist
+        for m, f in patched:
+            m.on_host = f
+
+
 def make_inputs(N: int) -> dict:
-    """K/V ``[B, H, N, D]`` bf16 (unwritten: nothing reads them), window queries ``[B, H·G, W, D]``,
-    W_O ``[H·G·D, H·G·D]`` and SCORE's ``hd`` (positive), as in ``benchmarks/speed.py``."""
+    """K/V ``[B, H, N, D]`` bf16 (unwritten: nothing reads them), window queries ``[B, H·G, W, D]``, their
+    ``attn_lse`` ``[B, H·G, W]``, W_O ``[H·G·D, H·G·D]`` and SCORE's ``hd`` (positive), as in ``speed.py``."""
     B, H, G, D, W = (SHAPE[k] for k in "BHGDW")
     gen = torch.Generator().manual_seed(0)
     keys = torch.empty(B, H, N, D, dtype=torch.bfloat16)
@@ -207,42 +316,70 @@ def make_inputs(N: int) -> dict:
     queries = torch.randn(B, H * G, W, D, generator=gen).to(torch.bfloat16)
     o_proj = torch.empty(H * G * D, H * G * D, dtype=torch.bfloat16)
     hd = torch.rand(H, generator=gen) + 0.1
-    return dict(keys=keys, values=values, pool=dict(queries=queries, o_proj=o_proj, hd=hd))
+    lse = torch.zeros(B, H * G, W)
+    return dict(keys=keys, values=values, pool=dict(queries=queries, o_proj=o_proj, hd=hd, attn_lse=lse))
 
 
-def dry(fn):
-    """``(launches, torch ops, error)`` of ``fn()`` with launches logged and not run."""
-    mode, log = TorchOps(), []
+def dry(fn, readback=None, inputs=()):
+    """``(launches, torch ops, error)`` of ``fn()`` with launches logged and not run; ``inputs``: the small
+    input tensors (host checks of values derived from them only are ``input_check``s, not syncs)."""
+    log, mode = [], TorchOps(inputs=inputs)
     try:
-        with triton_on_cpu(), _common.record_launches(execute=False) as log, mode:
-            fn()
+        with triton_on_cpu(), _common.record_launches(execute=False) as log:
+            mode.launches = log
+            with gpu_like(mode, readback), mode:
+                fn()
     except Exception as e:  # reported per workload
         return list(log), mode.ops, f"{type(e).__name__}: {e}"
     return list(log), mode.ops, None
 
 
-def workloads(N: int) -> list[dict]:
-    """Every policy's compress at the target shape, then a decode step over the ragged cache."""
+def policy_inputs(pol, pool) -> dict:
+    """What a model hands ``pol``: its needs, plus ``attn_lse`` where its scoring takes one (as speed.py)."""
+    inputs = {n: pool[n] for n in pol.needs if n in pool}
+    base = getattr(pol, "base", pol)
+    if "attn_lse" in inspect.signature(base.score).parameters:
+        inputs["attn_lse"] = pool["attn_lse"]
+    return inputs
+
+
+def workloads(N: int, only=None) -> list[dict]:
+    """Every policy's compress at the target shape, SnapKV + AdaKV, then a decode step over the ragged cache
+    (``only``: the names of the workloads to run; default all)."""
+    want = (lambda name: True) if not only else (lambda name: name in set(only))
     inp = make_inputs(N)
     keys, values, pool = inp["keys"], inp["values"], inp["pool"]
     out = []
     variants = [(name, tritonkv.POLICIES[name]()) for name in sorted(tritonkv.POLICIES)]
     variants.append(("criticalkv_l2", tritonkv.POLICIES["criticalkv"](norm="l2")))  # its own norm kernel
-    for name, pol in variants:
+    for name, pol in [v for v in variants if want(v[0])]:
         missing = [n for n in pol.needs if n not in pool]
         if missing:
             out.append(dict(name=name, kind="compress", launches=[], ops=[], error=f"no input {missing}"))
             continue
-        inputs = {n: pool[n] for n in pol.needs}
-        log, ops, err = dry(lambda: tritonkv.compress((keys, values), pol, KEEP, **inputs))
-        out.append(dict(name=name, kind="compress", launches=log, ops=ops, error=err))
+        inputs = policy_inputs(pol, pool)
+        log, ops, err = dry(lambda: tritonkv.compress((keys, values), pol, KEEP, **inputs),
+                            inputs=_tensors(inputs))
+        out.append(dict(name=name, kind="compress", launches=log, ops=ops, error=err, inputs=sorted(inputs)))
+
+    B, H, G, D = (SHAPE[k] for k in "BHGD")
+    k = tritonkv.resolve_budget(KEEP, N)
+    for name, (pname, alloc) in [a for a in ALLOCATED.items() if want(a[0])]:
+        pol = tritonkv.POLICIES[pname]()
+        inputs = policy_inputs(pol, pool)
+        rb = (B * H * k, k)  # the allocator's total (static: H·b per batch row) and, as a stand-in, k
+        log, ops, err = dry(lambda: tritonkv.compress((keys, values), pol, KEEP, allocation=alloc, layer=LAYER,
+                                                      num_layers=NUM_LAYERS, **inputs), readback=rb,
+                            inputs=_tensors(inputs))
+        out.append(dict(name=name, kind="allocation", launches=log, ops=ops, error=err, inputs=sorted(inputs),
+                        readback=list(rb)))
 
     # decode step over a RaggedKV holding round(KEEP·N) tokens per row (+ the default slack)
     from tritonkv.cache import RaggedKV
     from tritonkv.kernels.decode_attention import decode_attention
 
-    B, H, G, D = (SHAPE[k] for k in "BHGD")
-    k = tritonkv.resolve_budget(KEEP, N)
+    if not (want("decode_attention") or want("ragged_append")):
+        return out
     scores = torch.empty(B, H, N)
     holder = {}
     _, _, err = dry(lambda: holder.setdefault("kv", RaggedKV.from_selection(scores, k, keys, values,
@@ -253,8 +390,8 @@ def workloads(N: int) -> list[dict]:
         q = torch.randn(B, H * G, 1, D).to(torch.bfloat16)
         k1 = torch.randn(B, H, 1, D).to(torch.bfloat16)
         v1 = torch.randn(B, H, 1, D).to(torch.bfloat16)
-        for name, fn in (("decode_attention", lambda: decode_attention(q, kv)),
-                         ("ragged_append", lambda: kv.append(k1, v1))):
+        for name, fn in [x for x in (("decode_attention", lambda: decode_attention(q, kv)),
+                                     ("ragged_append", lambda: kv.append(k1, v1))) if want(x[0])]:
             log, ops, e = dry(fn)
             out.append(dict(name=name, kind="decode", launches=log, ops=ops, error=e))
     else:
@@ -379,13 +516,18 @@ def compile_stats(rec, cap: int) -> dict:
     glob = [a for a in atoms if ".shared" not in "." + a["quals"] and not a["quals"].startswith("shared")]
     fenced = [a for a in glob if _FENCED & set(a["quals"].split("."))]
     sass, usage = _sass(k.asm["cubin"])
+    ins = parse_sass(sass) if sass else []
+    loops = sass_loops(ins)
+    outside = {a for L in loops if L["parent"] is None for a in range(L["lo"], L["hi"] + 1, 16)}
     meta = k.metadata
     shared = int(meta.shared) + (int(s.group(1)) if s else 0)
     st = dict(arch=f"sm_{cap}", regs=int(r.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)),
               stack=int(m.group(1)), smem=shared, num_warps=int(meta.num_warps), num_stages=int(meta.num_stages),
               global_atomics=len(glob), fenced_atomics=len(fenced),
               atomic_forms=sorted({f"{a['op']}.{a['quals']}" for a in glob}),
-              membar=sass.get("MEMBAR", 0) if sass is not None else None,
+              membar=_counts(ins)["MEMBAR_GPU"] if sass else None,
+              sass_n=len(ins), sass=_counts(ins), straight_n=sum(x["addr"] not in outside for x in ins),
+              straight=_counts([x for x in ins if x["addr"] not in outside]), loops=loops,
               cuobjdump_regs=usage, compile_s=round(secs, 2))
     if usage is not None and usage != st["regs"]:
         raise RuntimeError(f"cuobjdump reports {usage} registers, the ptxas log {st['regs']}")
@@ -394,26 +536,91 @@ def compile_stats(rec, cap: int) -> dict:
 
 
 def _sass(cubin: bytes):
-    """(instruction counts of interest in the SASS, registers from the resource usage) or Nones."""
-    tool = _tool("cuobjdump")
-    if tool is None:
+    """``(SASS text with line info, registers from the resource usage)``; Nones without the tools."""
+    dis, dump = _tool("nvdisasm"), _tool("cuobjdump")
+    if dis is None:
         return None, None
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
-        res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             timeout=120).stdout
+        sass = subprocess.run([dis, "-g", "-c", f.name], capture_output=True, text=True, timeout=120).stdout
+        res = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             timeout=120).stdout if dump else ""
     finally:
         os.unlink(f.name)
-    counts = {}
-    for ins in ("ATOMG", "REDG", "RED", "ATOMS", "CCTL"):
-        counts[ins] = len(re.findall(rf"\b{ins}\b", sass))
-    # device- or system-scope barriers (the fences of acq_rel atomics); MEMBAR.ALL.CTA with
-    # FENCE.VIEW.ASYNC is the CTA-scope proxy fence of wgmma, unrelated to atomics
-    counts["MEMBAR"] = len(re.findall(r"\bMEMBAR\.[\w.]*(?:GPU|SYS)\b", sass))
     reg = re.search(r"REG:(\d+)", res)
-    return counts, (int(reg.group(1)) if reg else None)
+    return sass, (int(reg.group(1)) if reg else None)
+
+
+_LINE = re.compile(r'## File "(.*?)", line (\d+)')
+_INS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRA = re.compile(r"^(?:@!?U?P\w+\s+)?BRA\b.*`\((\.L_x_\d+)\)")
+
+
+def _mnemonic(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def parse_sass(sass: str) -> list[dict]:
+    """Instructions ``{addr, text, op, file, line}`` and, on each backward ``BRA``, ``back`` = its target."""
+    ins, labels, pending, loc = [], {}, [], (None, None)
+    for raw in sass.splitlines():
+        m = _LINE.search(raw)
+        if m:
+            loc = (m.group(1), int(m.group(2)))
+            continue
+        m = _LABEL.match(raw)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INS.match(raw)
+        if m:
+            addr = int(m.group(1), 16)
+            for lab in pending:
+                labels[lab] = addr
+            pending = []
+            ins.append(dict(addr=addr, text=m.group(2), op=_mnemonic(m.group(2)), file=loc[0], line=loc[1]))
+    for x in ins:
+        m = _BRA.match(x["text"])
+        if m and labels.get(m.group(1), 1 << 62) < x["addr"]:
+            x["back"] = labels[m.group(1)]
+    return ins
+
+
+def _counts(ins) -> dict:
+    c = {op: 0 for op in SASS_OPS}
+    for x in ins:
+        if x["op"] in c:
+            c[x["op"]] += 1
+    c["MEMBAR_GPU"] = sum(bool(re.search(r"\bMEMBAR\.[\w.]*(?:GPU|SYS)\b", x["text"])) for x in ins)
+    return c
+
+
+def sass_loops(ins: list[dict]) -> list[dict]:
+    """The loops of a kernel's SASS (see the module docstring), outermost first: address range, the source
+    line of the closing branch, parent, depth, instruction count and op counts, all and ``own``."""
+    loops = []
+    for x in ins:
+        if "back" in x:
+            body = [y for y in ins if x["back"] <= y["addr"] <= x["addr"]]
+            loops.append(dict(lo=x["back"], hi=x["addr"], file=x["file"], line=x["line"], n=len(body), body=body))
+    loops.sort(key=lambda L: (L["lo"], -L["hi"]))
+    for i, L in enumerate(loops):
+        enclosing = [j for j, P in enumerate(loops) if j != i and P["lo"] <= L["lo"] and L["hi"] <= P["hi"]
+                     and (P["lo"], P["hi"]) != (L["lo"], L["hi"])]
+        L["parent"] = min(enclosing, key=lambda j: loops[j]["hi"] - loops[j]["lo"]) if enclosing else None
+    for i, L in enumerate(loops):
+        depth, p = 0, L["parent"]
+        while p is not None:
+            depth, p = depth + 1, loops[p]["parent"]
+        inner = {a for C in loops if C["parent"] == i for a in range(C["lo"], C["hi"] + 1, 16)}
+        own = [y for y in L["body"] if y["addr"] not in inner]
+        L.update(depth=depth, own_n=len(own), counts=_counts(L["body"]), own=_counts(own))
+    for L in loops:
+        del L["body"]
+        L["where"] = f"{os.path.basename(L['file'] or '?')}:{L['line']}"
+    return loops
 
 
 def occupancy(regs: int, smem: int, warps: int, cap: int) -> dict:
@@ -431,31 +638,278 @@ def occupancy(regs: int, smem: int, warps: int, cap: int) -> dict:
     return dict(ctas_per_sm=ctas, occupancy=round(ctas * warps / a["max_warps"], 4), limiter=limiter)
 
 
+
+
 # ---------------------------------------------------------------------------------------------
-# launches and bytes
+# source analysis: trip counts of loops and which pointers a kernel loads/stores
 
 
-def launch_bytes(rec) -> tuple[int, int]:
-    """(upper bound, estimate) in bytes of one launch's tensor arguments (see the module docstring)."""
+@functools.lru_cache(maxsize=None)
+def _tree(path: str):
+    try:
+        with open(path) as f:
+            return ast.parse(f.read())
+    except (OSError, SyntaxError):
+        return None
+
+
+def _for_at(path: str, line: int):
+    """``(For node, enclosing FunctionDef)`` of the ``for`` at ``path:line``, or ``(None, None)``."""
+    tree = _tree(path) if path else None
+    if tree is None:
+        return None, None
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.For) and node.lineno == line:
+                    return node, fn
+    return None, None
+
+
+class _Unknown(Exception):
+    pass
+
+
+_FUNCS = {"cdiv": lambda a, b: -(-a // b), "minimum": min, "maximum": max, "min": min, "max": max,
+          "int": int, "abs": abs, "next_power_of_2": lambda n: 1 << max(int(n) - 1, 0).bit_length()}
+
+
+def _eval(node, env: dict, grid):
+    """A small evaluator for ``range`` bounds: names from ``env``, arithmetic, ``tl.program_id(a)`` = the
+    middle program of axis ``a``, ``tl.num_programs(a)``, ``cdiv``/``minimum``/``maximum``, ``x.to(...)``."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool)):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id in env and isinstance(env[node.id], (int, float, bool)):
+            return env[node.id]
+        raise _Unknown(node.id)
+    if isinstance(node, ast.BinOp):
+        a, b = _eval(node.left, env, grid), _eval(node.right, env, grid)
+        ops = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b,
+               ast.FloorDiv: lambda: a // b, ast.Div: lambda: a / b, ast.Mod: lambda: a % b,
+               ast.LShift: lambda: a << b, ast.RShift: lambda: a >> b}
+        if type(node.op) in ops:
+            return ops[type(node.op)]()
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_eval(node.operand, env, grid)
+    if isinstance(node, ast.Call):
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+        if name == "to" and isinstance(f, ast.Attribute):
+            return _eval(f.value, env, grid)
+        if name in ("program_id", "num_programs"):
+            axis = _eval(node.args[0], env, grid) if node.args else 0
+            size = grid[axis] if axis < len(grid) else 1
+            return size // 2 if name == "program_id" else size
+        if name in _FUNCS:
+            return _FUNCS[name](*[_eval(a, env, grid) for a in node.args])
+    raise _Unknown(ast.dump(node)[:60])
+
+
+def trip_count(path: str, line: int, rec) -> int | None:
+    """Iterations of the source loop ``for ... in range(...)`` at ``path:line`` for launch ``rec`` (None:
+    not a ``range`` loop, or its bounds depend on values not known before the launch)."""
+    loop, fn = _for_at(path, line)
+    if loop is None or not isinstance(loop.iter, ast.Call):
+        return None
+    f = loop.iter.func
+    if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) not in ("range", "static_range"):
+        return None
+    env = {k: v for k, v in {**rec.args, **rec.constexprs}.items() if isinstance(v, (int, float, bool))}
+    grid = tuple(rec.grid) if not callable(rec.grid) else (1,)
+    for node in ast.walk(fn):  # locals assigned before the loop, in source order
+        if isinstance(node, ast.Assign) and node.lineno < line and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name):
+            try:
+                env[node.targets[0].id] = _eval(node.value, env, grid)
+            except (_Unknown, ZeroDivisionError, TypeError, IndexError):
+                env.pop(node.targets[0].id, None)
+    try:
+        a = [_eval(x, env, grid) for x in loop.iter.args]
+    except (_Unknown, ZeroDivisionError, TypeError, IndexError):
+        return None
+    start, stop, step = (0, a[0], 1) if len(a) == 1 else (a[0], a[1], a[2] if len(a) > 2 else 1)
+    return max(0, -(-(stop - start) // step)) if step > 0 else None
+
+
+def loop_iterations(loops: list[dict], rec) -> list[int | None]:
+    """Iterations per program of each SASS loop: its source trip count × its parent's iterations."""
+    out = [None] * len(loops)
+    for i, L in enumerate(loops):  # parents come first (sorted by address, outermost first)
+        t = trip_count(L["file"], L["line"], rec)
+        parent = 1 if L["parent"] is None else (out[L["parent"]] or 1)
+        out[i] = None if t is None else t * parent
+    return out
+
+
+_READ_CALLS = {"load"}
+_WRITE_CALLS = {"store"}
+_RW_PREFIX = "atomic_"
+_PTR_CALLS = {"make_block_ptr", "make_tensor_descriptor", "advance", "multiple_of", "max_contiguous", "to",
+              "cast", "where", "broadcast_to", "reshape", "expand_dims", "view"}
+
+
+@functools.lru_cache(maxsize=None)
+def _access(fn) -> dict:
+    """``{parameter: {"r", "w"}}`` for the pointer parameters of the ``@triton.jit`` function ``fn`` (its
+    Python function), following assignments and calls to other ``@triton.jit`` functions."""
+    try:
+        src = inspect.getsource(fn)
+        tree = ast.parse(__import__("textwrap").dedent(src))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    fdef = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
+    params = [a.arg for a in fdef.args.args]
+    alias = {p: {p} for p in params}  # variable -> the parameters its value derives from
+
+    def roots(node) -> set:
+        """The parameters a pointer expression derives from; the results of calls (loaded values, helper
+        results) are not pointers, except the pointer-preserving ``PTR_CALLS``."""
+        if isinstance(node, ast.Name):
+            return set(alias.get(node.id, ()))
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name not in _PTR_CALLS:
+                return set()
+            if name in ("to", "advance") and isinstance(f, ast.Attribute):
+                return roots(f.value) | (roots(node.args[0]) if name == "advance" and node.args else set())
+            return set().union(set(), *[roots(a) for a in node.args], *[roots(k.value) for k in node.keywords])
+        return set().union(set(), *[roots(c) for c in ast.iter_child_nodes(node)])
+
+    for _ in range(4):  # fixpoint over assignments
+        for node in ast.walk(fdef):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                r = roots(node.value)
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name) and r:
+                            alias.setdefault(n.id, set()).update(r)
+    acc: dict = {}
+
+    def mark(node, kinds):
+        for p in roots(node):
+            acc.setdefault(p, set()).update(kinds)
+
+    g = getattr(fn, "__globals__", {})
+    for node in ast.walk(fdef):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+        first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "tl" and first is not None:
+            if name in _READ_CALLS:
+                mark(first, {"r"})
+            elif name in _WRITE_CALLS:
+                mark(first, {"w"})
+            elif name and name.startswith(_RW_PREFIX):
+                mark(first, {"r", "w"})
+        elif isinstance(f, ast.Attribute) and name in ("load", "store"):  # block pointer / tensor descriptor
+            mark(f.value, {"r"} if name == "load" else {"w"})
+        elif isinstance(f, ast.Name) and isinstance(g.get(f.id), triton.runtime.jit.JITFunction):
+            callee = g[f.id].fn
+            sub = _access(callee)
+            cparams = list(inspect.signature(callee).parameters)
+            for i, a in enumerate(node.args):
+                if i < len(cparams) and cparams[i] in sub:
+                    mark(a, sub[cparams[i]])
+            for kw in node.keywords:
+                if kw.arg in sub:
+                    mark(kw.value, sub[kw.arg])
+    return {p: k for p, k in acc.items() if p in params}
+
+
+def pointer_access(kernel) -> dict:
+    """``{argument: "r" | "w" | "rw"}`` of a ``@triton.jit`` kernel's pointer arguments (from its source)."""
+    return {p: "".join(sorted(k, key="rw".index)) for p, k in _access(getattr(kernel, "fn", kernel)).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# launches, bytes and the time model
+
+
+def launch_bytes(rec) -> dict:
+    """``{read, write, unknown}`` bytes of one Triton launch (see the module docstring); ``unknown`` lists
+    tensor arguments the kernel neither loads nor stores through (counted as read)."""
+    acc = pointer_access(rec.kernel)
     tens = {n: v for n, v in rec.args.items() if isinstance(v, torch.Tensor)}
-    bound = _nbytes(tens.values())
-    est = bound
+    size = {n: t.numel() * t.element_size() for n, t in tens.items()}
     for arg, ref in TOUCHES_AT_MOST.get(rec.name, {}).items():
-        if arg in tens and ref in tens:
-            a = tens[arg].numel() * tens[arg].element_size()
-            r = tens[ref].numel() * tens[ref].element_size()
-            est -= a - min(a, r)
-    return bound, est
+        if arg in size and ref in size:
+            size[arg] = min(size[arg], size[ref])
+    seen_r, seen_w, unknown = {}, {}, []
+    for n, t in tens.items():
+        mode = acc.get(n, "")
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if "r" in mode or not mode:
+            seen_r[key] = max(seen_r.get(key, 0), size[n])
+        if "w" in mode:
+            seen_w[key] = max(seen_w.get(key, 0), size[n])
+        if not mode:
+            unknown.append(n)
+    return dict(read=sum(seen_r.values()), write=sum(seen_w.values()), unknown=unknown)
+
+
+def launch_model(st: dict | None, rec, nbytes: int) -> dict:
+    """Per machine: the modelled µs of one Triton launch (bytes, issue, atoms) from its sm_90 stats."""
+    grid = tuple(rec.grid) if not callable(rec.grid) else (1,)
+    programs = math.prod(grid)
+    warps = (st or {}).get("num_warps", rec.options.get("num_warps", 4))
+    iters = loop_iterations(st["loops"], rec) if st and "loops" in st else []
+    instr = (st or {}).get("straight_n", 0)
+    atoms = (st or {}).get("straight", {}).get("ATOMS", 0)
+    for L, it in zip((st or {}).get("loops", []), iters):
+        instr += L["own_n"] * (it or 1)
+        atoms += L["own"]["ATOMS"] * (it or 1)
+    out = dict(programs=programs, loop_iterations=iters, warp_instructions=instr * warps * programs,
+               atoms_warp=atoms * warps * programs)
+    for mname, m in MACHINES.items():
+        clk = m["sms"] * m["clock_GHz"] * 1e3  # SM-clocks per µs
+        t_bytes = nbytes / (m["copy_GBps"] * 1e3)
+        t_issue = out["warp_instructions"] / (clk * m["issue_per_clk"])
+        t_atoms = out["atoms_warp"] * ATOMS_WAVEFRONTS / clk
+        out[mname] = dict(us=round(m["launch_us"] + max(t_bytes, t_issue + t_atoms), 2), bytes_us=round(t_bytes, 2),
+                          issue_us=round(t_issue, 2), atoms_us=round(t_atoms, 2))
+    return out
+
+
+def op_model(nbytes: int) -> dict:
+    return {m: dict(us=round(p["launch_us"] + nbytes / (p["copy_GBps"] * 1e3), 2), bytes_us=round(
+        nbytes / (p["copy_GBps"] * 1e3), 2), issue_us=0.0, atoms_us=0.0) for m, p in MACHINES.items()}
 
 
 def floor_bytes(name: str, N: int) -> int | None:
-    """§7's HBM floor of a compress: read what scoring reads (K, K+V for lagkv/criticalkv, nothing for
+    """The HBM floor of a compress: read what scoring reads (K, K+V for lagkv/criticalkv, nothing for
     streaming_llm), re-read and write the kept K+V."""
     B, H, D = SHAPE["B"], SHAPE["H"], SHAPE["D"]
     k_bytes = B * H * N * D * 2
     kept = 2 * B * H * tritonkv.resolve_budget(KEEP, N) * D * 2
-    reads = {"streaming_llm": 0, "lagkv": 2 * k_bytes, "criticalkv": 2 * k_bytes, "criticalkv_l2": 2 * k_bytes}.get(name, k_bytes)
+    base = name.split("+")[0]
+    reads = {"streaming_llm": 0, "lagkv": 2 * k_bytes, "criticalkv": 2 * k_bytes,
+             "criticalkv_l2": 2 * k_bytes}.get(base, k_bytes)
     return reads + 2 * kept
+
+
+def measured_h200(N: int) -> dict:
+    """``{workload: (µs, timing)}`` at N from results/nvidia-h200-speed.json (compress rows, and the
+    allocation rows as ``policy+allocator``)."""
+    try:
+        with open(SPEED_JSON) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for r in data.get("rows", []):
+        if r.get("N") != N or r.get("tritonkv_us") is None:
+            continue
+        if r.get("kind") == "compress":
+            out[r["policy"]] = dict(us=r["tritonkv_us"], timing=r.get("timing"), eager_us=r.get("tritonkv_eager_us"))
+        elif r.get("kind") == "allocation":
+            out[f"{r['policy']}+{r['allocation']}"] = dict(us=r["tritonkv_us"], timing=r.get("timing"))
+    return dict(out, _meta=dict(device=data.get("device"), triton=data.get("triton"), torch=data.get("torch"),
+                                commit=data.get("commit"), copy_GBps=data.get("copy_GBps")))
 
 
 def _short(v):
@@ -504,8 +958,22 @@ def self_check() -> list[str]:
     return bad
 
 
+def library_kernels() -> dict:
+    """``{module.name: name}`` of every ``@triton.jit`` kernel (a function that is launched: a ``_kernel``
+    suffix, or not called from another jit function) in the imported tritonkv modules."""
+    jit = {}
+    for mod in list(sys.modules.values()):
+        mname = getattr(mod, "__name__", "") or ""
+        if mname.startswith("tritonkv"):
+            for attr, obj in list(vars(mod).items()):
+                if isinstance(obj, triton.runtime.jit.JITFunction) and obj.fn.__module__ == mname \
+                        and attr.endswith("_kernel"):
+                    jit[f"{obj.fn.__module__}.{attr}"] = attr
+    return jit
+
+
 def _run(args, N: int, archs, t_start) -> dict:
-    wls = workloads(N)
+    wls = workloads(N, args.only)
     errors = [f"{w['name']}: {w['error']}" for w in wls if w["error"]]
     errors += [f"self-check: {e}" for e in self_check()]
 
@@ -561,38 +1029,55 @@ def _run(args, N: int, archs, t_start) -> dict:
             kernels.append(dict(kernel=rec.name, label=name, module=rec.kernel.fn.__module__, config=_cfg(rec),
                                 constexprs={k: _short(v) for k, v in rec.constexprs.items()},
                                 options=dict(rec.options), grid=list(rec.grid), used_by=used,
-                                specialisations=len(bkeys), archs=stats[bkeys[0]]))
+                                specialisations=len(bkeys), access=pointer_access(rec.kernel),
+                                archs=stats[bkeys[0]]))
 
-    # kernels of the library that no workload launched
-    jit = {}
-    for mod in list(sys.modules.values()):
-        mname = getattr(mod, "__name__", "") or ""
-        if mname.startswith("tritonkv"):
-            for attr, obj in list(vars(mod).items()):
-                if isinstance(obj, triton.runtime.jit.JITFunction) and attr.endswith("_kernel"):
-                    jit[f"{obj.fn.__module__}.{attr}"] = attr
     launched = {_jit_key(r) for r in configs.values()}
-    not_launched = sorted(v for k, v in jit.items() if k not in launched)
+    not_launched = sorted(v for k, v in library_kernels().items() if k not in launched)
 
-    # per workload: launches and bytes
+    # per workload: device launches in order (Triton and torch-side), bytes, syncs, modelled time
+    meas = measured_h200(N)
     rows = []
     for w in wls:
-        tl_ = []
-        for rec in w["launches"]:
-            b, e = launch_bytes(rec)
-            tl_.append(dict(kernel=label_of[key_of[id(rec)]], grid=list(rec.grid), bytes=b, est_bytes=e))
-        ops = w["ops"]
-        dev_ops = [o for o in ops if o["kind"] in ("fill", "compute")]
-        row = dict(name=w["name"], kind=w["kind"], error=w["error"],
-                   triton_launches=len(tl_), torch_launches=len(dev_ops),
-                   launches=len(tl_) + len(dev_ops),
-                   host_syncs=sum(o["kind"] == "sync" for o in ops),
+        seq, ops, li = [], w["ops"], 0
+        recs = w["launches"]
+        for i in range(len(recs) + 1):
+            for o in ops:
+                if o["at"] == i and o["kind"] in ("fill", "compute", "sync", "input_check"):
+                    seq.append(dict(type="torch" if o["kind"] in ("fill", "compute") else o["kind"], name=o["op"].replace(
+                        "aten.", "").replace(".default", ""), kind=o["kind"], read=o["read"], write=o["write"],
+                        shapes=o.get("shapes"), where=o.get("where"),
+                        model=op_model(o["read"] + o["write"]) if o["kind"] in ("fill", "compute") else None))
+            if i < len(recs):
+                rec = recs[i]
+                b = launch_bytes(rec)
+                st = stats[key_of[id(rec)]].get(MODEL_ARCH)
+                st = st if st and "error" not in st else None
+                mdl = launch_model(st, rec, b["read"] + b["write"])
+                seq.append(dict(type="triton", name=label_of[key_of[id(rec)]], kernel=rec.name,
+                                grid=list(rec.grid), read=b["read"], write=b["write"], unknown_args=b["unknown"],
+                                loops=[dict(where=L["where"], depth=L["depth"], own_n=L["own_n"],
+                                            ATOMS=L["own"]["ATOMS"], iterations=it)
+                                       for L, it in zip(st["loops"] if st else [], mdl["loop_iterations"])],
+                                model={m: mdl[m] for m in MACHINES},
+                                warp_instructions=mdl["warp_instructions"], atoms_warp=mdl["atoms_warp"]))
+        dev = [x for x in seq if x["type"] in ("triton", "torch")]
+        model = {m: round(sum(x["model"][m]["us"] for x in dev), 1) for m in MACHINES}
+        ms = meas.get(w["name"])
+        row = dict(name=w["name"], kind=w["kind"], error=w["error"], inputs=w.get("inputs"),
+                   readback=w.get("readback"),
+                   triton_launches=sum(x["type"] == "triton" for x in seq),
+                   torch_launches=sum(x["type"] == "torch" for x in seq),
+                   launches=len(dev), host_syncs=sum(x["type"] == "sync" for x in seq),
+                   sync_sites=sorted({x["where"] or "?" for x in seq if x["type"] == "sync"}),
+                   input_checks=sorted({x["where"] or "?" for x in seq if x["type"] == "input_check"}),
                    allocations=sum(o["kind"] == "alloc" for o in ops),
                    alloc_bytes=sum(o["bytes"] for o in ops if o["kind"] == "alloc"),
-                   triton_bytes=sum(x["bytes"] for x in tl_), triton_est_bytes=sum(x["est_bytes"] for x in tl_),
-                   torch_bytes=sum(o["bytes"] for o in dev_ops),
-                   floor_bytes=floor_bytes(w["name"], N) if w["kind"] == "compress" else None,
-                   kernel_launches=tl_, torch_ops=ops)
+                   read_bytes=sum(x["read"] for x in dev), write_bytes=sum(x["write"] for x in dev),
+                   floor_bytes=floor_bytes(w["name"], N) if w["kind"] != "decode" else None,
+                   model_us=model, measured_h200=ms,
+                   model_over_measured=round(model["H200"] / ms["us"], 3) if ms else None,
+                   sequence=seq)
         rows.append(row)
 
     targets = check_targets(kernels, rows, archs)
@@ -600,26 +1085,23 @@ def _run(args, N: int, archs, t_start) -> dict:
         targets["not_launched"] = not_launched
     import platform
 
-    result = dict(
+    return dict(
         program="benchmarks/kernel_stats.py", command=" ".join(["python", "benchmarks/kernel_stats.py"] +
                                                                [shlex.quote(a) for a in args.argv]),
         smoke=bool(args.smoke), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         commit=_git("rev-parse", "--short", "HEAD"), dirty_kernels=bool(_git("status", "--porcelain", "tritonkv")),
-        triton=triton.__version__, torch=torch.__version__, python=platform.python_version(),
-        ptxas=_ptxas_version(), fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"),
+        triton=triton.__version__, triton_path=os.path.dirname(triton.__file__), torch=torch.__version__,
+        python=platform.python_version(), ptxas=_ptxas_version(), fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"),
         shape=dict(SHAPE, N=N, H_q=SHAPE["H"] * SHAPE["G"], dtype="bfloat16", keep=KEEP,
                    kept_per_head=tritonkv.resolve_budget(KEEP, N)),
         archs=[f"sm_{c}" for c in archs], arch_limits={f"sm_{c}": ARCH[c] for c in archs},
+        machines=MACHINES, atoms_wavefronts=ATOMS_WAVEFRONTS, model_arch=MODEL_ARCH,
+        measured=meas.get("_meta"),
         occupancy_formula=("regs_per_warp = ceil(regs*32/256)*256; CTAs/SM = min(floor(floor(65536/regs_per_warp)"
                            "/warps), floor(2048/(32*warps)), 32, floor(smem_per_SM/(shared+1024))); "
                            "occupancy = CTAs*warps/64"),
-        bytes_rule=("per launch: sum of the sizes of its distinct tensor arguments (each byte assumed to cross "
-                    "HBM once per launch; untouched or partly touched arguments count whole): an upper bound on "
-                    "compulsory traffic. est: the large side of a gather/scatter (TOUCHES_AT_MOST) counted at the size of "
-                    "the small side."),
         low_occupancy_reasons=LOW_OCCUPANCY_REASONS, kernels=kernels, workloads=rows, targets=targets,
         errors=errors, wall_s=round(time.perf_counter() - args.t0, 1))
-    return result
 
 
 def check_targets(kernels, rows, archs) -> dict:
@@ -647,13 +1129,14 @@ def check_targets(kernels, rows, archs) -> dict:
         if r["name"] in KEY_ONLY:
             launches.append(dict(policy=r["name"], triton_launches=r["triton_launches"], all_launches=r["launches"],
                                  triton_ok=r["triton_launches"] <= MAX_LAUNCHES, all_ok=r["launches"] <= MAX_LAUNCHES))
+    syncs = [dict(workload=r["name"], syncs=r["host_syncs"], where=r["sync_sites"]) for r in rows if r["host_syncs"]]
     return dict(
         spills=spills, no_spills=not spills,
         low_occupancy=low, low_occupancy_with_reason=low_ok, occupancy_ok=not low,
         occupancy_checked_on="sm_90" if 90 in archs else None,
         launches=launches, launches_ok_triton=all(x["triton_ok"] for x in launches),
         launches_ok_all=all(x["all_ok"] for x in launches),
-        fenced_atomics=fenced, no_fenced_atomics=not fenced)
+        fenced_atomics=fenced, no_fenced_atomics=not fenced, host_syncs=syncs, no_host_syncs=not syncs)
 
 
 def _git(*a) -> str | None:
@@ -684,102 +1167,234 @@ def _yes(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
+def _grid(g) -> str:
+    return "×".join(str(x) for x in g) if isinstance(g, (list, tuple)) else str(g)
+
+
+def _used(k) -> str:
+    return ", ".join(k["used_by"]) if len(k["used_by"]) <= 3 else f"{len(k['used_by'])} workloads"
+
+
+def _loop_cell(loops, op) -> str:
+    return " / ".join(str(L["own"][op]) for L in loops) or "—"
+
+
 def markdown(res: dict) -> str:
     sh = res["shape"]
-    out = [f"# Kernel statistics (compiled, no GPU)", "",
+    out = [f"# Kernel statistics, Triton {res['triton']} (compiled, no GPU)", "",
            f"Command: `{res['command']}`  ",
            f"triton {res['triton']} (ptxas {res['ptxas']}), torch {res['torch']}, commit {res['commit']}"
            f"{' (kernel files modified in the working tree)' if res['dirty_kernels'] else ''}, {res['date']}, "
            f"{res['wall_s']} s; FP fusion {res['fp_fusion']}.  ",
            f"Shape: B = {sh['B']}, H_kv = {sh['H']}, H_q = {sh['H_q']}, D = {sh['D']}, {sh['dtype']} K/V, N = {sh['N']}, "
            f"keep {sh['keep']:.0%} ({sh['kept_per_head']} per head), W = {sh['W']} window queries.  ",
-           "Constexprs are the ones the launchers pick on a GPU at this shape (launches logged with "
-           "`record_launches(execute=False)`, interpreter off); see the docstring of `benchmarks/kernel_stats.py`. "
-           "Compiled with triton " + res["triton"] + "; the GPU image has triton 3.6, whose code may differ.", ""]
+           "Launch configurations are the ones the launchers pick on a GPU at this shape; method, byte formulas and "
+           "time model: the docstring of `benchmarks/kernel_stats.py`. Times are **model estimates**, not "
+           "measurements.", ""]
     t = res["targets"]
-    out += ["## Issue 16 targets", "",
+    out += ["## Checks", "",
             f"- No spills in any kernel: {_yes(t['no_spills'])}"
             + ("" if t["no_spills"] else " — " + "; ".join(
                 f"`{s['kernel']}` {s['arch']} ({s['spill_stores']} B stored / {s['spill_loads']} B loaded, "
                 f"{s['regs']} regs)" for s in t["spills"])),
-            f"- No kernel under {MIN_OCCUPANCY:.0%} occupancy (sm_90) without a reason: {_yes(t['occupancy_ok'])}"
+            f"- No kernel under {MIN_OCCUPANCY:.0%} occupancy (sm_90): {_yes(t['occupancy_ok'])}"
             + ("" if t["occupancy_ok"] else " — " + "; ".join(
-                f"`{x['kernel']}` {x['occupancy']:.1%} ({x['limiter']})" for x in t["low_occupancy"])),
-            ]
-    for x in t["low_occupancy_with_reason"]:
-        out.append(f"  - under the bar with a reason: `{x['kernel']}` {x['occupancy']:.1%} — {x['reason']}")
-    out += [f"- At most {MAX_LAUNCHES} launches per compress for {', '.join(KEY_ONLY)}: Triton launches "
+                f"`{x['kernel']}` {x['occupancy']:.1%} ({x['limiter']}, {x['regs']} regs)" for x in t["low_occupancy"])),
+            f"- At most {MAX_LAUNCHES} launches per compress for {', '.join(KEY_ONLY)}: Triton "
             f"{_yes(t['launches_ok_triton'])}, all device launches {_yes(t['launches_ok_all'])} — "
-            + "; ".join(f"{x['policy']} {x['triton_launches']} Triton / {x['all_launches']} all"
-                        for x in t["launches"]),
+            + "; ".join(f"{x['policy']} {x['triton_launches']} Triton / {x['all_launches']} all" for x in t["launches"]),
             f"- No fenced atomics: {_yes(t['no_fenced_atomics'])}"
             + ("" if t["no_fenced_atomics"] else " — " + "; ".join(
-                f"`{x['kernel']}` {x['arch']} ({x['fenced_atomics']} acq_rel atomics in PTX: "
-                f"{', '.join(x['forms'])}; {x['membar']} MEMBAR in SASS)" for x in t["fenced_atomics"]))]
+                f"`{x['kernel']}` {x['arch']} ({x['fenced_atomics']} in PTX, {x['membar']} MEMBAR)"
+                for x in t["fenced_atomics"])),
+            f"- No host syncs: {_yes(t['no_host_syncs'])}"
+            + ("" if t["no_host_syncs"] else " — " + "; ".join(
+                f"{x['workload']} {x['syncs']} ({', '.join(x['where'])})" for x in t["host_syncs"]))]
+    checks = [f"{r['name']} ({', '.join(r['input_checks'])})" for r in res["workloads"] if r.get("input_checks")]
+    if checks:
+        out.append("- Host reads of values computed only from a small input (not counted as syncs: no device read "
+                   "when the caller passes the input on the host, a sync when on the device): " + "; ".join(checks))
     if t.get("not_launched"):
         out.append(f"- Kernels no workload launched (not compiled here): {', '.join(t['not_launched'])}")
     if res["errors"]:
         out += ["", "**Errors:**", ""] + [f"- {e}" for e in res["errors"]]
+
+    # per policy: summary with the model and the calibration
+    meas = res.get("measured") or {}
+    out += ["", "## Per workload: device launches, bytes, host syncs, modelled time", "",
+            f"Model: µs per launch = launch cost + max(bytes / copy bandwidth, issue + shared-atomic time), summed "
+            f"over the device launches (parameters: " + "; ".join(
+                f"{m} {p['copy_GBps']:.0f} GB/s, {p['sms']} SMs at {p['clock_GHz']} GHz, {p['launch_us']} µs/launch"
+                for m, p in res["machines"].items()) + f"; {res['atoms_wavefronts']} wavefronts per ATOMS). "
+            f"Measured: {meas.get('device', '—')} with Triton {meas.get('triton', '—')}, torch {meas.get('torch', '—')} "
+            "(results/nvidia-h200-speed.json; CUDA-graph replay for compress, eager for the allocation). "
+            "The ratio only has to be in the right order of magnitude (0.3–3): the model ignores latency, "
+            "L2 and host time.", "",
+            "| workload | Triton launches | torch-side launches | all | host syncs | read MB | written MB | floor MB | "
+            "model H100 µs | model H200 µs | measured H200 µs | model / measured |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in res["workloads"]:
+        if r["error"]:
+            out.append(f"| {r['name']} | error: {r['error'][:150]} |||||||||||")
+            continue
+        ms = r["measured_h200"]
+        out.append(f"| {r['name']} | {r['triton_launches']} | {r['torch_launches']} | {r['launches']} | "
+                   f"{r['host_syncs']} | {_mb(r['read_bytes'])} | {_mb(r['write_bytes'])} | {_mb(r['floor_bytes'])} | "
+                   f"{r['model_us']['H100']} | {r['model_us']['H200']} | "
+                   f"{'—' if not ms else str(ms['us']) + ('' if ms.get('timing') == 'graph' else ' (' + str(ms.get('timing')) + ')')} | "
+                   f"{'—' if r['model_over_measured'] is None else r['model_over_measured']} |")
+    ratios = sorted((r["model_over_measured"], r["name"]) for r in res["workloads"] if r["model_over_measured"])
+    if ratios:
+        mid = ratios[len(ratios) // 2][0]
+        off = [f"{n} {x}" for x, n in ratios if not 1 / 3 <= x <= 3]
+        out.append(f"\nCalibration with Triton {res['triton']}: model / measured from {ratios[0][0]} "
+                   f"({ratios[0][1]}) to {ratios[-1][0]} ({ratios[-1][1]}), median {mid}; outside 1/3–3: "
+                   f"{', '.join(off) or 'none'}. A ratio far below 1 is time the model cannot see (latency-bound "
+                   "loops, host time in eager rows); the measured run used Triton "
+                   f"{meas.get('triton', '?')}, so only a run with that version is calibrated against it.")
+    for r in res["workloads"]:
+        if r.get("readback"):
+            out.append(f"\n{r['name']}: its host read-back (`tolist`) returned {r['readback']} in this dry run "
+                       "(the allocator's static total B·H·k, and k standing in for the data-dependent longest row).")
+
+    # kernels
     for arch in res["archs"]:
         lim = res["arch_limits"][arch]
         out += ["", f"## Kernels, {arch} (occupancy on an {lim['gpu']})", "",
                 "| kernel | used by | grid | regs | spill st/ld B | smem B | warps | stages | CTAs/SM | occupancy | "
-                "limited by | fenced atomics (PTX) | MEMBAR (SASS) |",
-                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+                "limited by | SASS instr. | loops: own instr. | loops: ATOMS | loops: POPC | loops: VOTE | loops: BAR |",
+                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|---|---|"]
         for k in res["kernels"]:
             st = k["archs"].get(arch, {})
-            used = ", ".join(k["used_by"]) if len(k["used_by"]) <= 3 else f"{len(k['used_by'])} workloads"
-            grid = "×".join(str(g) for g in k["grid"])
             if "error" in st:
-                out.append(f"| `{k['label']}` | {used} | {grid} | compile error: {st['error'][:120]} |||||||||||")
+                out.append(f"| `{k['label']}` | {_used(k)} | {_grid(k['grid'])} | compile error: {st['error'][:120]} "
+                           "||||||||||||||")
                 continue
             occ = f"{st['occupancy']:.1%}"
             if arch == "sm_90" and st["occupancy"] < MIN_OCCUPANCY:
-                occ = f"{occ} (reason)" if k["kernel"] in LOW_OCCUPANCY_REASONS else f"**{occ}**"
+                occ = f"**{occ}**"
             spill = f"{st['spill_stores']}/{st['spill_loads']}"
             if st["spill_stores"] or st["spill_loads"]:
                 spill = f"**{spill}**"
-            fen = f"**{st['fenced_atomics']}**" if st["fenced_atomics"] else "0"
-            mem = f"**{st['membar']}**" if st["membar"] else str(st["membar"])
-            out.append(f"| `{k['label']}` | {used} | {grid} | {st['regs']} | {spill} | {st['smem']} | {st['num_warps']} | "
-                       f"{st['num_stages']} | {st['ctas_per_sm']} | {occ} | {st['limiter']} | {fen} | {mem} |")
-    out += ["", "Rows split by `{...}` are argument specialisations of one configuration that compile "
-            "differently: `{arg%16}` the argument is divisible by 16 in those launches (Triton specialises "
-            "on it), `{arg=1}` it equals 1 (compiled in), `{arg}` neither. Smem includes the software "
-            "pipeline's buffers (num_stages).", "",
-            "Configurations (constexprs and launch options as launched):", ""]
+            L = st.get("loops", [])
+            out.append(f"| `{k['label']}` | {_used(k)} | {_grid(k['grid'])} | {st['regs']} | {spill} | {st['smem']} | "
+                       f"{st['num_warps']} | {st['num_stages']} | {st['ctas_per_sm']} | {occ} | {st['limiter']} | "
+                       f"{st.get('sass_n', '—')} | {' / '.join(str(x['own_n']) for x in L) or '—'} | "
+                       f"{_loop_cell(L, 'ATOMS')} | {_loop_cell(L, 'POPC')} | {_loop_cell(L, 'VOTE')} | "
+                       f"{_loop_cell(L, 'BAR')} |")
+    out += ["", "Loop columns: one value per SASS loop in address order (outer loops count only their own "
+            "instructions, not those of the loops inside); the source line of each loop is in the hot-loop table. "
+            "Rows split by `{...}` are argument specialisations that compile differently (`{arg%16}` divisible by "
+            "16, `{arg=1}` equal to 1, `{arg}` neither).", ""]
+    out += [f"## SASS loops ({MODEL_ARCH})", "",
+            "| kernel | loop (source `for`) | depth | own instr. | ATOMS | POPC | VOTE | BAR | SHFL | LDG | STG | "
+            "LDGSTS | HGMMA/HMMA | MUFU |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for k in res["kernels"]:
-        out.append(f"- `{k['label']}`: {k['config']}")
-    out += ["", "## Launches and bytes per compress (and per decode step)", "",
-            "| workload | Triton launches | torch-side device ops | all launches | host syncs | allocations (MB) | "
-            "Triton MB (bound) | Triton MB (est.) | torch-side MB | floor MB (§7) | est. / floor |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        st = k["archs"].get(MODEL_ARCH, {})
+        for L in st.get("loops", []):
+            o = L["own"]
+            out.append(f"| `{k['label']}` | {L['where']} | {L['depth']} | {L['own_n']} | {o['ATOMS']} | {o['POPC']} | "
+                       f"{o['VOTE']} | {o['BAR']} | {o['SHFL']} | {o['LDG']} | {o['STG']} | {o['LDGSTS']} | "
+                       f"{o['HGMMA'] + o['HMMA']} | {o['MUFU']} |")
+    out += ["", "## Launch sequences", "",
+            "Per workload, the device launches in order: Triton kernels (grid, bytes by the per-kernel formula, "
+            "iterations per program of each SASS loop, modelled H200 µs = bytes / issue / shared atomics parts) "
+            "and torch-side ops (fills and compute ops; syncs shown where they happen).", ""]
     for r in res["workloads"]:
         if r["error"]:
-            out.append(f"| {r['name']} | error: {r['error'][:150]} ||||||||||")
             continue
-        ratio = "—" if not r["floor_bytes"] else f"{(r['triton_est_bytes'] + r['torch_bytes']) / r['floor_bytes']:.2f}"
-        out.append(f"| {r['name']} | {r['triton_launches']} | {r['torch_launches']} | {r['launches']} | {r['host_syncs']} | "
-                   f"{r['allocations']} ({_mb(r['alloc_bytes'])}) | {_mb(r['triton_bytes'])} | {_mb(r['triton_est_bytes'])} | "
-                   f"{_mb(r['torch_bytes'])} | {_mb(r['floor_bytes'])} | {ratio} |")
-    out += ["", "Bytes: " + res["bytes_rule"] + " Torch-side ops: fills count their output, other ops inputs + "
-            "outputs. Floor: `docs/architecture.md`, Benchmarks (read what scoring reads, re-read and write the kept "
-            "K+V). The run is on CPU tensors: checks the library makes only on CPU inputs (e.g. SCORE's `hd`) "
-            "appear as torch-side ops and syncs here and not on a GPU.", "",
-            "Launch sequences:", ""]
-    for r in res["workloads"]:
-        seq = ", ".join(x["kernel"] for x in r["kernel_launches"])
-        tops = ", ".join(o["op"].replace("aten.", "").replace(".default", "") for o in r["torch_ops"]
-                         if o["kind"] in ("fill", "compute", "sync"))
-        out.append(f"- {r['name']}: {seq or '—'}; torch-side: {tops or '—'}")
-    out += ["", f"Occupancy: {res['occupancy_formula']} (smem per SM: "
-            + ", ".join(f"{a} {res['arch_limits'][a]['smem_per_sm'] // 1024} KB" for a in res["archs"]) + ")."]
+        out += [f"**{r['name']}** ({r['launches']} launches, {r['host_syncs']} host syncs; model "
+                f"{r['model_us']['H200']} µs on an H200)", "",
+                "| # | launch | grid | read MB | written MB | loop iterations / program | H200 µs (bytes / issue / atoms) |",
+                "|---:|---|---|---:|---:|---|---|"]
+        i = 0
+        for x in r["sequence"]:
+            if x["type"] in ("sync", "input_check"):
+                what = "host sync" if x["type"] == "sync" else "check of an input (no sync when it is on the host)"
+                out.append(f"| – | {what} `{x['name']}` at {x['where']} | | | | | |")
+                continue
+            i += 1
+            m = x["model"]["H200"]
+            if x["type"] == "triton":
+                its = ", ".join(f"{L['where']}: {L['iterations'] if L['iterations'] is not None else '?'}"
+                                for L in x["loops"]) or "—"
+                out.append(f"| {i} | `{x['name']}` | {_grid(x['grid'])} | {_mb(x['read'])} | {_mb(x['write'])} | {its} | "
+                           f"{m['us']} ({m['bytes_us']} / {m['issue_us']} / {m['atoms_us']}) |")
+            else:
+                shp = "×".join(str(s) for s in (x["shapes"] or [[]])[0])
+                out.append(f"| {i} | torch `{x['name']}` [{shp}] | | {_mb(x['read'])} | {_mb(x['write'])} | | {m['us']} |")
+        out.append("")
+    out += [f"Occupancy: {res['occupancy_formula']}."]
+    return "\n".join(out) + "\n"
+
+
+def compare_markdown(results: list[dict]) -> str:
+    """One table per topic, a column per Triton version (the files of ``--compare``)."""
+    vs = [r["triton"] for r in results]
+    hdr = " / ".join(vs)
+    out = ["# Kernel statistics: Triton " + " vs ".join(vs), "",
+           "Compiled with no GPU for sm_90 at the target shape (N = "
+           f"{results[0]['shape']['N']}, B 1, H_kv 8, H_q 32, D 128, bf16, keep 25 %); per version: "
+           + ", ".join(f"[`kernel_stats-triton-{r['triton']}.md`](kernel_stats-triton-{r['triton']}.md) "
+                       f"(commit {r['commit']}, {r['date']})" for r in results)
+           + ". GPU images with torch 2.11 run Triton 3.6. Times are the model of "
+             "`benchmarks/kernel_stats.py` (bytes / bandwidth, launches, SASS instructions and shared atomics), "
+             "not measurements; the last column is the measured H200 time (Triton 3.6).", "",
+           "## Per workload", "",
+           f"| workload | launches (Triton+torch) | host syncs | model H200 µs: {hdr} | model H100 µs: {hdr} | "
+           f"measured H200 µs | model / measured: {hdr} |",
+           "|---|---:|---:|---|---|---:|---|"]
+    names = [w["name"] for w in results[0]["workloads"]]
+    by = [{w["name"]: w for w in r["workloads"]} for r in results]
+    for n in names:
+        ws = [b.get(n) for b in by]
+        w0 = ws[0]
+        if w0["error"]:
+            out.append(f"| {n} | error: {w0['error'][:100]} ||||||")
+            continue
+        ms = w0["measured_h200"]
+        cell = lambda key, m: " / ".join("—" if (w is None or w["error"]) else str(w[key][m]) for w in ws)  # noqa: E731
+        ratio = " / ".join("—" if (w is None or w["model_over_measured"] is None) else str(w["model_over_measured"])
+                           for w in ws)
+        out.append(f"| {n} | {w0['launches']} ({w0['triton_launches']}+{w0['torch_launches']}) | {w0['host_syncs']} | "
+                   f"{cell('model_us', 'H200')} | {cell('model_us', 'H100')} | {ms['us'] if ms else '—'} | {ratio} |")
+    out += ["", "## Kernels (sm_90)", "",
+            f"| kernel | regs: {hdr} | CTAs/SM: {hdr} | spills: {hdr} | smem B: {hdr} | SASS instr.: {hdr} |",
+            "|---|---|---|---|---|---|"]
+    kb = [{k["label"]: k for k in r["kernels"]} for r in results]
+    labels = list(dict.fromkeys(lab for d in kb for lab in d))
+
+    def st_of(d, lab):
+        k = d.get(lab)
+        st = k["archs"].get(MODEL_ARCH) if k else None
+        return st if st and "error" not in st else None
+
+    for lab in labels:
+        sts = [st_of(d, lab) for d in kb]
+        col = lambda f: " / ".join("—" if s is None else str(f(s)) for s in sts)  # noqa: E731
+        out.append(f"| `{lab}` | {col(lambda s: s['regs'])} | {col(lambda s: s['ctas_per_sm'])} | "
+                   f"{col(lambda s: s['spill_stores'] + s['spill_loads'])} | {col(lambda s: s['smem'])} | "
+                   f"{col(lambda s: s.get('sass_n'))} |")
+    out += ["", "## Hot loops (sm_90, per source `for`)", "",
+            f"| kernel | loop | own instr.: {hdr} | ATOMS: {hdr} | POPC: {hdr} | VOTE: {hdr} | BAR: {hdr} |",
+            "|---|---|---|---|---|---|---|"]
+    for lab in labels:
+        sts = [st_of(d, lab) for d in kb]
+        wheres = list(dict.fromkeys(L["where"] for s in sts if s for L in s.get("loops", [])))
+        for wh in wheres:
+            Ls = [None if s is None else next((L for L in s.get("loops", []) if L["where"] == wh), None) for s in sts]
+            col = lambda f: " / ".join("—" if L is None else str(f(L)) for L in Ls)  # noqa: E731
+            out.append(f"| `{lab}` | {wh} | {col(lambda L: L['own_n'])} | {col(lambda L: L['own']['ATOMS'])} | "
+                       f"{col(lambda L: L['own']['POPC'])} | {col(lambda L: L['own']['VOTE'])} | "
+                       f"{col(lambda L: L['own']['BAR'])} |")
+    out += ["", "A loop appears once per source `for` whose closing branch survives in the SASS (unrolled loops "
+            "do not appear; two SASS loops of one `for`, e.g. a peeled copy, share a row and the first is shown)."]
     return "\n".join(out) + "\n"
 
 
 def write(res: dict, out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, "kernel_stats")
+    base = os.path.join(out_dir, f"kernel_stats-triton-{res['triton']}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1, default=str)
         f.write("\n")
@@ -793,9 +1408,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke", action="store_true",
                    help=f"N = {N_SMOKE}, sm_90 only, one argument specialisation per configuration; "
                         "writes nothing unless --out")
-    p.add_argument("--out", help="output folder (default benchmarks/results for a full run)")
+    p.add_argument("--out", help="output folder (default benchmarks/results for a full run); with --compare the "
+                                 "Markdown file (default benchmarks/results/kernel_stats.md)")
     p.add_argument("--n", type=int, help="sequence length N (default 32768, smoke 2048)")
     p.add_argument("--arch", type=int, nargs="*", choices=sorted(ARCH), help="compute capabilities (default 90 80)")
+    p.add_argument("--only", nargs="*", help="only these workloads (e.g. knorm streaming_llm)")
+    p.add_argument("--compare", nargs="+", metavar="JSON", help="write the comparison of result files and exit")
     return p
 
 
@@ -803,6 +1421,17 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     args.argv, args.t0 = argv, time.perf_counter()
+    if args.compare:
+        results = []
+        for p in args.compare:
+            with open(p) as f:
+                results.append(json.load(f))
+        results.sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["triton"])[:3]))
+        out = args.out or os.path.join(RESULTS, "kernel_stats.md")
+        with open(out, "w") as f:
+            f.write(compare_markdown(results))
+        print("wrote", out)
+        return 0
     torch.set_num_threads(1)
     res = run(args)
     out = args.out or (None if args.smoke else RESULTS)
@@ -810,10 +1439,9 @@ def main(argv=None) -> int:
         for p in write(res, out):
             print("wrote", p)
     t = res["targets"]
-    print(f"kernels {len(res['kernels'])}, workloads {len(res['workloads'])}, errors {len(res['errors'])}; "
-          f"spills {'none' if t['no_spills'] else len(t['spills'])}, low occupancy {len(t['low_occupancy'])}, "
-          f"launch target triton {t['launches_ok_triton']} / all {t['launches_ok_all']}, "
-          f"fenced atomics {len(t['fenced_atomics'])}; {res['wall_s']} s")
+    print(f"triton {res['triton']}: kernels {len(res['kernels'])}, workloads {len(res['workloads'])}, errors "
+          f"{len(res['errors'])}; spills {'none' if t['no_spills'] else len(t['spills'])}, low occupancy "
+          f"{len(t['low_occupancy'])}, host syncs {len(t['host_syncs'])}; {res['wall_s']} s")
     for e in res["errors"]:
         print("ERROR", e, file=sys.stderr)
     return 1 if res["errors"] else 0

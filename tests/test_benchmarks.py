@@ -116,36 +116,6 @@ def test_speed_smoke(tmp_path):
     assert "**Scaling in N**" in section and "nvidia-h100-speed-scaling.png)" in section
 
 
-def test_kernel_stats_smoke(tmp_path):
-    """benchmarks/kernel_stats.py --smoke (its own process, no interpreter): every Triton kernel of the
-    library compiles for sm_90 at the configurations its launcher picks on a GPU, with registers,
-    spills, shared memory and occupancy read back, and every policy's compress is logged launch by launch."""
-    import re
-
-    from tritonkv import POLICIES
-
-    run_module("kernel_stats", "--smoke", "--out", str(tmp_path))
-    res = json.loads((tmp_path / "kernel_stats.json").read_text())
-    assert not res["errors"] and res["smoke"] and res["archs"] == ["sm_90"] and res["triton"]
-    assert not res["targets"].get("not_launched")  # every *_kernel of tritonkv ran in some workload
-    for k in res["kernels"]:
-        st = k["archs"]["sm_90"]
-        assert st["regs"] > 0 and st["num_warps"] >= 1 and st["num_stages"] >= 1 and st["smem"] >= 0, k
-        assert 0 < st["occupancy"] <= 1 and st["ctas_per_sm"] >= 1, k
-    work = {w["name"]: w for w in res["workloads"]}
-    assert {n for n, w in work.items() if w["kind"] == "compress"} == set(POLICIES) | {"criticalkv_l2"}
-    assert {"decode_attention", "ragged_append"} <= set(work)
-    for name in POLICIES:  # every compress ends in the shared select pipeline
-        seq = [x["kernel"] for x in work[name]["kernel_launches"]]
-        assert seq and seq[-1].startswith("_select_compact_kernel") and not work[name]["error"], (name, seq)
-        assert work[name]["launches"] == work[name]["triton_launches"] + work[name]["torch_launches"]
-        assert 0 < work[name]["triton_est_bytes"] <= work[name]["triton_bytes"]
-    assert work["knorm"]["kernel_launches"][0]["kernel"] == "_knorm_kernel"
-    assert all(x["kernel"].startswith("_select_") for x in work["streaming_llm"]["kernel_launches"])
-    md = (tmp_path / "kernel_stats.md").read_text()
-    assert re.search(r"^## .*[Tt]argets$", md, re.M) and "--smoke" in md and "| `_knorm_kernel` |" in md
-
-
 def test_memory_smoke(tmp_path):
     """benchmarks/memory.py --smoke (its own process, no interpreter: the CPU bodies of the kernels): stock and one
     policy per mode at N = 512 and 1024, every measurement in a fresh process of its own, with positive peaks,
