@@ -25,8 +25,7 @@ def _python(code: str, tmp_path) -> dict:
 
 _UNITS = r'''
 import json, os, sys
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-import kernel_stats as ks
+from benchmarks import kernel_stats as ks
 import triton
 import triton.language as tl
 
@@ -111,8 +110,7 @@ def test_sass_loops_trip_counts_and_pointer_access(tmp_path):
 
 _SMOKE = r'''
 import json, os, sys
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-import kernel_stats as ks
+from benchmarks import kernel_stats as ks
 import torch, tritonkv
 from tritonkv.kernels import _common
 out_dir = sys.argv[1]
