@@ -12,8 +12,8 @@ import os
 import sys
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks.memory import build_model
 from tritonkv.integrations import transformers as tt
 
 LIBC = ctypes.CDLL("libc.so.6")
@@ -26,10 +26,7 @@ def rss_mib() -> float:
 
 
 def main(mode: str = "after_prefill", n: int = 8192) -> None:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=40000)
-    model = LlamaForCausalLM(cfg).eval()
+    model = build_model("tiny", "cpu")
     ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(1))
 
     def run():

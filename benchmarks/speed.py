@@ -305,10 +305,6 @@ class Ctx:
             torch.cuda.empty_cache()
 
 
-def keep_k(keep: float, N: int) -> int:
-    return max(1, math.floor(keep * N + 1e-6))
-
-
 def error_row(kind, name, N, e, **extra):
     print(f"{kind} {name} N={N}: {type(e).__name__}: {e}", file=sys.stderr)
     return dict(kind=kind, policy=name, N=N, error=f"{type(e).__name__}: {e}", **extra)
@@ -328,7 +324,7 @@ def run_compress(ctx: Ctx, rows: list) -> None:
         if ctx.over_budget(f"compress N={N}"):
             continue
         keys, values, pool = ctx.case(N)
-        k = keep_k(a.keep, N)
+        k = tritonkv.resolve_budget(a.keep, N)
         for name in names:
             pol = POLICIES[name]()
             # per policy: its own queries (kvpress_case writes the press's RoPE'd window queries there, and the lse
@@ -413,7 +409,7 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
         if ctx.over_budget(f"allocation N={N}"):
             continue
         keys, values, pool = ctx.case(N, seed=1)
-        k = keep_k(a.keep, N)
+        k = tritonkv.resolve_budget(a.keep, N)
         pol = POLICIES[ALLOC_POLICY]()
         inputs = policy_inputs(pol, pool)
         for name in a.allocations or ALLOCATIONS:
@@ -463,7 +459,7 @@ def run_scaling(ctx: Ctx, rows: list) -> dict:
         if ctx.over_budget(f"scaling N={N}"):
             continue
         keys, values, pool = ctx.case(N, seed=2)
-        k = keep_k(a.keep, N)
+        k = tritonkv.resolve_budget(a.keep, N)
         for name in names:
             pol = POLICIES[name]()
             inputs = policy_inputs(pol, pool)
@@ -524,7 +520,7 @@ def run_torch_compile(ctx: Ctx, rows: list) -> None:
         for r in todo:
             if ctx.over_budget(f"torch.compile {r['policy']} N={N}"):
                 continue
-            pipe = baselines.pipeline(r["policy"], keys, values, keep_k(r["keep"], N), pool)
+            pipe = baselines.pipeline(r["policy"], keys, values, tritonkv.resolve_budget(r["keep"], N), pool)
             try:
                 torch._dynamo.reset()  # one code object serves every (policy, N): avoid its recompile limit
                 compiled = torch.compile(pipe)
