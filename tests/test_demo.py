@@ -76,3 +76,72 @@ def test_real_model_full_cache_answers_with_the_key(tmp_path):
     full = rows[0]
     assert full["rank"] == 1 and full["answer_ok"], full
     assert rows[1]["peak_tokens"] == 128 + 128
+
+
+# -- the command line: one-line errors naming the fix, limits enforced, unknown names refused ---------------
+def _cli(capsys, monkeypatch, *args):
+    """``tritonkv demo ARGS`` through the package's entry point, without running the model: (status, stderr)."""
+    from tritonkv.__main__ import main
+
+    calls = []
+    monkeypatch.setattr(demo, "run", lambda *a, **k: calls.append(a))
+    rc = main(["demo", *args])
+    err = capsys.readouterr().err
+    return rc, err, calls
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--device", "cuda"], ["--device cuda", "--device cpu"]),
+    (["--device", "tpu"], ["--device", "cpu, cuda or auto"]),
+    (["--tokens", "20000"], ["--tokens", "8192"]),
+    (["--tokens", "-5"], ["--tokens", "8192"]),
+    (["--budget", "1.5"], ["--budget", "(0, 1]"]),
+    (["--block-size", "0"], ["--block-size", "at least 1"]),
+    (["--depth", "2"], ["--depth", "[0, 1]"]),
+    (["--policies", "keydiff,snapvk"], ["unknown policy 'snapvk'", "did you mean 'snapkv'"]),
+    (["--policies", ","], ["--policies", "snapkv"]),
+    (["--tokens", "abc"], ["--tokens", "invalid int", "--help"]),
+    (["--no-such-flag"], ["unrecognized", "--help"]),
+])
+def test_bad_arguments_are_one_line_errors(capsys, monkeypatch, args, words):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        rc, err, calls = _cli(capsys, monkeypatch, *args)
+    except SystemExit as e:  # argparse's own errors exit from parse_args
+        rc, err, calls = e.code, capsys.readouterr().err, []
+    assert rc == 2 and not calls
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tritonkv demo: error: "), err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_good_arguments_run(capsys, monkeypatch):
+    rc, err, calls = _cli(capsys, monkeypatch, "--device", "cpu", "--tokens", "8192", "--policies", "keydiff,tova")
+    assert rc == 0 and err == ""
+    assert calls and calls[0][0] == "cpu" and calls[0][1] == 8192 and calls[0][4] == ["keydiff", "tova"]
+
+
+def test_a_setting_the_run_refuses_is_one_line(capsys, monkeypatch):
+    """A ValueError from the library during the run (here: a budget below SnapKV's window) is one line, status 2."""
+    from tritonkv.__main__ import main
+
+    def refuse(*a, **k):
+        raise ValueError("budget 7 is smaller than the protected tokens of 'snapkv' (sink 0 + window 32)")
+
+    monkeypatch.setattr(demo, "run", refuse)
+    assert main(["demo", "--device", "cpu", "--budget", "0.01"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tritonkv demo: error: budget 7 is smaller than the protected tokens of 'snapkv' (sink 0 + window 32)"]
+
+
+def test_cuda_without_a_gpu_end_to_end():
+    """The installed command, as a user runs it: one line on stderr, status 2, no traceback."""
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    r = subprocess.run([sys.executable, "-m", "tritonkv", "demo", "--device", "cuda"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "--device cpu" in r.stderr

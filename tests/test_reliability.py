@@ -444,7 +444,10 @@ def _oracle(pol, t, k):
     out = np.zeros((B, H, k), dtype=np.int64)
     for b in range(B):
         base = pol.base if pol.name in ("criticalkv", "score") else pol
-        s = _wa_scores(base, Kn[b], Qn[b]) if "queries" in pol.needs else None
+        Kb = Kn[b]
+        if pol.name == "criticalkv":  # a token whose value is not finite is absent from the base's softmax too
+            Kb = np.where(np.isfinite(Vn[b]).all(-1, keepdims=True), Kb, np.nan)
+        s = _wa_scores(base, Kb, Qn[b]) if "queries" in pol.needs else None
         if pol.name == "score":
             fn = rscore.parallel if pol.mode == "parallel" else rscore.sequential
             kept = fn(s, [k] * H, t["hd"].double().numpy(), pol.alpha, sink, window)[0]

@@ -338,12 +338,52 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
     return rows
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="tritonkv demo", description=__doc__.replace("``", ""),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+MAX_TOKENS = 8192  # SmolLM2-135M-Instruct's context (max_position_embeddings)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (what is wrong and where to look), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def check_args(a) -> None:
+    """Raise ValueError (one line: what is wrong and the fix) for arguments the demo cannot run with."""
+    from . import POLICIES
+    from ._names import did_you_mean
+
+    if a.device not in ("auto", "cpu", "cuda") and not a.device.startswith("cuda:"):
+        raise ValueError(f"--device must be cpu, cuda or auto, got {a.device!r}")
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"--device {a.device}: {why}; run with --device cpu (or auto), or on a machine with an "
+                         f"NVIDIA GPU and a CUDA build of torch")
+    if not 0 <= a.tokens <= MAX_TOKENS:
+        raise ValueError(f"--tokens must be between 1 and {MAX_TOKENS} (the model's context; 0 = the default), "
+                         f"got {a.tokens}")
+    if not 0 < a.budget <= 1:
+        raise ValueError(f"--budget is the fraction of the prompt kept and must lie in (0, 1], got {a.budget}")
+    for name, v, lo in (("--block-size", a.block_size, 1), ("--new-tokens", a.new_tokens, 1), ("--threads", a.threads, 0)):
+        if v < lo:
+            raise ValueError(f"{name} must be at least {lo}, got {v}")
+    if not 0 <= a.depth <= 1:
+        raise ValueError(f"--depth must lie in [0, 1] (where the fact sits in the prompt), got {a.depth}")
+    names = [n for n in a.policies.split(",") if n]
+    if not names:
+        raise ValueError(f"--policies names no policy; choose from {', '.join(sorted(POLICIES))}")
+    for n in names:
+        if n not in POLICIES:
+            raise ValueError(f"--policies: unknown policy {n!r}{did_you_mean(n, POLICIES)} "
+                             f"(policies: {', '.join(sorted(POLICIES))})")
+
+
+def main(argv=None) -> int:
+    p = _Parser(prog="tritonkv demo", description=__doc__.replace("``", ""),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--tokens", type=int, default=0,
-                   help=f"prompt length (default {CPU_TOKENS} on CPU, 6144 on GPU; up to the model's 8192)")
+                   help=f"prompt length (default {CPU_TOKENS} on CPU, 6144 on GPU; up to the model's {MAX_TOKENS})")
     p.add_argument("--budget", type=float, default=0.25, help="fraction of the prompt kept per head (default 0.25)")
     p.add_argument("--block-size", type=int, default=128, help="prefill block (default 128)")
     p.add_argument("--policies", default=",".join(DEMO_POLICIES), help="comma-separated policy names "
@@ -359,5 +399,11 @@ def main(argv=None):
     p.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
                    help=f"where to write the memory plot (default {DEFAULT_PLOT}; '' for none)")
     a = p.parse_args(argv)
-    run(a.device, a.tokens, a.budget, a.block_size, [s for s in a.policies.split(",") if s], a.new_tokens,
-        a.depth, a.seed, a.haystack, a.threads, a.plot or None)
+    try:
+        check_args(a)
+        run(a.device, a.tokens, a.budget, a.block_size, [s for s in a.policies.split(",") if s], a.new_tokens,
+            a.depth, a.seed, a.haystack, a.threads, a.plot or None)
+    except ValueError as e:  # a setting the run cannot take (e.g. a budget below a policy's window): one line
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -197,17 +197,12 @@ class TPRaggedKV(RaggedKV):
 
 
 def pool_rows(u: torch.Tensor, window: int, kernel_size: int, pool: str) -> torch.Tensor:
-    """The window-attention pooling over ``[0, N − W)`` (``kernels/window_attention.py``: max ignores the padding,
-    avg counts it as zeros; window positions keep their values), on reduced rows ``[B, H, N]``."""
-    N = u.shape[-1]
-    n_pool = max(N - window, 0)
-    if kernel_size <= 1 or n_pool == 0:
-        return u.contiguous()
-    pad = kernel_size // 2
-    fill = float("-inf") if pool == "max" else 0.0
-    win = torch.nn.functional.pad(u[..., :n_pool], (pad, kernel_size - 1 - pad), value=fill).unfold(-1, kernel_size, 1)
-    pooled = win.amax(-1) if pool == "max" else win.sum(-1) / kernel_size
-    return torch.cat([pooled, u[..., n_pool:]], dim=-1).contiguous()
+    """The window-attention pooling over ``[0, N − W)`` (``kernels/window_attention.pool_torch``: max ignores the
+    padding, avg counts it as zeros, NaN neighbours are holes; window positions keep their values), on reduced
+    rows ``[B, H, N]``."""
+    from .kernels.window_attention import pool_torch
+
+    return pool_torch(u, max(u.shape[-1] - window, 0), kernel_size, pool)
 
 
 def window_scores_layer_mean(keys, queries, tp: TPGroup, *, attn_lse=None, scale=None, kernel_size: int = 1,

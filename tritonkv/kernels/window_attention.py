@@ -15,6 +15,14 @@ heads are reduced *before* pooling. Window positions [N−W, N) keep their unpoo
 they receive from the window rows that see them); policies protect them. Query rows at negative
 positions (W > N) see no key and add nothing.
 
+Non-finite inputs (``docs/contracts.md``): a key with a NaN or ±inf element is masked out of every
+softmax (P = 0) and its u is NaN, a hole in its neighbours' pool; a query row with one (or with a
+non-finite given LSE) is left out: the row mean divides by the rows left in of its head, the group
+mean by the heads with a row left in. The kernels take the key flag from the tile they load
+(x·0 = 0 only for finite x), and the row weights (``row_weights``, ``[B, H_q, W]``: one small pass
+over the queries) with the means folded in, P·w = exp(τ·q·k − (lse − ln w)), so the reductions
+cost nothing per key.
+
 Kernels, each on a grid (key chunks, B·H_kv) so a long row splits over many programs; one program
 holds all G·W query rows of its KV head (in blocks of GB heads × BW rows when there are many):
 

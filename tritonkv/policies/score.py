@@ -86,7 +86,8 @@ class ScoreSelect(Policy):
     ``alpha`` is the penalty strength α (≥ 0), ``mode`` ``"parallel"`` (r counts the other heads'
     unpenalised picks) or ``"sequential"`` (greedy in descending HD). Needs the base's inputs plus
     ``hd``. Protected tokens are the base's (``sink``/``window`` mirror it and are not settable).
-    Non-finite base scores stay as they are under the penalty (a factor in (0, 1]): NaN ranks lowest.
+    Non-finite base scores stay as they are under the penalty (a factor in (0, 1]): NaN ranks lowest and,
+    never picked, adds no penalty to other heads (``docs/contracts.md``, non-finite inputs).
     """
 
     name: ClassVar[str] = "score"

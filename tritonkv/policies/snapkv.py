@@ -41,13 +41,11 @@ class WindowAttentionPolicy(Policy):
     ``[B, H_q, W]`` (natural-log softmax normalisers from the prefill attention at the same scale),
     which saves a pass over the keys.
 
-    Non-finite keys/queries: a NaN logit, or a +inf one (inf − inf), makes the softmax normaliser of
-    every window row that sees it NaN, and with it every score that row contributes to (−inf
-    logits alone just get zero weight). A non-finite key therefore usually turns every score of its
-    KV head NaN (of every head with ``head_reduce="layer"``), and a non-finite window query every
-    score of the tokens its row sees. NaN scores rank lowest: such a head keeps its protected
-    window and then its first tokens. The max reduction over heads and the max-pooling propagate
-    NaN, as the oracle does. Values are copied, never read.
+    Non-finite inputs (``docs/contracts.md``): a key with a NaN or ±inf element is masked out of
+    every window row's softmax and scores NaN (ranks lowest; with ``head_reduce="layer"`` in every
+    head), so the other tokens are scored as if it were absent; a window query row with a
+    non-finite element (or a non-finite given ``attn_lse``) is left out of the means. Pooling treats
+    a NaN neighbour as a hole, like the padding. Values are copied, never read.
     """
 
     needs: ClassVar[tuple[str, ...]] = ("queries",)
