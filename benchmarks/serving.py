@@ -56,7 +56,7 @@ def parse(argv=None):
         args.model = args.model if args.model != ap.get_default("model") else ""
         args.num_prompts, args.min_len, args.max_len, args.output_len = 6, 200, 400, 16
         args.kv_blocks, args.block_size, args.dtype = args.kv_blocks or 24, 32, "float32"
-        args.max_num_batched_tokens, args.max_num_seqs = 128, 8
+        args.max_num_batched_tokens, args.max_num_seqs = 32, 8
         args.rates = [r for r in args.rates if r in (1, 4)] or [1, 4]
     for name in ("num_prompts", "min_len", "output_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:

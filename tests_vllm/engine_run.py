@@ -27,6 +27,7 @@ SEQUENTIAL = [("s100", 100, 1, 16), ("s150", 150, 2, 16), ("s250", 250, 3, 16)]
 SHORT = ("short", 30, 4, 20)  # 50 tokens: under the budget
 CONCURRENT = [("c300", 300, 5, 24), ("c90", 90, 6, 24), ("c420", 420, 9, 24)]
 REUSE = [("long", 400, 7, 40), ("late", 40, 8, 8)]
+AGAIN = ("again", 150, 2, 16)  # the prompt of s150 again: vLLM's prefix cache (on) must not serve compressed blocks
 POLICY = {"policy": "keydiff", "budget": BUDGET}
 
 
@@ -37,7 +38,8 @@ def _llm(model: str, cfg, **over):
 
 
 def compressed(model: str) -> dict:
-    llm = _llm(model, POLICY, num_gpu_blocks_override=POOL, max_num_batched_tokens=H.BLOCK)
+    llm = _llm(model, POLICY, num_gpu_blocks_override=POOL, max_num_batched_tokens=H.BLOCK,
+               enable_prefix_caching=True)  # vLLM's default: the plugin's layers opt out of it
     rec = H.Recorder(llm)
     for rid, n, seed, t in SEQUENTIAL + [SHORT]:  # one at a time: each alone in its steps
         rec.add(rid, H.prompt(n, seed), t)
@@ -53,8 +55,11 @@ def compressed(model: str) -> dict:
     rid2, n2, seed2, t2 = REUSE[1]
     rec.add(rid2, H.prompt(n2, seed2), t2)
     rec.run()
+    rid, n, seed, t = AGAIN
+    rec.add(rid, H.prompt(n, seed), t)
+    rec.run()
     return dict(prompts=rec.prompts, tokens=rec.tokens, schedule={r: rec.schedule(r) for r in rec.prompts},
-                blocks=rec.blocks, running=rec.running, free_blocks_after_prefill=free_blocks, pool=POOL,
+                blocks=rec.blocks, running=rec.running, cached=rec.cached, free_blocks_after_prefill=free_blocks, pool=POOL,
                 budget=BUDGET)
 
 

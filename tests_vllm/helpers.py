@@ -68,6 +68,7 @@ class Recorder:
         self.steps = 0
         self.running: list[list[str]] = []  # per step: the requests holding blocks after it
         self.prompts: dict[str, list[int]] = {}
+        self.cached: dict[str, int] = {}  # prompt tokens served from vLLM's prefix cache
 
     def add(self, rid: str, ids: list[int], max_tokens: int) -> None:
         from vllm import SamplingParams
@@ -82,6 +83,7 @@ class Recorder:
         self.running.append([])
         for out in self.engine.step():
             self.tokens[out.request_id] = list(out.outputs[0].token_ids)
+            self.cached[out.request_id] = out.num_cached_tokens or 0
         for internal, req in self.scheduler.requests.items():
             rid = internal.rsplit("-", 1)[0]  # vLLM appends "-<8 random characters>" to the caller's id
             if rid in self.computed and self.computed[rid][-1] != req.num_computed_tokens:

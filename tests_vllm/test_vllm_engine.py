@@ -1,5 +1,5 @@
 """The plugin inside a running vLLM engine (one engine for the module: ``engine_run.py compressed``): keydiff at a
-budget of 48 tokens, 32-token blocks and prefill chunks, a 16-block pool.
+budget of 48 tokens, 32-token blocks and prefill chunks, a 16-block pool, vLLM's prefix caching on (its default).
 
 Each request's greedy tokens must equal those of transformers' Llama fed the same chunks with the evicted tokens
 masked per layer and KV head (``helpers.reference_tokens``); the blocks a request holds, read from the
@@ -8,7 +8,7 @@ another request in the same run.
 """
 import helpers as H
 import pytest
-from engine_run import BUDGET, CONCURRENT, POLICY, SEQUENTIAL, SHORT
+from engine_run import AGAIN, BUDGET, CONCURRENT, POLICY, SEQUENTIAL, SHORT
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,13 @@ def test_request_under_the_budget_is_untouched(run, scenario):
     stock = scenario("stock")
     assert run["tokens"][rid] == stock["tokens"][rid]
     assert max(len(ids) for _, ids in run["blocks"][rid]) == -(-(n + t - 1) // H.BLOCK)
+
+
+def test_prefix_cache_serves_no_compressed_block(run):
+    """The same prompt again, with prefix caching on: nothing comes from the cache (a compressed layer's blocks no
+    longer hold the prompt's tokens) and the tokens repeat."""
+    rid, n, seed, t = AGAIN
+    first = next(r for r, m, s, _ in SEQUENTIAL if (m, s) == (n, seed))
+    assert run["prompts"][rid] == run["prompts"][first]
+    assert run["cached"][rid] == 0
+    assert run["tokens"][rid] == run["tokens"][first]
