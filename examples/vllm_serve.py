@@ -15,6 +15,7 @@ the ``__main__`` guard.
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -70,7 +71,7 @@ def serve(args) -> None:
            "--max-model-len", str(args.max_model_len), "--additional-config", json.dumps({"tritonkv": settings(args)})]
     if args.cpu:
         cmd += ["--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.3", "--block-size", "32"]
-    print(" ".join(cmd), flush=True)
+    print(shlex.join(cmd), flush=True)
     if not args.dry_run:
         sys.exit(subprocess.call(cmd, env=dict(os.environ)))
 

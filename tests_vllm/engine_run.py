@@ -7,6 +7,8 @@ Scenarios:
 * ``full``: the same requests at a budget no request reaches, with vLLM's usual processes (front end + engine
   core), to check exactness and that the plugin loads in each process;
 * ``stock``: the same requests with plugins disabled (``VLLM_PLUGINS=""``): vLLM without tritonkv;
+* ``tp2``: the ``compressed`` settings at tensor parallel 2 (two CPU workers over gloo, one KV head each), the
+  sequential requests one at a time;
 * ``bad``: engines with bad settings, each expected to fail at start.
 """
 from __future__ import annotations
@@ -63,6 +65,19 @@ def compressed(model: str) -> dict:
                 budget=BUDGET)
 
 
+def tp2(model: str) -> dict:
+    from vllm import SamplingParams
+
+    llm = _llm(model, POLICY, tensor_parallel_size=2, num_gpu_blocks_override=POOL, max_num_batched_tokens=H.BLOCK,
+               enable_prefix_caching=True)
+    tokens = {}
+    for rid, n, seed, t in SEQUENTIAL:  # one at a time, as in ``compressed``: the same chunks
+        params = SamplingParams(max_tokens=t, temperature=0.0, ignore_eos=True, detokenize=False)
+        out = llm.generate([{"prompt_token_ids": H.prompt(n, seed)}], params, use_tqdm=False)[0]
+        tokens[rid] = list(out.outputs[0].token_ids)
+    return dict(tokens=tokens)
+
+
 def generate(model: str, cfg) -> dict:
     from vllm import SamplingParams
 
@@ -109,6 +124,8 @@ def main(argv) -> None:
         res = generate(model, {**POLICY, "budget": 100_000})
     elif scenario == "stock":
         res = generate(model, None)
+    elif scenario == "tp2":
+        res = tp2(model)
     elif scenario == "bad":
         res = bad(model)
     else:
