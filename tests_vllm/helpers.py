@@ -64,8 +64,11 @@ class Recorder:
         self.pool = self.scheduler.kv_cache_manager.block_pool
         self.computed: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
-        self.blocks: dict[str, list[list[int]]] = {}  # per step: the non-null block ids held
+        self.blocks: dict[str, list[tuple[int, list[int]]]] = {}  # (step, the non-null block ids held after it)
+        self.steps = 0
+        self.running: list[list[str]] = []  # per step: the requests holding blocks after it
         self.prompts: dict[str, list[int]] = {}
+        self.cached: dict[str, int] = {}  # prompt tokens served from vLLM's prefix cache
 
     def add(self, rid: str, ids: list[int], max_tokens: int) -> None:
         from vllm import SamplingParams
@@ -76,15 +79,19 @@ class Recorder:
         self.computed[rid], self.tokens[rid], self.blocks[rid] = [0], [], []
 
     def step(self) -> None:
+        self.steps += 1
+        self.running.append([])
         for out in self.engine.step():
             self.tokens[out.request_id] = list(out.outputs[0].token_ids)
+            self.cached[out.request_id] = out.num_cached_tokens or 0
         for internal, req in self.scheduler.requests.items():
             rid = internal.rsplit("-", 1)[0]  # vLLM appends "-<8 random characters>" to the caller's id
             if rid in self.computed and self.computed[rid][-1] != req.num_computed_tokens:
                 self.computed[rid].append(req.num_computed_tokens)
             held = self.manager.req_to_blocks.get(internal)
             if held is not None and rid in self.blocks:
-                self.blocks[rid].append([b.block_id for b in held if not b.is_null])
+                self.blocks[rid].append((self.steps, [b.block_id for b in held if not b.is_null]))
+                self.running[-1].append(rid)
 
     def run(self, until=None) -> None:
         while self.engine.has_unfinished_requests() and not (until and until()):
@@ -98,7 +105,8 @@ class Recorder:
 
 
 def reference_tokens(model_path: str, ids: list[int], generated: list[int], bounds: list[int], policy,
-                     budget: int, g: int = BLOCK, margins: list | None = None) -> list[int]:
+                     budget: int, g: int = BLOCK, margins: list | None = None,
+                     kept_log: list | None = None) -> list[int]:
     """Greedy tokens of the Hugging Face Llama fed ``ids + generated`` in the chunks ``bounds`` (teacher forcing),
     where after each chunk ``[c, e)`` every layer keeps, per KV head, the ``e - start(e)`` tokens that
     ``tritonkv.compress(policy)`` picks among its kept tokens and the chunk whenever ``start(e) > start(c)``, and a
@@ -142,6 +150,8 @@ def reference_tokens(model_path: str, ids: list[int], generated: list[int], boun
             vv = torch.stack([value[0, h, new_alive[h]] for h in range(hkv)])[None]
             kept = tritonkv.compress((kk, vv), policy, e - s1)
             new_alive = [new_alive[h][kept.indices[0, h]] for h in range(hkv)]
+            if kept_log is not None:
+                kept_log.append((layer, e, [x.tolist() for x in new_alive]))
         alive[layer] = [x.tolist() for x in new_alive]
         return out.transpose(1, 2).contiguous(), None
 

@@ -30,9 +30,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from .config import TritonKVConfig, TritonKVConfigError, kept_start, parse_config
 from .spec import TritonKVSpec
 
-# The configuration this process last saw (set by the builder/impl, which run inside vLLM's config context); the
-# spec hook may be called outside it.
-_SEEN: list[Optional[TritonKVConfig]] = [None]
+# The settings and vLLM config this process last saw (the builder and impl run inside vLLM's config context; the
+# spec hook may be called outside it).
+_SEEN: list = [None, None]
 
 
 def current_config(vllm_config=None) -> Optional[TritonKVConfig]:
@@ -41,7 +41,7 @@ def current_config(vllm_config=None) -> Optional[TritonKVConfig]:
     if vllm_config is None:
         return _SEEN[0]
     cfg = parse_config(vllm_config)
-    _SEEN[0] = cfg
+    _SEEN[:] = [cfg, vllm_config]
     return cfg
 
 
@@ -236,4 +236,6 @@ class TritonKVCPUBackend(CPUAttentionBackend):
         if cfg is None or type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
             return spec
         fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
-        return TritonKVSpec(**fields, tkv_budget=cfg.budget, tkv_granularity=cfg.granularity(spec.block_size))
+        in_flight = getattr(_SEEN[1], "max_in_flight_tokens", 0) or 0
+        return TritonKVSpec(**fields, tkv_budget=cfg.budget, tkv_granularity=cfg.granularity(spec.block_size),
+                            tkv_in_flight=int(in_flight))

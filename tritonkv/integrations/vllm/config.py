@@ -119,11 +119,16 @@ def parse_config(raw: Any) -> Optional[TritonKVConfig]:
         raise TritonKVConfigError(
             f"{where}['policy'] = {policy!r} needs the input(s) {missing}, which the vLLM attention backend cannot "
             f"supply (it compresses from the cached keys and values alone); use one of {', '.join(kv_only_policies())}")
-    if isinstance(budget, int):
-        sink, window = pol.protected(budget, budget)
-        if sink + window > budget:
-            raise TritonKVConfigError(f"{where}['budget'] = {budget} is smaller than the protected tokens of "
-                                      f"{policy!r} (sink {sink} + window {window})")
+    if isinstance(budget, int):  # every region a compression can see: budget + 1 up to a few lags more
+        lag = getattr(pol, "lag", 0) if isinstance(getattr(pol, "lag", 0), int) else 0
+        for n in range(budget + 1, budget + 2 + max(256, 4 * lag)):
+            try:
+                sink, window = pol.protected(n, budget)
+            except ValueError as e:
+                raise TritonKVConfigError(f"{where}['budget'] = {budget}: {e}") from None
+            if sink + window > budget:
+                raise TritonKVConfigError(f"{where}['budget'] = {budget} is smaller than the protected tokens of "
+                                          f"{policy!r} (sink {sink} + window {window})")
     return out
 
 

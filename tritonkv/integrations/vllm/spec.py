@@ -24,6 +24,8 @@ class TritonKVSpec(FullAttentionSpec):
 
     tkv_budget: Union[int, float] = 1
     tkv_granularity: int = 1
+    #: tokens scheduled but not yet freed (vLLM's ``max_in_flight_tokens``), for the admission cap
+    tkv_in_flight: int = 0
 
     @property
     def prefix_cacheable(self) -> bool:
@@ -35,26 +37,40 @@ class TritonKVSpec(FullAttentionSpec):
     @classmethod
     def merge(cls, specs):
         merged = super().merge(specs)  # FullAttentionSpec.merge rebuilds cls(...) without our fields
-        keys = {(s.tkv_budget, s.tkv_granularity) for s in specs}
+        keys = {(s.tkv_budget, s.tkv_granularity, s.tkv_in_flight) for s in specs}
         if len(keys) != 1:
             raise ValueError(f"layers of one KV cache group have different tritonkv schedules: {sorted(keys)}")
-        budget, granularity = keys.pop()
-        return dataclasses.replace(merged, tkv_budget=budget, tkv_granularity=granularity)
+        budget, granularity, in_flight = keys.pop()
+        return dataclasses.replace(merged, tkv_budget=budget, tkv_granularity=granularity, tkv_in_flight=in_flight)
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int):
+        """Blocks a running request holds at most with an int budget: its kept tokens (fewer than ``budget + G``)
+        plus the tokens in flight, +1 for a kept region that starts inside a block; None (no cap) for a fraction."""
+        if not isinstance(self.tkv_budget, int):
+            return None
+        kept = cdiv(self.tkv_budget + self.tkv_granularity + max_in_flight_tokens, self.block_size) + 1
+        return min(kept, cdiv(max_model_len, self.block_size))
 
     def max_memory_usage_bytes(self, vllm_config) -> int:
-        """A request never holds more than ``budget + G`` kept tokens plus one step's tokens (an int budget), so
-        the pool only has to hold that many, not ``max_model_len``."""
+        """With an int budget the pool only has to hold one request's kept tokens, not ``max_model_len``."""
+        cap = self.max_admission_blocks_per_request(vllm_config.max_in_flight_tokens,
+                                                    vllm_config.model_config.max_model_len)
         full = super().max_memory_usage_bytes(vllm_config)
-        if not isinstance(self.tkv_budget, int):
-            return full
-        step = vllm_config.scheduler_config.max_num_batched_tokens
-        blocks = cdiv(self.tkv_budget + self.tkv_granularity + step, self.block_size) + 1
-        return min(full, blocks * self.page_size_bytes)
+        return full if cap is None else min(full, cap * self.page_size_bytes)
 
 
 class TritonKVManager(FullAttentionManager):
     """Frees a running request's blocks below ``start(processed tokens)`` and puts vLLM's null block in their
-    place (``SingleTypeKVCacheManager.remove_skipped_blocks``); later steps allocate only tail blocks."""
+    place (``SingleTypeKVCacheManager.remove_skipped_blocks``); later steps allocate only tail blocks.
+
+    With an int budget it also caps what vLLM reserves to admit a request (as for sliding windows): a long prompt
+    is admitted when its kept tokens fit, not its whole length."""
+
+    def __init__(self, kv_cache_spec, *args, **kwargs):
+        super().__init__(kv_cache_spec, *args, **kwargs)
+        if self.max_admission_blocks_per_request is None and kv_cache_spec.tkv_in_flight:
+            self.max_admission_blocks_per_request = kv_cache_spec.max_admission_blocks_per_request(
+                kv_cache_spec.tkv_in_flight, 1 << 62)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return self.kv_cache_spec.kept_start(num_computed_tokens)

