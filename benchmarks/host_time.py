@@ -18,7 +18,9 @@ AdaKV's two totals, read whatever the uninitialised buffers hold; the sizes belo
 
 Each case runs ``--warmup`` calls, then ``--rounds`` rounds of ``--calls`` calls; the minimum over rounds of the
 mean per call is reported (``host_us``), with a calibration: the time of a 1000-iteration empty Python loop on
-the same core (about 15-25 µs on an idle modern core).
+the same core (about 15-25 µs on an idle modern core). ``without_triton_run_us`` repeats the measurement with
+``JITFunction.run`` itself stubbed: tritonkv's own host time, without Triton's per-launch binder and cache
+lookup.
 
     python benchmarks/host_time.py                          # this checkout's tritonkv
     python benchmarks/host_time.py --compare <git ref> --json benchmarks/results/host_time.json
@@ -147,8 +149,12 @@ def measure(calls: int, rounds: int, warmup: int, only=None) -> dict:
 
 
 def _worker(args) -> None:
-    json.dump(dict(host_us=measure(args.calls, args.rounds, args.warmup, args.only), loop_us=round(loop_us(), 1)),
-              sys.stdout)
+    host = measure(args.calls, args.rounds, args.warmup, args.only)
+    from triton.runtime.jit import JITFunction
+
+    JITFunction.run = lambda self, *a, grid, warmup, **k: None  # Triton's launch path (binder, cache key) off
+    own = measure(args.calls, args.rounds, args.warmup, args.only)
+    json.dump(dict(host_us=host, without_triton_run_us=own, loop_us=round(loop_us(), 1)), sys.stdout)
 
 
 def _run_tree(tree: str, args) -> dict:
@@ -192,14 +198,17 @@ def main() -> None:
                 runs[k].append(_run_tree(tree, args))
     res = {}
     for k, rs in runs.items():
-        res[k] = dict(commit=trees[k][1], host_us={c: min(r["host_us"][c] for r in rs) for c in rs[0]["host_us"]},
-                      loop_us=min(r["loop_us"] for r in rs))
+        res[k] = dict(commit=trees[k][1], loop_us=min(r["loop_us"] for r in rs),
+                      **{m: {c: min(r[m][c] for r in rs) for c in rs[0][m]}
+                         for m in ("host_us", "without_triton_run_us")})
     cases = list(res["after"]["host_us"])
-    print(f"{'case':<16}" + "".join(f"{k:>12}" for k in res) + ("   after/before" if "before" in res else ""))
+    cols = [(k, m) for m in ("host_us", "without_triton_run_us") for k in res]
+    print(f"{'case':<16}" + "".join(f"{k + (' -run' if m != 'host_us' else ''):>14}" for k, m in cols)
+          + ("  after/before" if "before" in res else ""))
     for c in cases:
-        row = "".join(f"{res[k]['host_us'][c]:>12.1f}" for k in res)
+        row = "".join(f"{res[k][m][c]:>14.1f}" for k, m in cols)
         if "before" in res:
-            row += f"   {res['after']['host_us'][c] / res['before']['host_us'][c]:>8.2f}"
+            row += f"  {res['after']['host_us'][c] / res['before']['host_us'][c]:>12.2f}"
         print(f"{c:<16}{row}")
     print("calibration, 1000-iteration Python loop (us): "
           + ", ".join(f"{k} {v['loop_us']}" for k, v in res.items()))
