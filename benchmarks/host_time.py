@@ -18,7 +18,9 @@ AdaKV's two totals, read whatever the uninitialised buffers hold; the sizes belo
 
 Each case runs ``--warmup`` calls, then ``--rounds`` rounds of ``--calls`` calls; the minimum over rounds of the
 mean per call is reported (``host_us``), with a calibration: the time of a 1000-iteration empty Python loop on
-the same core (about 15-25 µs on an idle modern core).
+the same core (about 15-25 µs on an idle modern core). ``without_triton_run_us`` repeats the measurement with
+``JITFunction.run`` itself stubbed: tritonkv's own host time, without Triton's per-launch binder and cache
+lookup.
 
     python benchmarks/host_time.py                          # this checkout's tritonkv
     python benchmarks/host_time.py --compare <git ref> --json benchmarks/results/host_time.json
@@ -147,8 +149,12 @@ def measure(calls: int, rounds: int, warmup: int, only=None) -> dict:
 
 
 def _worker(args) -> None:
-    json.dump(dict(host_us=measure(args.calls, args.rounds, args.warmup, args.only), loop_us=round(loop_us(), 1)),
-              sys.stdout)
+    host = measure(args.calls, args.rounds, args.warmup, args.only)
+    from triton.runtime.jit import JITFunction
+
+    JITFunction.run = lambda self, *a, grid, warmup, **k: None  # Triton's launch path (binder, cache key) off
+    own = measure(args.calls, args.rounds, args.warmup, args.only)
+    json.dump(dict(host_us=host, without_triton_run_us=own, loop_us=round(loop_us(), 1)), sys.stdout)
 
 
 def _run_tree(tree: str, args) -> dict:
@@ -175,6 +181,7 @@ def main() -> None:
     ap.add_argument("--compare", metavar="REF", help="also measure the tritonkv of this git revision (before)")
     ap.add_argument("--only", nargs="*", help="cases to run")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--md", help="write the table here (Markdown)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -192,17 +199,22 @@ def main() -> None:
                 runs[k].append(_run_tree(tree, args))
     res = {}
     for k, rs in runs.items():
-        res[k] = dict(commit=trees[k][1], host_us={c: min(r["host_us"][c] for r in rs) for c in rs[0]["host_us"]},
-                      loop_us=min(r["loop_us"] for r in rs))
+        res[k] = dict(commit=trees[k][1], loop_us=min(r["loop_us"] for r in rs),
+                      **{m: {c: min(r[m][c] for r in rs) for c in rs[0][m]}
+                         for m in ("host_us", "without_triton_run_us")})
     cases = list(res["after"]["host_us"])
-    print(f"{'case':<16}" + "".join(f"{k:>12}" for k in res) + ("   after/before" if "before" in res else ""))
+    cols = [(k, m) for m in ("host_us", "without_triton_run_us") for k in res]
+    print(f"{'case':<16}" + "".join(f"{k + (' -run' if m != 'host_us' else ''):>14}" for k, m in cols)
+          + ("  after/before" if "before" in res else ""))
     for c in cases:
-        row = "".join(f"{res[k]['host_us'][c]:>12.1f}" for k in res)
+        row = "".join(f"{res[k][m][c]:>14.1f}" for k, m in cols)
         if "before" in res:
-            row += f"   {res['after']['host_us'][c] / res['before']['host_us'][c]:>8.2f}"
+            row += f"  {res['after']['host_us'][c] / res['before']['host_us'][c]:>12.2f}"
         print(f"{c:<16}{row}")
     print("calibration, 1000-iteration Python loop (us): "
           + ", ".join(f"{k} {v['loop_us']}" for k, v in res.items()))
+    if args.md:
+        write_md(args.md, res, " ".join(["python benchmarks/host_time.py"] + sys.argv[1:]))
     if args.json:
         import torch
         import triton
@@ -211,6 +223,7 @@ def main() -> None:
                         "(benchmarks/host_time.py docstring)",
                    shape=dict(B=B, H_kv=H, H_q=H * G, N=N, D=D, W=W, dtype="bfloat16", keep=KEEP),
                    machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
+                                load_average=[round(x, 2) for x in os.getloadavg()],
                                 python=platform.python_version(), torch=torch.__version__,
                                 triton=triton.__version__),
                    date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -219,6 +232,37 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
+
+
+def write_md(path: str, res: dict, command: str) -> None:
+    """The table of ``res`` as Markdown (host µs per call, before/after when both were measured)."""
+    trees = list(res)
+    head = ["case"] + [f"{k} µs" for k in trees] + [f"{k} µs without Triton's run()" for k in trees]
+    if "before" in res:
+        head.append("after / before")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in res["after"]["host_us"]:
+        row = [c] + [f"{res[k]['host_us'][c]:.0f}" for k in trees]
+        row += [f"{res[k]['without_triton_run_us'][c]:.0f}" for k in trees]
+        if "before" in res:
+            row.append(f"{res['after']['host_us'][c] / res['before']['host_us'][c]:.2f}")
+        lines.append("| " + " | ".join(row) + " |")
+    calib = ", ".join(f"{k} {v['loop_us']} µs" for k, v in res.items())
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    commits = ", ".join(f"{k} `{v['commit'][:7]}`" for k, v in res.items())
+    text = f"""# Host time per eager `compress` (GPU path driven on a CPU, launches stubbed)
+
+Command: `{command}` (without `TRITON_INTERPRET`). Trees: {commits}. Method, shape and what is left out: the
+docstring of `benchmarks/host_time.py` (B = {B}, H_kv = {H}, H_q = {H * G}, N = {N}, D = {D}, W = {W}, bf16,
+keep {KEEP:.0%}; minimum over rounds and interleaved worker runs of the mean per call).
+
+{chr(10).join(lines)}
+
+Machine: {platform.machine()}, {os.cpu_count()} CPU cores, load average {load} at the end of the run (1, 5, 15
+min). Calibration: a 1000-iteration empty Python loop took {calib} (minimum; an idle modern core: 15-25 µs).
+"""
+    with open(path, "w") as f:
+        f.write(text)
 
 
 if __name__ == "__main__":
