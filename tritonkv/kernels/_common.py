@@ -106,7 +106,8 @@ def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
     body directly, with ``wrap_triton`` off as the op's own eager kernel would (``launch`` then calls
     the kernels without the tracing wrapper)."""
     def dec(fn):
-        op = torch.library.triton_op(name, mutates_args=mutates_args, schema=schema)(fn)
+        extra = {} if schema is None else {"schema": schema}
+        op = torch.library.triton_op(name, mutates_args=mutates_args, **extra)(fn)
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
