@@ -79,6 +79,20 @@ def _compact(keys, values, pos):
     return keys.gather(2, take), values.gather(2, take), pos.gather(2, order)
 
 
+# the batch dimension of compress() inputs that have one (a padded batch's row gets its own slice)
+_BATCH_DIM = {"head_means": 1, "layer_preference": 1, "attn_lse": 0}
+
+
+def _row_inputs(inputs: dict, b: int, batch: int) -> dict:
+    """``inputs`` for batch row ``b`` alone: the batched ones sliced to that row."""
+    out = dict(inputs)
+    for name, dim in _BATCH_DIM.items():
+        t = inputs.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == batch:
+            out[name] = t.narrow(dim, b, 1)
+    return out
+
+
 def _pad_to(t, width: int, fill):
     """``t`` ``[B, H, m, ...]`` padded with ``fill`` to ``width`` slots on dim 2."""
     if t.shape[2] == width:
@@ -390,11 +404,13 @@ class TritonKVLayer(CacheLayerMixin):
         cache._record(self.layer_idx, self.n)
         cache.compressions += 1
 
-    def _select(self, keys, values, pos, k: int, *, invalid: bool, queries, seq_len: int, offset: int = 0):
+    def _select(self, keys, values, pos, k: int, *, invalid: bool, queries, seq_len: int, offset: int = 0,
+                row: Optional[int] = None):
         """Run the policy (and allocator) over the slots ``keys``/``values`` ``[B, H, N, D]`` at sequence indices
         ``pos`` (``invalid``: some hold no token). Returns ``(keys, values, pos)`` of the kept slots, or a
         ``RaggedStore`` (per-head budgets) that holds no empty slot. ``offset``: subtracted from the positions the
-        policy sees (a padded row's pads), ``seq_len``: the tokens of the sequence (allocators' tables)."""
+        policy sees (a padded row's pads), ``seq_len``: the tokens of the sequence (allocators' tables), ``row``: the
+        batch row these slots belong to (its slice of batched inputs)."""
         cache = self.cache
         policy, forced = cache.policy, None
         if invalid:
@@ -404,7 +420,8 @@ class TritonKVLayer(CacheLayerMixin):
             if sink:  # a padded row's sink is its first real tokens: forced, not +inf scores
                 forced = valid & (valid.to(torch.int32).cumsum(-1) <= sink)
         seen_pos = pos if not offset else torch.where(pos != SENTINEL, pos - offset, SENTINEL)
-        inputs = dict(layer=self.layer_idx, positions=seen_pos, **cache.inputs)
+        extra = cache.inputs if row is None else _row_inputs(cache.inputs, row, self._shape[0])
+        inputs = dict(layer=self.layer_idx, positions=seen_pos, **extra)
         if forced is not None:
             inputs["forced"] = forced
         if cache.num_layers is not None:
@@ -459,7 +476,7 @@ class TritonKVLayer(CacheLayerMixin):
                 q = self.queries
                 q = None if q is None else q[b:b + 1, :, q.shape[2] - min(q.shape[2], real):]
                 out = self._select(kb, vb, pb, k, invalid=self.row_alloc[b] or bool((pb == SENTINEL).any()),
-                                   queries=q, seq_len=real, offset=self.pads[b])
+                                   queries=q, seq_len=real, offset=self.pads[b], row=b)
                 kb, vb, pb = out.padded() if isinstance(out, RaggedStore) else out
                 self.row_since[b], self.row_alloc[b] = 0, self.cache.allocation is not None
                 self.row_n[b] = int((pb != SENTINEL).sum(-1).max())

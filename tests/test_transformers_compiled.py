@@ -1,0 +1,110 @@
+"""A compiled decode loop over a compressing cache (tritonkv/integrations/transformers), on a random Llama (no download).
+
+``make_cache(model, policy, 64, mode="decoding", decode_every=16)``, a 80-token prompt, ``cache.reserve(96)``, a
+decode step compiled with ``fullgraph=True`` (CPU: the ``aot_eager`` backend, which functionalises the cache's
+in-place writes as inductor does) and ``compress_now()`` after every step, for every policy the compiled path
+serves (recursive LagKV decodes eagerly): no recompile after the first step (the fill level lives on the device,
+never in a guard), and the logits of the eager loop to 1e-5 at every step — window policies included, whose saved
+queries the compiled steps keep current. ``benchmarks/compiled_decode.py`` runs the same loop for 500 steps.
+"""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tritonkv
+from tritonkv.integrations import transformers as tt
+
+ATOL = 1e-5
+POLICIES = sorted(p for p in tritonkv.POLICIES if p != "lagkv")
+
+
+def random_llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def cache_inputs(model, policy):
+    """What a policy needs beyond the model (SCORE: head distinctness per KV head)."""
+    return {"hd": torch.ones(model.config.num_key_value_heads)} if policy == "score" else {}
+
+
+def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: int = 64, decode_every: int = 16):
+    """Greedy-decode ``steps`` tokens with the compiled step (``compress_now`` after each) and eagerly, from the
+    same prompt; returns (largest logit difference, graphs compiled after the first step, compressions of each).
+    A recompile after the first step raises (``torch._dynamo.config.error_on_recompile``)."""
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    caches, first = [], []
+    for _ in range(2):
+        c = tt.make_cache(model, policy, budget, mode="decoding", decode_every=decode_every,
+                          **cache_inputs(model, policy))
+        first.append(tt.prefill(model, ids, c)[:, -1])
+        caches.append(c)
+    cache, ref = caches
+    cache.reserve(budget + 2 * decode_every)
+    name = tt.cache_kwarg(model)
+
+    def step(t, p):
+        return model(input_ids=t, position_ids=p, use_cache=True, **{name: cache}).logits[:, -1]
+
+    torch._dynamo.reset()
+    counters.clear()
+    cstep = torch.compile(step, fullgraph=True, backend="aot_eager")
+    t_c, t_r = first[0].argmax(-1, keepdim=True), first[1].argmax(-1, keepdim=True)
+    worst, graphs = 0.0, None
+    try:
+        with tt.use_tritonkv(model), torch.no_grad():
+            for i in range(steps):
+                p = torch.tensor([[prompt + i]])
+                torch._dynamo.config.error_on_recompile = i > 0  # a recompile after warm-up raises
+                lc = cstep(t_c, p).clone()
+                cache.compress_now()
+                if i == 0:
+                    graphs = counters["stats"]["unique_graphs"]
+                lr = model(input_ids=t_r, position_ids=p, use_cache=True, **{name: ref}).logits[:, -1]
+                worst = max(worst, float((lc - lr).abs().max()))
+                t_c, t_r = lc.argmax(-1, keepdim=True), lr.argmax(-1, keepdim=True)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert cache.get_seq_length() == ref.get_seq_length() == prompt + steps
+    return worst, counters["stats"]["unique_graphs"] - graphs, cache.compressions, ref.compressions
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_loop_compressing_every_step_matches_eager(model, policy):
+    """40 steps: the cache re-compresses at steps 16 and 32 in both loops; one graph, eager's logits."""
+    worst, recompiles, compiled_n, eager_n = compiled_vs_eager(model, policy, steps=40)
+    assert recompiles == 0
+    assert compiled_n == eager_n == 2 * 3  # the prompt's compression and two decode ones, per layer
+    assert worst <= ATOL, worst
+
+
+def test_window_queries_stay_current_in_compiled_steps(model):
+    """SnapKV's saved window after 16 compiled steps holds the 16 decode queries last, as eagerly."""
+    ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(1))
+    caches = []
+    for compiled in (True, False):
+        c = tt.make_cache(model, "snapkv", 64, mode="decoding", decode_every=1000)
+        logits = tt.prefill(model, ids, c)[:, -1]
+        if compiled:
+            c.reserve(112)
+        name = tt.cache_kwarg(model)
+        step = (lambda t, p, c=c: model(input_ids=t, position_ids=p, use_cache=True, **{name: c}).logits[:, -1])
+        run = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        t = logits.argmax(-1, keepdim=True)
+        with tt.use_tritonkv(model), torch.no_grad():
+            for i in range(16):
+                t = run(t, torch.tensor([[80 + i]])).argmax(-1, keepdim=True)
+        c.compress_now()
+        caches.append(c)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.queries.shape == b.queries.shape == (1, 4, 32, 16)
+        assert torch.allclose(a.queries, b.queries, atol=1e-6, rtol=0)
