@@ -70,11 +70,12 @@ def _read_only(name: str):
 
 
 def _compact(keys, values, pos):
-    """Each head's slots that hold a token moved to the front (in order), ``SENTINEL`` slots after them; the
-    width is the longest head's count (one host read)."""
+    """Each head's slots that hold a token moved to the end (in order), ``SENTINEL`` slots before them; the width is
+    the longest head's count (one host read). What a policy sees of a layer with pads or per-head rows: its recent
+    window (the last slots) is every head's last real tokens, never a gap, and a row looks as it would alone."""
     valid = pos != SENTINEL
     w = int(valid.sum(-1).max())
-    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[..., :w]
+    order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[..., pos.shape[-1] - w:]
     take = order[..., None].expand(*order.shape, keys.shape[-1])
     return keys.gather(2, take), values.gather(2, take), pos.gather(2, order)
 
@@ -388,6 +389,8 @@ class TritonKVLayer(CacheLayerMixin):
             self.store = self.store.to_dense()
             self.has_invalid = True
         keys, values, pos = self.store.view()
+        if self.has_invalid:
+            keys, values, pos = _compact(keys, values, pos)
         out = self._select(keys, values, pos, k, invalid=self.has_invalid, queries=self.queries, seq_len=self.seen)
         if isinstance(out, RaggedStore):
             self.store = out
