@@ -73,7 +73,8 @@ def draw(i: int, seed: int = 0) -> dict:
     from tritonkv.policies import get_policy
 
     # sink + window, inside the budget (StreamingLLM's window is the budget's rest)
-    protected = 4 if policy == "streaming_llm" else sum(get_policy(policy).protected(longest, 10_000))
+    pol = get_policy(policy)
+    protected = 4 if policy == "streaming_llm" else max(sum(pol.protected(n, 10_000)) for n in range(6, longest + 1))
     case = dict(index=i, policy=policy, allocation=allocation, mode=mode, lengths=lengths,
                 budget=protected + int(torch.randint(8, 65, (1,), generator=gen)),
                 block_size=[16, 32][int(torch.randint(0, 2, (1,), generator=gen))])

@@ -16,6 +16,8 @@ from tritonkv.integrations import transformers as tt
 
 ATOL = 1e-5
 POLICIES = sorted(p for p in tritonkv.POLICIES if p != "lagkv")
+compilable = pytest.mark.skipif(not tt.update_gets_attention_kwargs(),
+                                reason="this transformers passes no attention kwargs to cache.update (see the next test)")
 
 
 def random_llama():
@@ -78,6 +80,17 @@ def model():
     return random_llama()
 
 
+@pytest.mark.skipif(tt.update_gets_attention_kwargs(), reason="this transformers supports compiled decoding")
+def test_compiled_decoding_on_an_older_transformers_is_a_clear_error(model):
+    """Where transformers' attention layers do not hand their kwargs to ``cache.update`` (5.2), the layer could
+    reach a compiled attention call only through state that breaks the graph: ``reserve`` says so up front."""
+    cache = tt.make_cache(model, "keydiff", 64)
+    tt.prefill(model, torch.randint(3, 1000, (1, 20)), cache)
+    with pytest.raises(NotImplementedError, match="transformers.*cache.update"):
+        cache.reserve(96)
+
+
+@compilable
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compiled_loop_compressing_every_step_matches_eager(model, policy):
     """40 steps: the cache re-compresses at steps 16 and 32 in both loops; one graph, eager's logits."""
@@ -87,6 +100,7 @@ def test_compiled_loop_compressing_every_step_matches_eager(model, policy):
     assert worst <= ATOL, worst
 
 
+@compilable
 def test_window_queries_stay_current_in_compiled_steps(model):
     """SnapKV's saved window after 16 compiled steps holds the 16 decode queries last, as eagerly."""
     ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(1))

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ...api import Compressed, check_input_names, compress, resolve_budget
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
-from .attention import block_attention, causal_attention, decode_sdpa, hand_over, masked_attention
+from .attention import block_attention, causal_attention, check_compilable, decode_sdpa, hand_over, masked_attention
 from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
@@ -673,6 +673,7 @@ class TritonKVCache(Cache):
     # -- public helpers ---------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
         """Give every layer static buffers of at least ``capacity`` slots (a compiled decode loop)."""
+        check_compilable()
         for layer in self.layers:
             layer.reserve(capacity)
 
