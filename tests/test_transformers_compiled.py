@@ -7,72 +7,22 @@ serves (recursive LagKV decodes eagerly): no recompile after the first step (the
 never in a guard), and the logits of the eager loop to 1e-5 at every step — window policies included, whose saved
 queries the compiled steps keep current. ``benchmarks/compiled_decode.py`` runs the same loop for 500 steps.
 """
+import os
+import sys
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import tritonkv
 from tritonkv.integrations import transformers as tt
 
-ATOL = 1e-5
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from compiled_decode import compiled_vs_eager, random_llama  # noqa: E402
+
+ATOL = 1e-5  # fp32 round-off (measured: ~1e-7)
 POLICIES = sorted(p for p in tritonkv.POLICIES if p != "lagkv")
 compilable = pytest.mark.skipif(not tt.update_gets_attention_kwargs(),
                                 reason="this transformers passes no attention kwargs to cache.update (see the next test)")
-
-
-def random_llama():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def cache_inputs(model, policy):
-    """What a policy needs beyond the model (SCORE: head distinctness per KV head)."""
-    return {"hd": torch.ones(model.config.num_key_value_heads)} if policy == "score" else {}
-
-
-def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: int = 64, decode_every: int = 16):
-    """Greedy-decode ``steps`` tokens with the compiled step (``compress_now`` after each) and eagerly, from the
-    same prompt; returns (largest logit difference, graphs compiled after the first step, compressions of each).
-    A recompile after the first step raises (``torch._dynamo.config.error_on_recompile``)."""
-    from torch._dynamo.utils import counters
-
-    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
-    caches, first = [], []
-    for _ in range(2):
-        c = tt.make_cache(model, policy, budget, mode="decoding", decode_every=decode_every,
-                          **cache_inputs(model, policy))
-        first.append(tt.prefill(model, ids, c)[:, -1])
-        caches.append(c)
-    cache, ref = caches
-    cache.reserve(budget + 2 * decode_every)
-    name = tt.cache_kwarg(model)
-
-    def step(t, p):
-        return model(input_ids=t, position_ids=p, use_cache=True, **{name: cache}).logits[:, -1]
-
-    torch._dynamo.reset()
-    counters.clear()
-    cstep = torch.compile(step, fullgraph=True, backend="aot_eager")
-    t_c, t_r = first[0].argmax(-1, keepdim=True), first[1].argmax(-1, keepdim=True)
-    worst, graphs = 0.0, None
-    try:
-        with tt.use_tritonkv(model), torch.no_grad():
-            for i in range(steps):
-                p = torch.tensor([[prompt + i]])
-                torch._dynamo.config.error_on_recompile = i > 0  # a recompile after warm-up raises
-                lc = cstep(t_c, p).clone()
-                cache.compress_now()
-                if i == 0:
-                    graphs = counters["stats"]["unique_graphs"]
-                lr = model(input_ids=t_r, position_ids=p, use_cache=True, **{name: ref}).logits[:, -1]
-                worst = max(worst, float((lc - lr).abs().max()))
-                t_c, t_r = lc.argmax(-1, keepdim=True), lr.argmax(-1, keepdim=True)
-    finally:
-        torch._dynamo.config.error_on_recompile = False
-    assert cache.get_seq_length() == ref.get_seq_length() == prompt + steps
-    return worst, counters["stats"]["unique_graphs"] - graphs, cache.compressions, ref.compressions
 
 
 @pytest.fixture(scope="module")

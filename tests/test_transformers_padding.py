@@ -72,3 +72,14 @@ def test_prefill_and_decode_of_a_padded_batch_equal_each_row_alone(model, alloca
         alone = tt.make_cache(model, "snapkv", 40, **kw)
         assert torch.equal(tt.decode(model, alone, tt.prefill(model, r[None], alone)[:, -1], 6), new[b:b + 1])
         assert all(torch.equal(k[b], a[0]) for k, a in zip(cache.kept_tokens(), alone.kept_tokens()))
+
+
+def test_a_one_token_block_of_a_row_aligned_prefill_marks_its_pads(model):
+    """Rows padded by 0, 17 and 35 of 40 columns, blocks of 16: the forwards end at 16, 32, 33 and 40, and the
+    one-token forward [32, 33) holds a pad of the third row, which must not be kept as a token."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [40, 23, 5]
+    case = dict(policy="keydiff", allocation="adakv", mode="blockwise", lengths=lengths, budget=12, block_size=16,
+                ids=[torch.randint(3, 1000, (n,), generator=g) for n in lengths], inputs={})
+    r = bi.run_case(model, case)
+    assert r["kept_equal"] and r["worst"] <= bi.ATOL, r

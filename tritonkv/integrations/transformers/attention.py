@@ -165,7 +165,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     layer = active[0]
     T = query.shape[2]
     layer.module = weakref.ref(module)  # its o_proj is CriticalKV's W_O (a weak reference: copies of a cache share it)
-    if attention_mask is not None and T > 1 and not compiling:
+    # pads: in any multi-token forward, and in a one-token block of a row-aligned prefill (never in decode steps)
+    if attention_mask is not None and not compiling and (T > 1 or layer.cache._block_ends is not None):
         layer.mark_padding(attention_mask[:, -T:].bool())
     out = layer.attend(query, key, value, scaling)
     if compiling:

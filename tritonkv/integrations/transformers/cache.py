@@ -222,7 +222,7 @@ class TritonKVLayer(CacheLayerMixin):
             self.seen_dev.add_(T)
             hand_over(self, st.keys, kwargs)
             return st.keys, st.values
-        if self.store.ragged and T == 1:  # a decode step over per-head rows: append in place
+        if self.store.ragged and T == 1 and self.cache._block_ends is None:  # a decode step over per-head rows
             self.store.append(key_states, value_states)
             out = key_states
         else:
