@@ -384,7 +384,6 @@ class TritonKVLayer(CacheLayerMixin):
 
     def compress_to(self, k: int) -> None:
         """Evict down to ``k`` tokens per head with the cache's policy (and allocator)."""
-        cache = self.cache
         if self.store.ragged:
             self.store = self.store.to_dense()
             self.has_invalid = True
@@ -458,7 +457,7 @@ class TritonKVLayer(CacheLayerMixin):
                 continue
             prefill, self.row_block[b] = self.row_block[b] > 1, 0
             if prefill:
-                now = (ends is None or ends[b]) and (n > k or (alloc and since > 0))
+                now = n > k or (alloc and since > 0)
             else:
                 now = cache.decode_every is not None and (since if alloc else n - k) >= cache.decode_every
             due.append(k if now else None)
