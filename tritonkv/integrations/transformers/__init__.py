@@ -35,16 +35,24 @@ Modes: ``"after_prefill"`` (the prompt in one forward, compressed once), ``"bloc
 RoPE positions are whatever the model is given: ``generate`` and ``prefill`` here count tokens *seen*
 (``get_seq_length()`` returns tokens seen, never tokens stored).
 
-torch.compile: ``TritonKVCache.reserve(capacity)`` gives every layer static buffers; under
-``torch.compiler.is_compiling()`` ``update`` writes at a device-side fill index and the attention spans the whole
-capacity by position, so a decode step has no host read-back and no data-dependent shape; compression then runs
-eagerly between steps (``TritonKVCache.compress_now``) and writes into the reserved buffers in place.
+Left-padded batches are batch invariant: once a forward carries pads, each row is compressed on its own tokens and
+schedule (``TritonKVLayer.compress_rows``), and block-wise ``prefill``/``generate`` start each row's blocks at its
+first real token; every row gives the logits of the same prompt alone.
+
+torch.compile: ``TritonKVCache.reserve(capacity)`` gives every layer static buffers (and window policies a fixed
+buffer of their last queries); under ``torch.compiler.is_compiling()`` ``update`` writes at a device-side fill
+index, the attention spans the whole capacity by position, the saved queries roll on the device and the mask size
+is the static capacity, so a decode step has no host read-back, no data-dependent shape and no guard on the fill
+level; compression then runs eagerly between steps (``TritonKVCache.compress_now``, after every step if wanted)
+and writes into the reserved buffers in place.
+
+transformers 5.2 to the newest: the layer answers both cache-layer interfaces (see ``TritonKVLayer``).
 """
-from .attention import ATTN_IMPLEMENTATION, attention, masked_attention, use_tritonkv
+from .attention import ATTN_IMPLEMENTATION, attention, masked_attention, update_gets_attention_kwargs, use_tritonkv
 from .cache import MODES, LagKVLayer, TritonKVCache, TritonKVLayer
 from .generate import answer, cache_kwarg, compressing, decode, generate, make_cache, output_cache, prefill
 from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
 
 __all__ = ["TritonKVCache", "TritonKVLayer", "LagKVLayer", "MODES", "SENTINEL", "ATTN_IMPLEMENTATION", "attention",
            "masked_attention", "use_tritonkv", "make_cache", "prefill", "generate", "decode", "compressing", "answer",
-           "cache_kwarg", "output_cache", "DenseStore", "RaggedStore", "slack_for"]
+           "cache_kwarg", "output_cache", "DenseStore", "RaggedStore", "slack_for", "update_gets_attention_kwargs"]

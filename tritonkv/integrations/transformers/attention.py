@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import weakref
 
 import torch
 import torch.nn.functional as F
+import transformers
 from transformers import AttentionInterface
+from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
 from .storage import SENTINEL
@@ -41,6 +45,22 @@ LAYER_KWARG = "tritonkv_layer"  # the attention kwarg carrying (layer, the keys 
 _LAYER_UPDATED_LAST: contextvars.ContextVar = contextvars.ContextVar("tritonkv_layer_updated_last", default=None)
 
 
+@functools.lru_cache(maxsize=None)
+def update_gets_attention_kwargs() -> bool:
+    """Whether the installed transformers updates a cache with the attention kwargs (``Cache.update(...,
+    **kwargs)``, as 5.24 does): what a compiled step needs (a context variable would break its graph)."""
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(Cache.update).parameters.values())
+
+
+def check_compilable() -> None:
+    """A NotImplementedError, before anything is compiled, where a compiled step could not find its layer."""
+    if not update_gets_attention_kwargs():
+        raise NotImplementedError(
+            f"compiled decoding with a TritonKVCache needs a transformers whose attention layers pass their kwargs "
+            f"to cache.update (5.24 does); transformers {transformers.__version__} does not: decode eagerly, or "
+            f"upgrade transformers")
+
+
 def hand_over(layer, keys, update_kwargs: dict) -> None:
     """Tell the attention call that follows ``cache.update`` which layer (and which returned keys) it reads:
     through the attention kwargs when transformers passes them to ``update`` (as ``kwargs=``), else through
@@ -48,10 +68,11 @@ def hand_over(layer, keys, update_kwargs: dict) -> None:
     attn_kwargs = update_kwargs.get("kwargs")
     if isinstance(attn_kwargs, dict):
         attn_kwargs[LAYER_KWARG] = (layer, keys)
+        if not torch.compiler.is_compiling() and _LAYER_UPDATED_LAST.get() is not None:
+            _LAYER_UPDATED_LAST.set(None)  # left by an update no attention call followed: keep nothing alive
         return
     if torch.compiler.is_compiling():
-        raise NotImplementedError("a compiled step with a TritonKVCache needs a transformers whose attention layers "
-                                  "pass their kwargs to cache.update (kwargs=...); this one does not: decode eagerly")
+        check_compilable()
     _LAYER_UPDATED_LAST.set((layer, keys))
 
 
@@ -144,7 +165,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     layer = active[0]
     T = query.shape[2]
     layer.module = weakref.ref(module)  # its o_proj is CriticalKV's W_O (a weak reference: copies of a cache share it)
-    if attention_mask is not None and T > 1 and not compiling:
+    # pads: in any multi-token forward, and in a one-token block of a row-aligned prefill (never in decode steps)
+    if attention_mask is not None and not compiling and (T > 1 or layer.cache._block_ends is not None):
         layer.mark_padding(attention_mask[:, -T:].bool())
     out = layer.attend(query, key, value, scaling)
     if compiling:

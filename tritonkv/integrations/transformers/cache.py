@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ...api import Compressed, check_input_names, compress, resolve_budget
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
-from .attention import block_attention, causal_attention, decode_sdpa, hand_over, masked_attention
+from .attention import block_attention, causal_attention, check_compilable, decode_sdpa, hand_over, masked_attention
 from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
@@ -70,13 +70,28 @@ def _read_only(name: str):
 
 
 def _compact(keys, values, pos):
-    """Each head's slots that hold a token moved to the front (in order), ``SENTINEL`` slots after them; the
-    width is the longest head's count (one host read)."""
+    """Each head's slots that hold a token moved to the end (in order), ``SENTINEL`` slots before them; the width is
+    the longest head's count (one host read). What a policy sees of a layer with pads or per-head rows: its recent
+    window (the last slots) is every head's last real tokens, never a gap, and a row looks as it would alone."""
     valid = pos != SENTINEL
     w = int(valid.sum(-1).max())
-    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[..., :w]
+    order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[..., pos.shape[-1] - w:]
     take = order[..., None].expand(*order.shape, keys.shape[-1])
     return keys.gather(2, take), values.gather(2, take), pos.gather(2, order)
+
+
+# the batch dimension of compress() inputs that have one (a padded batch's row gets its own slice)
+_BATCH_DIM = {"head_means": 1, "layer_preference": 1, "attn_lse": 0}
+
+
+def _row_inputs(inputs: dict, b: int, batch: int) -> dict:
+    """``inputs`` for batch row ``b`` alone: the batched ones sliced to that row."""
+    out = dict(inputs)
+    for name, dim in _BATCH_DIM.items():
+        t = inputs.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() > dim and t.shape[dim] == batch:
+            out[name] = t.narrow(dim, b, 1)
+    return out
 
 
 def _pad_to(t, width: int, fill):
@@ -207,7 +222,7 @@ class TritonKVLayer(CacheLayerMixin):
             self.seen_dev.add_(T)
             hand_over(self, st.keys, kwargs)
             return st.keys, st.values
-        if self.store.ragged and T == 1:  # a decode step over per-head rows: append in place
+        if self.store.ragged and T == 1 and self.cache._block_ends is None:  # a decode step over per-head rows
             self.store.append(key_states, value_states)
             out = key_states
         else:
@@ -369,11 +384,12 @@ class TritonKVLayer(CacheLayerMixin):
 
     def compress_to(self, k: int) -> None:
         """Evict down to ``k`` tokens per head with the cache's policy (and allocator)."""
-        cache = self.cache
         if self.store.ragged:
             self.store = self.store.to_dense()
             self.has_invalid = True
         keys, values, pos = self.store.view()
+        if self.has_invalid:
+            keys, values, pos = _compact(keys, values, pos)
         out = self._select(keys, values, pos, k, invalid=self.has_invalid, queries=self.queries, seq_len=self.seen)
         if isinstance(out, RaggedStore):
             self.store = out
@@ -390,11 +406,13 @@ class TritonKVLayer(CacheLayerMixin):
         cache._record(self.layer_idx, self.n)
         cache.compressions += 1
 
-    def _select(self, keys, values, pos, k: int, *, invalid: bool, queries, seq_len: int, offset: int = 0):
+    def _select(self, keys, values, pos, k: int, *, invalid: bool, queries, seq_len: int, offset: int = 0,
+                row: Optional[int] = None):
         """Run the policy (and allocator) over the slots ``keys``/``values`` ``[B, H, N, D]`` at sequence indices
         ``pos`` (``invalid``: some hold no token). Returns ``(keys, values, pos)`` of the kept slots, or a
         ``RaggedStore`` (per-head budgets) that holds no empty slot. ``offset``: subtracted from the positions the
-        policy sees (a padded row's pads), ``seq_len``: the tokens of the sequence (allocators' tables)."""
+        policy sees (a padded row's pads), ``seq_len``: the tokens of the sequence (allocators' tables), ``row``: the
+        batch row these slots belong to (its slice of batched inputs)."""
         cache = self.cache
         policy, forced = cache.policy, None
         if invalid:
@@ -404,7 +422,8 @@ class TritonKVLayer(CacheLayerMixin):
             if sink:  # a padded row's sink is its first real tokens: forced, not +inf scores
                 forced = valid & (valid.to(torch.int32).cumsum(-1) <= sink)
         seen_pos = pos if not offset else torch.where(pos != SENTINEL, pos - offset, SENTINEL)
-        inputs = dict(layer=self.layer_idx, positions=seen_pos, **cache.inputs)
+        extra = cache.inputs if row is None else _row_inputs(cache.inputs, row, self._shape[0])
+        inputs = dict(layer=self.layer_idx, positions=seen_pos, **extra)
         if forced is not None:
             inputs["forced"] = forced
         if cache.num_layers is not None:
@@ -438,7 +457,7 @@ class TritonKVLayer(CacheLayerMixin):
                 continue
             prefill, self.row_block[b] = self.row_block[b] > 1, 0
             if prefill:
-                now = (ends is None or ends[b]) and (n > k or (alloc and since > 0))
+                now = n > k or (alloc and since > 0)
             else:
                 now = cache.decode_every is not None and (since if alloc else n - k) >= cache.decode_every
             due.append(k if now else None)
@@ -459,7 +478,7 @@ class TritonKVLayer(CacheLayerMixin):
                 q = self.queries
                 q = None if q is None else q[b:b + 1, :, q.shape[2] - min(q.shape[2], real):]
                 out = self._select(kb, vb, pb, k, invalid=self.row_alloc[b] or bool((pb == SENTINEL).any()),
-                                   queries=q, seq_len=real, offset=self.pads[b])
+                                   queries=q, seq_len=real, offset=self.pads[b], row=b)
                 kb, vb, pb = out.padded() if isinstance(out, RaggedStore) else out
                 self.row_since[b], self.row_alloc[b] = 0, self.cache.allocation is not None
                 self.row_n[b] = int((pb != SENTINEL).sum(-1).max())
@@ -653,6 +672,7 @@ class TritonKVCache(Cache):
     # -- public helpers ---------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
         """Give every layer static buffers of at least ``capacity`` slots (a compiled decode loop)."""
+        check_compilable()
         for layer in self.layers:
             layer.reserve(capacity)
 

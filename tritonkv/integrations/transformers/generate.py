@@ -55,7 +55,7 @@ def _positions(attention_mask, start: int, T: int):
 def _row_blocks(attention_mask, start0: int, T: int, block_size: int):
     """``(end, rows ending a block there)`` for feeding columns ``[start0, start0 + T)`` of a left-padded batch so
     that every row's blocks start at its own first real token, as for the row alone: the forwards end at the union
-    of the rows' block ends; ``rows`` is None where every row's block ends (always at the last column)."""
+    of the rows' block ends (``rows``: a bool per row; None without a mask)."""
     stop = start0 + T
     if attention_mask is None:
         return [(e, None) for e in range(start0 + block_size, stop, block_size)] + [(stop, None)]
@@ -63,8 +63,7 @@ def _row_blocks(attention_mask, start0: int, T: int, block_size: int):
     ends = sorted({e for p in pads for e in range(p + block_size, stop, block_size) if e > start0} | {stop})
     out = []
     for e in ends:
-        rows = [e == stop or (e - p) % block_size == 0 for p in pads]
-        out.append((e, None if all(rows) else rows))
+        out.append((e, [e == stop or (e - p) % block_size == 0 for p in pads]))
     return out
 
 

@@ -141,6 +141,10 @@ class RaggedStore:
     def from_padded(cls, keys, values, pos, seen: int, slack: int) -> "RaggedStore":
         """Ragged rows holding exactly the slots of ``keys``/``values`` ``[B, H, N, D]`` whose sequence index ``pos``
         is not ``SENTINEL`` (in order; the shared select kernel copies them), with ``slack`` free slots per row."""
+        if pos.shape[2] == 0:  # every row empty (an allocator gave this layer nothing): one empty slot to select from
+            keys, values = keys.new_zeros(*keys.shape[:2], 1, keys.shape[3]), values.new_zeros(*keys.shape[:2], 1,
+                                                                                              values.shape[3])
+            pos = pos.new_full((*pos.shape[:2], 1), SENTINEL)
         valid = pos != SENTINEL
         lengths = valid.sum(-1).reshape(-1)
         total, longest = torch.stack([lengths.sum(), lengths.max()]).tolist()

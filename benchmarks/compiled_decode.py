@@ -1,0 +1,107 @@
+"""A compiled decode loop over a compressing cache against the eager loop, per policy (random Llama, CPU).
+
+``make_cache(model, policy, 64, mode="decoding", decode_every=16)``, an 80-token prompt, ``cache.reserve(96)``, the
+decode step compiled with ``torch.compile(fullgraph=True, backend="aot_eager")``, ``compress_now()`` after every
+step (the cache re-compresses every 16 steps), greedy decoding; the eager loop decodes the same prompt with another
+cache. Per policy: the largest logit difference over all steps, graphs compiled after the first step (a recompile
+raises: ``torch._dynamo.config.error_on_recompile``), and the compressions of each loop.
+
+    python benchmarks/compiled_decode.py --steps 500 --out benchmarks/results/compiled_decode.json
+
+(tests/test_transformers_compiled.py runs 40 steps of the same loop.)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tritonkv
+from tritonkv.integrations import transformers as tt
+
+
+def random_llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def cache_inputs(model, policy):
+    """What a policy needs beyond the model (SCORE: head distinctness per KV head)."""
+    return {"hd": torch.ones(model.config.num_key_value_heads)} if policy == "score" else {}
+
+
+def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: int = 64, decode_every: int = 16):
+    """Greedy-decode ``steps`` tokens with the compiled step (``compress_now`` after each) and eagerly, from the
+    same prompt; returns (largest logit difference, graphs compiled after the first step, compressions of each).
+    A recompile after the first step raises (``torch._dynamo.config.error_on_recompile``)."""
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    caches, first = [], []
+    for _ in range(2):
+        c = tt.make_cache(model, policy, budget, mode="decoding", decode_every=decode_every,
+                          **cache_inputs(model, policy))
+        first.append(tt.prefill(model, ids, c)[:, -1])
+        caches.append(c)
+    cache, ref = caches
+    cache.reserve(budget + 2 * decode_every)
+    name = tt.cache_kwarg(model)
+
+    def step(t, p):
+        return model(input_ids=t, position_ids=p, use_cache=True, **{name: cache}).logits[:, -1]
+
+    torch._dynamo.reset()
+    counters.clear()
+    cstep = torch.compile(step, fullgraph=True, backend="aot_eager")
+    t_c, t_r = first[0].argmax(-1, keepdim=True), first[1].argmax(-1, keepdim=True)
+    worst, graphs = 0.0, None
+    try:
+        with tt.use_tritonkv(model), torch.no_grad():
+            for i in range(steps):
+                p = torch.tensor([[prompt + i]])
+                torch._dynamo.config.error_on_recompile = i > 0  # a recompile after warm-up raises
+                lc = cstep(t_c, p).clone()
+                cache.compress_now()
+                if i == 0:
+                    graphs = counters["stats"]["unique_graphs"]
+                lr = model(input_ids=t_r, position_ids=p, use_cache=True, **{name: ref}).logits[:, -1]
+                worst = max(worst, float((lc - lr).abs().max()))
+                t_c, t_r = lc.argmax(-1, keepdim=True), lr.argmax(-1, keepdim=True)
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    assert cache.get_seq_length() == ref.get_seq_length() == prompt + steps
+    return worst, counters["stats"]["unique_graphs"] - graphs, cache.compressions, ref.compressions
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model, rows = random_llama(), []
+    for policy in sorted(p for p in tritonkv.POLICIES if p != "lagkv"):  # recursive LagKV decodes eagerly
+        t0 = time.time()
+        worst, graphs, compiled_n, eager_n = compiled_vs_eager(model, policy, args.steps)
+        rows.append(dict(policy=policy, steps=args.steps, max_abs_logit_diff=worst, graphs_after_first_step=graphs,
+                         compressions_compiled=compiled_n, compressions_eager=eager_n,
+                         seconds=round(time.time() - t0, 1)))
+        print(json.dumps(rows[-1]), flush=True)
+    summary = dict(command=f"python benchmarks/compiled_decode.py --steps {args.steps}",
+                   machine=f"{platform.machine()} CPU, torch {torch.__version__}",
+                   recompiles=sum(r["graphs_after_first_step"] for r in rows),
+                   worst=max(r["max_abs_logit_diff"] for r in rows))
+    print(json.dumps(summary))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(summary=summary, results=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

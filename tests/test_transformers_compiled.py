@@ -1,0 +1,74 @@
+"""A compiled decode loop over a compressing cache (tritonkv/integrations/transformers), on a random Llama (no download).
+
+``make_cache(model, policy, 64, mode="decoding", decode_every=16)``, a 80-token prompt, ``cache.reserve(96)``, a
+decode step compiled with ``fullgraph=True`` (CPU: the ``aot_eager`` backend, which functionalises the cache's
+in-place writes as inductor does) and ``compress_now()`` after every step, for every policy the compiled path
+serves (recursive LagKV decodes eagerly): no recompile after the first step (the fill level lives on the device,
+never in a guard), and the logits of the eager loop to 1e-5 at every step — window policies included, whose saved
+queries the compiled steps keep current. ``benchmarks/compiled_decode.py`` runs the same loop for 500 steps.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+import tritonkv
+from tritonkv.integrations import transformers as tt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from compiled_decode import compiled_vs_eager, random_llama  # noqa: E402
+
+ATOL = 1e-5  # fp32 round-off (measured: ~1e-7)
+POLICIES = sorted(p for p in tritonkv.POLICIES if p != "lagkv")
+compilable = pytest.mark.skipif(not tt.update_gets_attention_kwargs(),
+                                reason="this transformers passes no attention kwargs to cache.update (see the next test)")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_llama()
+
+
+@pytest.mark.skipif(tt.update_gets_attention_kwargs(), reason="this transformers supports compiled decoding")
+def test_compiled_decoding_on_an_older_transformers_is_a_clear_error(model):
+    """Where transformers' attention layers do not hand their kwargs to ``cache.update`` (5.2), the layer could
+    reach a compiled attention call only through state that breaks the graph: ``reserve`` says so up front."""
+    cache = tt.make_cache(model, "keydiff", 64)
+    tt.prefill(model, torch.randint(3, 1000, (1, 20)), cache)
+    with pytest.raises(NotImplementedError, match="transformers.*cache.update"):
+        cache.reserve(96)
+
+
+@compilable
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_loop_compressing_every_step_matches_eager(model, policy):
+    """40 steps: the cache re-compresses at steps 16 and 32 in both loops; one graph, eager's logits."""
+    worst, recompiles, compiled_n, eager_n = compiled_vs_eager(model, policy, steps=40)
+    assert recompiles == 0
+    assert compiled_n == eager_n == 2 * 3  # the prompt's compression and two decode ones, per layer
+    assert worst <= ATOL, worst
+
+
+@compilable
+def test_window_queries_stay_current_in_compiled_steps(model):
+    """SnapKV's saved window after 16 compiled steps holds the 16 decode queries last, as eagerly."""
+    ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(1))
+    caches = []
+    for compiled in (True, False):
+        c = tt.make_cache(model, "snapkv", 64, mode="decoding", decode_every=1000)
+        logits = tt.prefill(model, ids, c)[:, -1]
+        if compiled:
+            c.reserve(112)
+        name = tt.cache_kwarg(model)
+        step = (lambda t, p, c=c: model(input_ids=t, position_ids=p, use_cache=True, **{name: c}).logits[:, -1])
+        run = torch.compile(step, fullgraph=True, backend="aot_eager") if compiled else step
+        t = logits.argmax(-1, keepdim=True)
+        with tt.use_tritonkv(model), torch.no_grad():
+            for i in range(16):
+                t = run(t, torch.tensor([[80 + i]])).argmax(-1, keepdim=True)
+        c.compress_now()
+        caches.append(c)
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert a.queries.shape == b.queries.shape == (1, 4, 32, 16)
+        assert torch.allclose(a.queries, b.queries, atol=1e-6, rtol=0)

@@ -1,0 +1,85 @@
+"""Left-padded batches in the transformers integration (random Llama, fp32, CPU; no download): every row gives the
+logits of the same prompt run alone and keeps the same tokens, in every mode, for every policy, with and without
+every allocation; ``kept_tokens()`` counts real tokens only and no per-head row keeps a pad slot.
+
+The randomized sweep is ``benchmarks/batch_invariance.py`` (its first ``CASES`` cases here; the committed
+``benchmarks/results/batch_invariance.json`` holds a longer run)."""
+import os
+import sys
+
+import pytest
+import torch
+
+from tritonkv.integrations import transformers as tt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import batch_invariance as bi  # noqa: E402
+
+CASES = 33  # every policy in every mode, every allocation several times
+
+
+@pytest.fixture(scope="module")
+def model():
+    return bi.random_llama()
+
+
+def _issue_batch():
+    """A 100-token prompt left-padded by 300 beside a 400-token one (the reproduction of the bug report)."""
+    torch.manual_seed(0)
+    s, o = torch.randint(3, 1000, (1, 100)), torch.randint(3, 1000, (1, 400))
+    ids = torch.cat([torch.cat([torch.zeros(1, 300, dtype=torch.long), s], 1), o])
+    return ids, (ids != 0).long(), s
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "adakv"])
+def test_short_padded_row_with_per_head_budgets_keeps_no_pad(model, allocation):
+    """Budget 200 per head: the padded row's 100 real tokens all fit. It must keep them and nothing else (it kept
+    100 pad slots per head, read by decode attention: its logits differed from the prompt alone by 0.05-0.9)."""
+    ids, mask, s = _issue_batch()
+    kw = dict(policy="keydiff", budget=200, allocation=allocation, max_new_tokens=4, do_sample=False,
+              output_logits=True, return_dict_in_generate=True, pad_token_id=0, return_cache=True)
+    (b, cache), (a, alone) = tt.generate(model, ids, attention_mask=mask, **kw), tt.generate(model, s, **kw)
+    assert max(float((x[0] - y[0]).abs().max()) for x, y in zip(b.logits, a.logits)) <= bi.ATOL
+    for layer, kept, kept_alone in zip(cache.layers, cache.kept_tokens(), alone.kept_tokens()):
+        assert kept[0].tolist() == kept_alone[0].tolist() == [103, 103]  # 100 prompt tokens + 3 decoded
+        kv = layer.store.kv  # per-head budgets: ragged rows
+        for h in range(2):  # the padded row's slots hold sequence indices 300..402 only: never a pad or an empty slot
+            p = kv.positions[kv.row_start[h]:kv.row_start[h] + kv.length[h]]
+            assert bool((p >= 300).all()) and bool((p < 403).all())
+
+
+@pytest.mark.parametrize("i", range(CASES))
+def test_batch_invariance_sweep(model, i):
+    case = bi.draw(i)
+    r = bi.run_case(model, case)
+    assert r["kept_equal"], case
+    assert r["worst"] <= bi.ATOL, (r["worst"], {k: case[k] for k in ("policy", "allocation", "mode", "lengths")})
+
+
+@pytest.mark.parametrize("allocation", [None, "adakv"])
+def test_prefill_and_decode_of_a_padded_batch_equal_each_row_alone(model, allocation):
+    """``prefill`` (block-wise: each row's blocks from its first real token) and ``decode`` with the mask."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 1000, (n,), generator=g) for n in (90, 37, 61)]
+    ids = torch.zeros(3, 90, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, 90 - len(r):] = r
+    mask = (ids != 0).long()
+    kw = dict(mode="blockwise", block_size=16, allocation=allocation)
+    cache = tt.make_cache(model, "snapkv", 40, **kw)
+    new = tt.decode(model, cache, tt.prefill(model, ids, cache, attention_mask=mask)[:, -1], 6, attention_mask=mask)
+    for b, r in enumerate(rows):
+        alone = tt.make_cache(model, "snapkv", 40, **kw)
+        assert torch.equal(tt.decode(model, alone, tt.prefill(model, r[None], alone)[:, -1], 6), new[b:b + 1])
+        assert all(torch.equal(k[b], a[0]) for k, a in zip(cache.kept_tokens(), alone.kept_tokens()))
+
+
+def test_a_one_token_block_of_a_row_aligned_prefill_marks_its_pads(model):
+    """Rows padded by 0, 17 and 35 of 40 columns, blocks of 16: the forwards end at 16, 32, 33 and 40, and the
+    one-token forward [32, 33) holds a pad of the third row, which must not be kept as a token."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [40, 23, 5]
+    case = dict(policy="keydiff", allocation="adakv", mode="blockwise", lengths=lengths, budget=12, block_size=16,
+                ids=[torch.randint(3, 1000, (n,), generator=g) for n in lengths], inputs={})
+    r = bi.run_case(model, case)
+    assert r["kept_equal"] and r["worst"] <= bi.ATOL, r
