@@ -45,7 +45,7 @@ def current_config(vllm_config=None) -> Optional[TritonKVConfig]:
     return cfg
 
 
-def check_engine(vllm_config, cfg: TritonKVConfig) -> None:
+def check_engine(vllm_config) -> None:
     """What the plugin does not support, refused at start with ``TritonKVConfigError``."""
     where = "tritonkv vLLM plugin"
     spec = getattr(vllm_config, "speculative_config", None)
@@ -72,7 +72,7 @@ class TritonKVCPUBuilder(CPUAttentionMetadataBuilder):
         self.tkv = current_config(vllm_config)
         self.granularity = 0
         if self.tkv is not None and isinstance(kv_cache_spec, TritonKVSpec):
-            check_engine(vllm_config, self.tkv)
+            check_engine(vllm_config)
             self.granularity = kv_cache_spec.tkv_granularity
             if self.granularity % self.block_size:
                 raise TritonKVConfigError(f"decode_every {self.granularity} is not a multiple of the attention "
