@@ -252,8 +252,10 @@ def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: in
         block_t = max(1, min(block_l, 4096 // block_d))
         block_j = max(1, min(block_l, 4096 // block_t))
         warps = 8
-    # >= ~4 programs per SM, and each partition read about once (runs of consecutive partitions)
-    parts = parts or max(1, min(16, triton.cdiv(n_scored * rows, 528)))
+    # runs of consecutive partitions, so that each partition is read about once (a run re-reads only
+    # its last partition's reference): ~2 programs per SM of a 132-SM GPU at one 16-warp program per SM
+    # (32K tokens x 8 rows: 8 partitions per run, 264 programs); not tuned on a GPU yet
+    parts = parts or max(1, min(16, triton.cdiv(n_scored * rows, 264)))
     return parts, block_l, block_t, block_d, block_j, warps
 
 
