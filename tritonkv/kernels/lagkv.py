@@ -116,6 +116,21 @@ def _copy_rows(krow, vrow, skn, svn, pos, keep, idx_ptr, ko_ptr, vo_ptr, dst, dd
     tl.store(vo_ptr + o, vr, mask=m)
 
 
+@triton.jit
+def _emit(nb, pos, tm, quota_j, dst0, out_ptr, orow, lag, krow, vrow, skn, svn, ko_ptr, vo_ptr, dd, D,
+          MODE: tl.constexpr):
+    """Tokens ``pos`` (``tm``: in the partition), ``nb`` tokens beating each: their ranks stored as ρ/L
+    (RANK), or those of rank ≥ L − q_j copied to the output from row ``dst0`` on (SELECT). Returns how
+    many were kept."""
+    keep = tm & (nb < quota_j)
+    kk = keep.to(tl.int32)
+    if MODE == RANK:
+        tl.store(out_ptr + orow + pos, (lag - 1 - nb).to(tl.float32) / lag, mask=tm)
+    else:
+        _copy_rows(krow, vrow, skn, svn, pos, keep, out_ptr, ko_ptr, vo_ptr, dst0 + tl.cumsum(kk, 0) - kk, dd, D)
+    return tl.sum(kk, 0)
+
+
 @triton.jit(do_not_specialize=["N", "n_scored", "parts", "n_runs", "quota", "rem", "n_out", "window"])
 def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, skn, svb, svh, svn, N, D,
                   sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
@@ -187,14 +202,8 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
                 tl.store(out_ptr + orow + start + tt, s, mask=tm)
             else:
                 s = tl.where(ok, s, float("-inf"))  # NaN ranks lowest
-                nb = _beaten(s, tt, s, tt, lag)
-                if MODE == RANK:
-                    tl.store(out_ptr + orow + start + tt, (lag - 1 - nb).to(tl.float32) / lag, mask=tm)
-                else:
-                    keep = tm & (nb < quota_j)
-                    kk = keep.to(tl.int32)
-                    _copy_rows(krow, vrow, skn, svn, start + tt, keep, out_ptr, ko_ptr, vo_ptr,
-                               off + tl.cumsum(kk, 0) - kk, dd, D)
+                _emit(_beaten(s, tt, s, tt, lag), start + tt, tm, quota_j, off, out_ptr, orow, lag, krow, vrow, skn,
+                      svn, ko_ptr, vo_ptr, dd, D, MODE)
         else:
             # chunks of BLOCK_T tokens: per-token stds through the scratch row, kept rows re-read
             for t0 in range(0, lag, BLOCK_T):
@@ -226,14 +235,8 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
                     for j0 in range(0, lag, BLOCK_J):
                         jj = j0 + tl.arange(0, BLOCK_J)
                         nb += _beaten(si, t, tl.load(trow + start + jj, mask=jj < lag, other=0.0), jj, lag)
-                    if MODE == RANK:
-                        tl.store(out_ptr + orow + start + t, (lag - 1 - nb).to(tl.float32) / lag, mask=tm)
-                    else:
-                        keep = tm & (nb < quota_j)
-                        kk = keep.to(tl.int32)
-                        _copy_rows(krow, vrow, skn, svn, start + t, keep, out_ptr, ko_ptr, vo_ptr,
-                                   base + tl.cumsum(kk, 0) - kk, dd, D)
-                        base += tl.sum(kk, 0)
+                    base += _emit(nb, start + t, tm, quota_j, base, out_ptr, orow, lag, krow, vrow, skn, svn, ko_ptr,
+                                  vo_ptr, dd, D, MODE)
 
 
 def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: int):
