@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonkv
 from aot import assert_compiles
@@ -18,12 +19,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @st.composite
-def kv_case(draw, max_rows=2, scored=True):
-    """(keys, values, S, L): rows of P partitions plus a remainder; per-token scales spread the scores."""
+def kv_case(draw, max_rows=2, scored=True, dups=False):
+    """(keys, values, S, L): rows of P partitions plus a remainder; per-token scales spread the scores.
+    ``dups``: some tokens copied onto others (equal scores within a partition, repeated references)."""
     S = draw(st.integers(0, 5))
     L = draw(st.sampled_from([4, 5, 8, 13, 16, 32]))
     P = draw(st.integers(2, 4)) if scored else draw(st.integers(0, 1))
-    N = max(1, S + P * L + draw(st.integers(0, L - 1)))
+    N = max(1, S + P * L + draw(st.sampled_from([0, L - 1]) | st.integers(0, L - 1)))
     B = draw(st.integers(1, 2))
     H = draw(st.integers(1, max_rows // B))
     D = draw(st.sampled_from([2, 3, 16, 33, 64]))
@@ -32,6 +34,9 @@ def kv_case(draw, max_rows=2, scored=True):
     scale = torch.exp(torch.rand(B, H, N, 1, generator=g) * 3 - 1.5)
     keys = (torch.randn(B, H, N, D, generator=g) * scale).to(dtype)
     values = (torch.randn(B, H, N, D, generator=g) * scale.flip(2)).to(dtype)
+    if dups:
+        for src, dst in draw(st.lists(st.tuples(st.integers(0, N - 1), st.integers(0, N - 1)), max_size=12)):
+            keys[:, :, dst], values[:, :, dst] = keys[:, :, src], values[:, :, src]
     return keys, values, S, L
 
 
@@ -110,45 +115,118 @@ def test_non_finite_inputs_score_alike_on_both_backends(val, rank):
     assert_same_scores(got, want, rtol=1e-5, atol=1e-7)
 
 
-@settings(max_examples=10)
-@given(case=kv_case(), parts=st.integers(1, 3))
-def test_grid_and_blocks_do_not_change_scores(case, parts):
-    """Runs of several partitions per program (min/max carried down the run) and token/rank tiles
-    smaller than a partition give bit-identical scores."""
-    keys, values, S, L = case
-    base = lagkv_scores(keys, values, sink=S, lag=L, rank=True)
-    orig = klag._blocks
-
-    def small(lag, d, n_scored, rows_, p):
-        pp, bl, bt, bd, bj = orig(lag, d, n_scored, rows_, p)
-        return pp, bl, max(1, bl // 4), bd, max(1, bl // 2)
-
-    try:
-        klag._blocks = small
-        tiled = lagkv_scores(keys, values, sink=S, lag=L, rank=True, parts=parts)
-        raw_tiled = lagkv_scores(keys, values, sink=S, lag=L, rank=False, parts=parts)
-    finally:
-        klag._blocks = orig
-    assert torch.equal(base, tiled)
-    assert torch.equal(lagkv_scores(keys, values, sink=S, lag=L, rank=False), raw_tiled)
+def _bits(t):
+    """The bit patterns of ``t`` (to compare NaN payloads too)."""
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 @both_backends
-@given(case=kv_case(), data=st.data())
+@pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_token_is_left_out(backend, val):
+    """The NaN rule: a token with a non-finite key or value scores NaN and ranks lowest in its partition
+    (the lower index first among such tokens); the reference min/max and the softmax are taken over the
+    finite tokens, so the other tokens score as if it were absent — a reference partition holding one
+    scores its predecessor exactly like one holding a copy of a finite token instead (same min/max);
+    a partition of bad tokens only leaves its predecessor unnormalised. Kept set = the oracle's, kept
+    rows bit for bit."""
+    with on_backend(backend):
+        S, L, D = 3, 8, 16
+        N = S + 5 * L + 4  # P = 5: partitions 0-3 scored, tail [S + 4L, N)
+        g = torch.Generator().manual_seed(7)
+        keys, values = torch.randn(2, 1, N, D, generator=g), torch.randn(2, 1, N, D, generator=g)
+        keys[:, 0, S + 1, 2] = val  # partition 0
+        clean_k, clean_v = keys.clone(), values.clone()
+        values[:, 0, S + L + 6, 0] = val  # partition 1: partition 0's reference
+        keys[:, 0, S + L + 7, 5] = val
+        keys[1, 0, S + 3 * L: S + 4 * L, 1] = val  # row 1: partition 3 all bad (partition 2's reference)
+        clean_k[:, 0, S + L + 6: S + L + 8] = clean_k[:, 0, S + L: S + L + 1]  # copies of a finite token
+        clean_v[:, 0, S + L + 6: S + L + 8] = clean_v[:, 0, S + L: S + L + 1]
+        raw = lagkv_scores(keys, values, sink=S, lag=L, rank=False)
+        rank = lagkv_scores(keys, values, sink=S, lag=L, rank=True)
+        bad = ~(torch.isfinite(keys).all(-1) & torch.isfinite(values).all(-1))
+        scored = slice(S, S + 4 * L)
+        assert torch.equal(torch.isnan(raw[..., scored]), bad[..., scored])
+        for b, h, K, V in rows(keys, values):
+            s = ref.lag_scores(K, V, S, L)[0]
+            sc = ~np.isnan(s)
+            np.testing.assert_allclose(raw[b, h].numpy()[sc], s[sc], rtol=1e-5, atol=1e-7)
+        # the finite tokens' softmaxes still sum to 1 (K) + 1 (V) in every partition that has some
+        sums = torch.nansum(raw[..., scored].reshape(2, 1, 4, L).double(), -1)
+        want = torch.full_like(sums, 2.0)
+        want[1, 0, 3] = 0.0
+        torch.testing.assert_close(sums, want, rtol=0, atol=1e-5)
+        # partition 0 (its bad token aside) scores as with finite copies in its reference
+        clean = lagkv_scores(clean_k, clean_v, sink=S, lag=L, rank=False)
+        p0 = slice(S, S + L)
+        fin = ~bad[..., p0]
+        assert torch.equal(raw[..., p0][fin], clean[..., p0][fin])
+        # bad tokens rank lowest; a partition of bad tokens ranks by index
+        assert (rank[..., S + 1] == 0).all()
+        torch.testing.assert_close(rank[1, 0, S + 3 * L: S + 4 * L], torch.arange(L - 1, -1, -1) / L, rtol=0, atol=0)
+        for k in (S + L + 4 + 4, N - 3):  # one, then most tokens per partition: the bad ones are kept last
+            out = tritonkv.compress((keys, values), LagKV(sink=S, lag=L), k)
+            for b, h, K, V in rows(keys, values):
+                np.testing.assert_array_equal(out.indices[b, h].numpy(), ref.budget_keep(K, V, S, L, k))
+                i = out.indices[b, h]
+                assert torch.equal(_bits(out.keys[b, h]), _bits(keys[b, h, i]))
+                assert torch.equal(_bits(out.values[b, h]), _bits(values[b, h, i]))
+
+
+@settings(max_examples=10)
+@given(case=kv_case(dups=True), parts=st.integers(1, 3), data=st.data())
+def test_grid_and_blocks_do_not_change_results(case, parts, data):
+    """Runs of several partitions per program (min/max carried down the run) and partitions cut into
+    token/rank chunks (the path of partitions too large for one register tile: stds and scores through
+    the scratch row, kept rows re-read) give bit-identical scores, ranks and kept tokens."""
+    keys, values, S, L = case
+    N = keys.shape[2]
+    k = data.draw(st.integers(S + ref.tail_len(N, S, L), N - 1))
+    pol = LagKV(sink=S, lag=L)
+    base = [lagkv_scores(keys, values, sink=S, lag=L, rank=r) for r in (False, True)]
+    kept = tritonkv.compress((keys, values), pol, k)
+    orig = klag._blocks
+
+    def small(lag, d, itemsize, n_scored, rows_, p):
+        pp, bl, bt, bd, bj, w = orig(lag, d, itemsize, n_scored, rows_, p)
+        return pp, bl, max(1, bl // 4), bd, max(1, bl // 2), w
+
+    try:
+        klag._blocks = small
+        tiled = [lagkv_scores(keys, values, sink=S, lag=L, rank=r, parts=parts) for r in (False, True)]
+        P = ref.num_partitions(N, S, L)
+        q, rem = divmod(k - S - ref.tail_len(N, S, L), P - 1)
+        chunked = klag.lagkv_compress(keys, values, k, sink=S, lag=L, quota=q, rem=rem, window=ref.tail_len(N, S, L),
+                                      parts=parts)
+    finally:
+        klag._blocks = orig
+    for a, b in zip(base, tiled):
+        assert_same_scores(b, a, rtol=0, atol=0)
+    for a, b in zip(kept, chunked):
+        assert torch.equal(a, b)
+
+
+@both_backends
+@given(case=kv_case(dups=True), data=st.data())
 def test_budget_mode_matches_oracle(backend, case, data):
+    """compress() (one launch of the closed form): the quota per partition whatever the scores, the
+    oracle's kept set where scores are separated, the kept rows copied; budgets at the edges (sinks +
+    tail, N − 1, N, > N, fractions)."""
     with on_backend(backend):
         keys, values, S, L = case
         N = keys.shape[2]
         pol = LagKV(sink=S, lag=L)
         P, tail = ref.num_partitions(N, S, L), ref.tail_len(N, S, L)
         assert pol.tail(N) == tail
-        k = data.draw(st.integers(S + tail, N - 1))
-        budget = data.draw(st.sampled_from([k, k / N]))
+        k = data.draw(st.sampled_from([S + tail, N - 1, N, N + 3]) | st.integers(S + tail, N - 1))
+        budget = data.draw(st.sampled_from([k, k / N]) if k <= N else st.just(k))
         k = tritonkv.resolve_budget(budget, N)
         assume(k >= S + tail)
-        assert pol.protected(N, k) == (S, tail)
         out = tritonkv.compress((keys, values), pol, budget)
-        assert out.indices.shape == keys.shape[:2] + (k,)
+        if k >= N:  # the input itself
+            assert out.keys is keys and out.values is values and torch.equal(out.indices[0, 0], torch.arange(N))
+            return
+        assert pol.protected(N, k) == (S, tail)
+        assert out.indices.shape == keys.shape[:2] + (k,) and out.indices.dtype == torch.int64
         q, rem = divmod(k - S - tail, P - 1)
         for b, h, K, V in rows(keys, values):
             idx = out.indices[b, h].numpy()
@@ -158,6 +236,25 @@ def test_budget_mode_matches_oracle(backend, case, data):
             if separated(ref.lag_scores(K, V, S, L)[0], S, L):
                 np.testing.assert_array_equal(idx, ref.budget_keep(K, V, S, L, k))
             assert torch.equal(out.keys[b, h], keys[b, h, idx]) and torch.equal(out.values[b, h], values[b, h, idx])
+
+
+@both_backends
+@given(case=kv_case(dups=True), data=st.data())
+def test_closed_form_equals_scores_and_shared_select(backend, case, data):
+    """The one-launch closed form keeps exactly what the ranks + the shared top-k keep (equal ranks
+    across partitions and ties to the lower index), duplicated tokens and near-ties included: both
+    paths rank with the same code."""
+    from tritonkv.kernels import select as sel
+
+    with on_backend(backend):
+        keys, values, S, L = case
+        N = keys.shape[2]
+        tail = ref.tail_len(N, S, L)
+        k = data.draw(st.sampled_from([S + tail, N - 1]) | st.integers(S + tail, N - 1))
+        out = tritonkv.compress((keys, values), LagKV(sink=S, lag=L), k)
+        ranks = lagkv_scores(keys, values, sink=S, lag=L, rank=True)
+        ko, vo, idx, _ = sel.select_kv(ranks, k, keys, values, k, sink=S, window=tail)
+        assert torch.equal(out.indices, idx) and torch.equal(out.keys, ko) and torch.equal(out.values, vo)
 
 
 @both_backends
@@ -368,14 +465,71 @@ def test_bad_input():
         state.append(torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8))
 
 
+class DeviceOps(TorchDispatchMode):
+    """The aten ops of a block that do device work (not allocations, views or metadata), looking inside
+    tritonkv's own ops (a mode sees a custom op whole: its Python body is run again under the mode)."""
+
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view", "reshape", "expand",
+            "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute", "transpose", "t", "alias",
+            "detach", "lift_fresh"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "tritonkv":
+            from torch._library.custom_ops import OPDEFS
+
+            with self:
+                return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
+        if func._schema.name.split("::")[-1] not in self.FREE:
+            self.ops.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("what", ["budget", "budget_short_row", "paper", "recursive"])
+def test_compress_is_one_launch(what):
+    """Budget mode (also on a row too short to score) and paper mode: one Triton launch and no torch-side
+    device op (so no host sync either); a recursive step: one Triton launch. (The launches logged and not
+    run, on the Triton bodies; the old score + shared select path made 6 and more.)"""
+    from tritonkv.kernels._common import cpu_kernels, record_launches
+
+    if not klag.INTERPRET:
+        pytest.skip("the Triton bodies run on CPU tensors only under TRITON_INTERPRET=1")
+    n = 100 if what == "budget_short_row" else 4096
+    keys = torch.empty(1, 8, n, 128, dtype=torch.bfloat16)
+    values = torch.empty_like(keys)
+    pol = LagKV()
+    state = pol.new_state()
+    run = {"budget": lambda: tritonkv.compress((keys, values), pol, 0.25),
+           "budget_short_row": lambda: tritonkv.compress((keys, values), pol, 0.25),
+           "paper": lambda: pol.paper(keys, values),
+           "recursive": lambda: state.append(keys[:, :, :16 + 3 * 128], values[:, :, :16 + 3 * 128])}[what]
+    mode = DeviceOps()
+    with cpu_kernels("triton"), record_launches(execute=False) as log, mode:
+        run()
+    assert [r.name for r in log] == ["_lagkv_kernel"], [r.name for r in log]
+    if what != "recursive":  # (a recursive step also copies tokens into its state: arange, clone, cat)
+        assert not mode.ops and len(log) + len(mode.ops) <= 2, mode.ops
+
+
 def test_lagkv_kernel_compiles_ahead_of_time():
-    sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*fp32", "tmp_ptr": "*fp32", "H": "i32",
-           "skb": "i64", "skh": "i64", "skn": "i64", "svb": "i64", "svh": "i64", "svn": "i64", "N": "i32",
-           "D": "i32", "sink": "i32", "lag": "i32", "n_scored": "i32", "parts": "i32", "eps": "fp32",
+    """Every mode (select, rank, raw), whole-partition and chunked tiles, for sm_80 and sm_90; eps also
+    as fp64, how torch.compile (Inductor) passes a Python float."""
+    sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*i64", "ko_ptr": "*bf16", "vo_ptr": "*bf16",
+           "tmp_ptr": "*fp32", "H": "i32", "skb": "i64", "skh": "i64", "skn": "i64", "svb": "i64", "svh": "i64",
+           "svn": "i64", "N": "i32", "D": "i32", "sink": "i32", "lag": "i32", "n_scored": "i32", "parts": "i32",
+           "n_runs": "i32", "quota": "i32", "rem": "i32", "n_out": "i32", "window": "i32", "eps": "fp32",
            "BLOCK_L": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "BLOCK_J": "constexpr",
-           "RANK": "constexpr"}
-    # RANK=True compiles every line of the kernel (RANK=False is the same code minus the rank loop); eps as fp64 is
-    # how torch.compile (Inductor) passes a Python float
-    c = {"BLOCK_L": 128, "BLOCK_T": 8, "BLOCK_D": 128, "BLOCK_J": 32, "RANK": True}
-    assert_compiles(*({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_score_kernel",
-                       "signature": {**sig, "eps": f}, "constexprs": c} for f in ("fp32", "fp64")))
+           "MODE": "constexpr"}
+    # (tests/aot.py compiles at its default 4 warps: small tiles, so that ptxas stays quick; the shipped
+    # 128 x 128 whole-partition tile runs 16 warps)
+    whole = {"BLOCK_L": 32, "BLOCK_T": 32, "BLOCK_D": 64, "BLOCK_J": 32}
+    chunked = {"BLOCK_L": 256, "BLOCK_T": 16, "BLOCK_D": 64, "BLOCK_J": 64}
+    specs = [(whole, 2, "fp64", "*i64"), (chunked, 2, "fp32", "*i64"), (whole, 1, "fp32", "*fp32"),
+             (chunked, 0, "fp64", "*fp32")]
+    assert_compiles(*({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_kernel",
+                       "signature": {**sig, "eps": eps, "out_ptr": out}, "constexprs": {**blocks, "MODE": mode}}
+                      for blocks, mode, eps, out in specs))

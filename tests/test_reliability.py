@@ -586,7 +586,7 @@ def test_bit_identical_across_runs_and_split_counts(name, select_chunk):
     _same(_run(pol, t, 45), first)
     select_chunk(32)
     _same(_run(pol, t, 45), first)
-    assert any(n > c for n, c in select_chunk.seen)  # really split
+    assert any(n > c for n, c in select_chunk.seen) or name == "lagkv"  # really split (LagKV: closed form, no select)
     rag = [_run(pol, t, 45, allocation="adakv")]
     select_chunk(0)  # automatic: one chunk per row under the interpreter
     rag.append(_run(pol, t, 45, allocation="adakv"))

@@ -132,6 +132,11 @@ def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
     if sink + window > kk:
         raise ValueError(f"budget {k} is smaller than the protected tokens of {pol.name!r} "
                          f"(sink {sink} + window {window}); raise the budget or lower sink/window")
+    fused = getattr(pol, "compress_dense", None)  # a policy's closed form of score + select (LagKV), or None
+    if allocation is None and fused is not None:
+        out = fused(keys, values, kk, sink=sink, window=window, **inputs)
+        if out is not None:
+            return Compressed(*out)
     scores = pol.score(keys, values, budget=kk, **inputs)
     if allocation is None:
         kout, vout, idx, _ = pol.select(scores, kk, keys, values, sink=sink, window=window, k_max=kk,

@@ -1,21 +1,38 @@
-"""LagKV's lag-relative score (LagKV §2.2, Eqs. 5–9; ``docs/algorithms.md`` §1.5).
+"""LagKV in one kernel: lag-relative scores (LagKV §2.2, Eqs. 5–9; ``docs/algorithms.md`` §1.5), their
+within-partition ranks, and — in budget, paper and recursive mode — the kept tokens themselves.
 
 A row of T tokens is cut, after its S sinks, into P = ⌊(T−S)/L⌋ partitions of L tokens,
 π_j = [S + jL, S + (j+1)L). Partitions 0 … P−2 are each scored against the *raw* next one: for
 Z ∈ {K, V}, the per-channel min/max of π_{j+1} min–max normalise π_j (range floored at ε), each
 token's std over channels (divisor d−1) goes through a softmax over the partition's tokens, and
-score = φ_K + φ_V. With ``rank`` the score becomes the within-partition rank ρ/L (ρ ∈ 0 … L−1,
-higher is better, equal scores give the lower index the higher rank), counted in the kernel.
-Sinks, the tail [S + (P−1)L, T) and rows too short to score (T < S + 2L) get +inf.
+score = φ_K + φ_V. The rank ρ ∈ 0 … L−1 orders a partition (higher is better; equal scores give
+the lower index the higher rank).
 
-One program handles a run of consecutive partitions of one row, walking them from the last to
-the first, so the min/max of π_j is gathered while π_j is being scored and each partition is read
-once (plus the reference of the run's last partition). Per partition: pass 1 streams the tokens
-in [BLOCK_T, D, 2] tiles (K and V joined, so each statistic is one reduction for both) and writes
-the per-token stds of K and V to ``out``/``tmp`` (scratch); the softmax and the rank then read
-them back as [BLOCK_L] vectors (``tl.debug_barrier`` orders the round trip between the program's
-threads). On the CPU (outside the interpreter) the op runs ``_lagkv_torch``: the same steps on all
-partitions at once.
+**Non-finite inputs.** A token whose key or value holds a NaN or ±inf scores NaN (rank: lowest of
+its partition, the lower index first among such tokens). Every statistic over tokens leaves it out:
+the reference min/max of the previous partition and the softmax normaliser of its own, so every
+other token scores as if it were absent. A reference partition without any finite token leaves the
+channels unnormalised (lo = 0, range 1).
+
+**Closed-form selection.** Ranks are a permutation of 0 … L−1 in every partition, so keeping the top
+b tokens by ρ/L over the P−1 scored partitions (ties to the lower index) keeps exactly
+q_j = ⌊b/(P−1)⌋ + [j < b mod (P−1)] of partition j — those of rank ≥ L − q_j — and they land in the
+dense output at S + Σ_{i<j} q_i. Paper mode is q_j = m = ⌊rL⌋. So one kernel scores, ranks and
+writes each partition's kept indices and K/V rows straight into the output: no score buffer, no
+top-k.
+
+**The kernel.** Grid (runs + 1, B·H_kv). Program c < runs takes a run of consecutive partitions of
+one row and walks it from the last to the first, so the min/max of π_j is gathered while π_j is
+scored and every partition is read once (plus the reference of the run's last partition). A
+partition is one ``[BLOCK_L, BLOCK_D]`` tile per tensor (K and V, cast to fp32 after the load): the
+per-channel min/max is one cross-warp reduction per partition, the per-token std one within-warp
+reduction, the rank one ``[BLOCK_L, BLOCK_L]`` comparison; then the kept rows are re-read — from L2,
+the program read them a moment before — and stored bit for bit (holding the raw tiles through the
+rank as well spills at 128 registers). Partitions too large for registers (L·d > 16K) go through
+``BLOCK_T``-token chunks and an fp32 scratch row instead. The last program of each
+row writes the protected tokens: +inf scores, or the sinks and the tail copied. On the CPU (outside
+the interpreter) the ops run ``_lagkv_torch``/``_compress_torch``: the same steps on all partitions
+at once.
 """
 from __future__ import annotations
 
@@ -25,106 +42,224 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+from ._common import INTERPRET, check_int, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+
+# the kernel's MODE: raw scores, ranks ρ/L, or the kept tokens
+RAW, RANK, SELECT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+WHOLE_TILE = 16384  # largest BLOCK_L·BLOCK_D kept in registers as one tile per tensor
 
 
-@triton.jit(do_not_specialize=["n_scored", "parts"])  # a new N compiles nothing new
-def _lagkv_score_kernel(k_ptr, v_ptr, out_ptr, tmp_ptr, H, skb, skh, skn, svb, svh, svn, N, D,
-                        sink, lag, n_scored, parts, eps,
-                        BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_J: tl.constexpr, RANK: tl.constexpr):
-    # K and V travel together as one [BLOCK_T, BLOCK_D, 2] tile (tl.join(K, V)), so every statistic
-    # is one reduction for both (under the interpreter each reduction costs ~3 ms). Helpers are
-    # inlined for the same reason: every @triton.jit call costs ~2 ms there.
+@triton.jit
+def _std(z, lo, inv, dmask, D):
+    """Per-token std over channels (divisor D−1) of ``z`` normalised as (z − lo)·inv; NaN for a token
+    holding a non-finite value (an inf becomes inf − inf in the deviations)."""
+    zn = tl.where(dmask[None, :], (z - lo[None, :]) * inv[None, :], 0.0)
+    dev = tl.where(dmask[None, :], zn - (tl.sum(zn, 1) / D)[:, None], 0.0)
+    return tl.sqrt(tl.sum(dev * dev, 1) / (D - 1))
+
+
+@triton.jit
+def _minmax(z, ok, lo, hi):
+    """Per-channel min/max over the tokens ``ok`` (finite ones), folded into ``lo``/``hi``."""
+    lo = tl.minimum(lo, tl.min(tl.where(ok[:, None], z, float("inf")), 0))
+    hi = tl.maximum(hi, tl.max(tl.where(ok[:, None], z, float("-inf")), 0))
+    return lo, hi
+
+
+@triton.jit
+def _tile(krow, vrow, src, skn, svn, tm, dd, D, nlo_k, inv_k, nlo_v, inv_v, lo_k, hi_k, lo_v, hi_v):
+    """Tokens ``src`` (``tm``: in the partition) of K and V as fp32 tiles: their stds against the
+    reference (nlo, inv), which of them are finite (``ok``), and the min/max folded over those."""
+    m = tm[:, None] & (dd < D)[None, :]
+    zk = tl.load(krow + src * skn + dd[None, :], mask=m, other=0.0).to(tl.float32)
+    zv = tl.load(vrow + src * svn + dd[None, :], mask=m, other=0.0).to(tl.float32)
+    sd_k = _std(zk, nlo_k, inv_k, dd < D, D)
+    sd_v = _std(zv, nlo_v, inv_v, dd < D, D)
+    ok = tm & (sd_k == sd_k) & (sd_v == sd_v)
+    lo_k, hi_k = _minmax(zk, ok, lo_k, hi_k)
+    lo_v, hi_v = _minmax(zv, ok, lo_v, hi_v)
+    return sd_k, sd_v, ok, lo_k, hi_k, lo_v, hi_v
+
+
+@triton.jit
+def _norm(lo, hi, eps):
+    """(lo, 1/max(hi − lo, ε)) of a reference; (0, 1) where it had no finite token."""
+    has = lo < float("inf")
+    return tl.where(has, lo, 0.0), 1.0 / tl.where(has, tl.maximum(hi - lo, eps), 1.0)
+
+
+@triton.jit
+def _phi(sd_k, sd_v, ok):
+    """φ_K + φ_V (Eqs. 8–9): softmaxes over the tokens ``ok``; NaN elsewhere."""
+    ek = tl.where(ok, tl.exp(sd_k - tl.max(tl.where(ok, sd_k, float("-inf")), 0)), 0.0)
+    ev = tl.where(ok, tl.exp(sd_v - tl.max(tl.where(ok, sd_v, float("-inf")), 0)), 0.0)
+    return tl.where(ok, ek / tl.sum(ek, 0) + ev / tl.sum(ev, 0), float("nan"))
+
+
+@triton.jit
+def _beaten(si, ii, sj, jj, lag):
+    """For each token i: #{j < lag : s_j > s_i, or s_j == s_i and j < i} (NaN scores come as −inf)."""
+    b = (sj[None, :] > si[:, None]) | ((sj[None, :] == si[:, None]) & (jj[None, :] < ii[:, None]))
+    return tl.sum((b & (jj < lag)[None, :]).to(tl.int32), 1)
+
+
+@triton.jit
+def _copy_rows(krow, vrow, skn, svn, pos, keep, idx_ptr, ko_ptr, vo_ptr, dst, dd, D):
+    """Kept tokens ``pos`` → output rows ``dst``: the index and the K/V rows, bit for bit."""
+    src = pos.to(tl.int64)[:, None]
+    m = keep[:, None] & (dd < D)[None, :]
+    kr = tl.load(krow + src * skn + dd[None, :], mask=m)
+    vr = tl.load(vrow + src * svn + dd[None, :], mask=m)
+    tl.store(idx_ptr + dst, pos.to(tl.int64), mask=keep)
+    o = dst.to(tl.int64)[:, None] * D + dd[None, :]
+    tl.store(ko_ptr + o, kr, mask=m)
+    tl.store(vo_ptr + o, vr, mask=m)
+
+
+@triton.jit
+def _emit(nb, pos, tm, quota_j, dst0, out_ptr, orow, lag, krow, vrow, skn, svn, ko_ptr, vo_ptr, dd, D,
+          MODE: tl.constexpr):
+    """Tokens ``pos`` (``tm``: in the partition), ``nb`` tokens beating each: their ranks stored as ρ/L
+    (RANK), or those of rank ≥ L − q_j copied to the output from row ``dst0`` on (SELECT). Returns how
+    many were kept."""
+    keep = tm & (nb < quota_j)
+    kk = keep.to(tl.int32)
+    if MODE == RANK:
+        tl.store(out_ptr + orow + pos, (lag - 1 - nb).to(tl.float32) / lag, mask=tm)
+    else:
+        _copy_rows(krow, vrow, skn, svn, pos, keep, out_ptr, ko_ptr, vo_ptr, dst0 + tl.cumsum(kk, 0) - kk, dd, D)
+    return tl.sum(kk, 0)
+
+
+@triton.jit(do_not_specialize=["N", "n_scored", "parts", "n_runs", "quota", "rem", "n_out", "window"])
+def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, skn, svb, svh, svn, N, D,
+                  sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
+                  BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
+                  MODE: tl.constexpr):
+    # MODE RAW/RANK: out_ptr fp32 scores [R, N]. MODE SELECT: out_ptr int64 indices [R, n_out], ko/vo [R, n_out, D].
+    # window: the protected tokens after the sinks ([N - window, N)); n_out = sink + window + the quotas.
     eps = tl.cast(eps, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     krow = k_ptr + (r // H) * skb + (r % H) * skh
     vrow = v_ptr + (r // H) * svb + (r % H) * svh
-    orow = out_ptr + r * N
-    trow = tmp_ptr + r * N
+    dd = tl.arange(0, BLOCK_D)
+    dmask = dd < D
+    tt = tl.arange(0, BLOCK_T)
+    if MODE == SELECT:
+        orow = r * n_out
+    else:
+        orow = r * N
+
+    if c == n_runs:  # the protected tokens: [0, sink) and [N - window, N)
+        for t0 in range(0, sink + window, BLOCK_T):
+            t = t0 + tt
+            tm = t < sink + window
+            pos = tl.where(t < sink, t, N - window + t - sink)
+            if MODE == SELECT:
+                _copy_rows(krow, vrow, skn, svn, pos, tm, out_ptr, ko_ptr, vo_ptr,
+                           orow + tl.where(t < sink, t, n_out - window + t - sink), dd, D)
+            else:
+                tl.store(out_ptr + orow + pos, float("inf"), mask=tm)
+        return
+
     j_lo = c * parts
     j_hi = tl.minimum(j_lo + parts, n_scored)
-    t2 = tl.arange(0, BLOCK_T)[:, None]
-    d2 = tl.arange(0, BLOCK_D)[None, :]
-    z2 = tl.arange(0, 2)[None, :]  # 0 = K, 1 = V
-    sd_row = tl.where(z2 == 0, orow, trow)  # per-token stds of K -> out, of V -> tmp
-    ll = tl.arange(0, BLOCK_L)
-    lmask = ll < lag
-
-    # per-channel min/max (Eqs. 5-6) of the reference of the run's last partition
-    lo = tl.full([BLOCK_D, 2], float("inf"), tl.float32)
-    hi = tl.full([BLOCK_D, 2], float("-inf"), tl.float32)
-    ref = sink + j_hi * lag
+    # per-channel min/max (Eqs. 5-6) over the finite tokens of the reference of the run's last partition
+    lo_k = tl.full([BLOCK_D], float("inf"), tl.float32)
+    hi_k = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    lo_v, hi_v = lo_k, hi_k
     for t0 in range(0, lag, BLOCK_T):
-        pos = (ref + t0 + t2).to(tl.int64)
-        m2 = ((t0 + t2) < lag) & (d2 < D)
-        m = m2[:, :, None]
-        zz = tl.join(tl.load(krow + pos * skn + d2, mask=m2, other=0.0).to(tl.float32),
-                     tl.load(vrow + pos * svn + d2, mask=m2, other=0.0).to(tl.float32))
-        nan = tl.sum(tl.where(m & (zz != zz), zz, 0.0), 0)  # NaN where a channel holds one
-        lo = tl.minimum(lo, tl.min(tl.where(m, zz, float("inf")), 0) + nan, propagate_nan=tl.PropagateNan.ALL)
-        hi = tl.maximum(hi, tl.max(tl.where(m, zz, float("-inf")), 0) + nan, propagate_nan=tl.PropagateNan.ALL)
+        t = t0 + tt
+        src = (sink + j_hi * lag + t).to(tl.int64)[:, None]
+        m = (t < lag)[:, None] & dmask[None, :]
+        zk = tl.load(krow + src * skn + dd[None, :], mask=m, other=0.0).to(tl.float32)
+        zv = tl.load(vrow + src * svn + dd[None, :], mask=m, other=0.0).to(tl.float32)
+        ok = (t < lag) & (tl.sum(zk * 0.0, 1) == 0.0) & (tl.sum(zv * 0.0, 1) == 0.0)  # x·0 is NaN iff x is not finite
+        lo_k, hi_k = _minmax(zk, ok, lo_k, hi_k)
+        lo_v, hi_v = _minmax(zv, ok, lo_v, hi_v)
 
+    trow = tmp_ptr + r * (2 * N)  # scratch (chunked partitions only): sd_K at [0, N), sd_V at [N, 2N)
     for q in range(j_lo, j_hi):
-        start = sink + (j_hi - 1 - (q - j_lo)) * lag  # the run is walked from its last partition down
-        # pass 1: per-token std over channels (divisor D-1) of K and V min-max normalised by the
-        # reference (Eq. 7) -> out (K) and tmp (V); meanwhile the min/max of this partition
-        rng = tl.maximum(hi - lo, eps)[None, :, :]
-        lo3 = lo[None, :, :]
-        lo = tl.full([BLOCK_D, 2], float("inf"), tl.float32)
-        hi = tl.full([BLOCK_D, 2], float("-inf"), tl.float32)
-        for t0 in range(0, lag, BLOCK_T):
-            pos = (start + t0 + t2).to(tl.int64)
-            m2 = ((t0 + t2) < lag) & (d2 < D)
-            m = m2[:, :, None]
-            zz = tl.join(tl.load(krow + pos * skn + d2, mask=m2, other=0.0).to(tl.float32),
-                         tl.load(vrow + pos * svn + d2, mask=m2, other=0.0).to(tl.float32))
-            zn = tl.where(m, (zz - lo3) / rng, 0.0)
-            dev = tl.where(m, zn - (tl.sum(zn, 1) / D)[:, None, :], 0.0)
-            sd = tl.sqrt(tl.sum(dev * dev, 1) / (D - 1))  # [BLOCK_T, 2]
-            tl.store(sd_row + start + t0 + t2, sd, mask=((t0 + t2) < lag) & (z2 < 2))
-            nan = tl.sum(tl.where(m & (zz != zz), zz, 0.0), 0)
-            lo = tl.minimum(lo, tl.min(tl.where(m, zz, float("inf")), 0) + nan, propagate_nan=tl.PropagateNan.ALL)
-            hi = tl.maximum(hi, tl.max(tl.where(m, zz, float("-inf")), 0) + nan, propagate_nan=tl.PropagateNan.ALL)
-        tl.debug_barrier()
-        # Eqs. 8-9: softmax over the partition's tokens of each std, then K score + V score
-        sd = tl.load(sd_row + start + ll[:, None], mask=lmask[:, None] & (z2 < 2), other=float("-inf"))
-        e = tl.exp(sd - tl.max(sd, 0)[None, :])
-        s = tl.sum(e / tl.sum(e, 0)[None, :], 1)  # [BLOCK_L]
-        tl.debug_barrier()
-        if RANK:
-            # rank rho_i = #{j: s_j < s_i} + #{j > i: s_j == s_i}
-            s = tl.where(s != s, float("-inf"), s)  # NaN ranks lowest (ties: the lower index ranks higher)
-            tl.store(trow + start + ll, s, mask=lmask)
+        j = j_hi - 1 - (q - j_lo)  # the run is walked from its last partition down
+        start = sink + j * lag
+        nlo_k, inv_k = _norm(lo_k, hi_k, eps)
+        nlo_v, inv_v = _norm(lo_v, hi_v, eps)
+        lo_k = tl.full([BLOCK_D], float("inf"), tl.float32)
+        hi_k = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        lo_v, hi_v = lo_k, hi_k
+        quota_j = quota + (j < rem).to(tl.int32)
+        off = orow + sink + j * quota + tl.minimum(j, rem)  # output row of the partition's first kept token
+        if BLOCK_T == BLOCK_L:
+            # the whole partition in registers: stds, min/max, softmax and ranks in one pass; the kept
+            # rows are then re-read (L2) rather than held: holding the raw tiles too spills
+            tm = tt < lag
+            src = (start + tt).to(tl.int64)[:, None]
+            sd_k, sd_v, ok, lo_k, hi_k, lo_v, hi_v = _tile(krow, vrow, src, skn, svn, tm, dd, D, nlo_k, inv_k,
+                                                           nlo_v, inv_v, lo_k, hi_k, lo_v, hi_v)
+            s = _phi(sd_k, sd_v, ok)
+            if MODE == RAW:
+                tl.store(out_ptr + orow + start + tt, s, mask=tm)
+            else:
+                s = tl.where(ok, s, float("-inf"))  # NaN ranks lowest
+                _emit(_beaten(s, tt, s, tt, lag), start + tt, tm, quota_j, off, out_ptr, orow, lag, krow, vrow, skn,
+                      svn, ko_ptr, vo_ptr, dd, D, MODE)
+        else:
+            # chunks of BLOCK_T tokens: per-token stds through the scratch row, kept rows re-read
+            for t0 in range(0, lag, BLOCK_T):
+                t = t0 + tt
+                tm = t < lag
+                src = (start + t).to(tl.int64)[:, None]
+                sd_k, sd_v, ok, lo_k, hi_k, lo_v, hi_v = _tile(krow, vrow, src, skn, svn, tm, dd, D, nlo_k, inv_k,
+                                                               nlo_v, inv_v, lo_k, hi_k, lo_v, hi_v)
+                tl.store(trow + start + t, sd_k, mask=tm)
+                tl.store(trow + N + start + t, sd_v, mask=tm)
             tl.debug_barrier()
-            rank = tl.zeros([BLOCK_L], dtype=tl.int32)
-            for j0 in range(0, lag, BLOCK_J):
-                jj = j0 + tl.arange(0, BLOCK_J)
-                sj = tl.load(trow + start + jj, mask=jj < lag, other=0.0)
-                below = (sj[None, :] < s[:, None]) | ((sj[None, :] == s[:, None]) & (jj[None, :] > ll[:, None]))
-                rank += tl.sum((below & (jj < lag)[None, :]).to(tl.int32), 1)
-            s = rank.to(tl.float32) / lag
-        tl.store(orow + start + ll, s, mask=lmask)
+            ll = tl.arange(0, BLOCK_L)
+            sd_k = tl.load(trow + start + ll, mask=ll < lag, other=float("nan"))
+            sd_v = tl.load(trow + N + start + ll, mask=ll < lag, other=float("nan"))
+            ok = (sd_k == sd_k) & (sd_v == sd_v)
+            s = _phi(sd_k, sd_v, ok)
+            tl.debug_barrier()
+            if MODE == RAW:
+                tl.store(out_ptr + orow + start + ll, s, mask=ll < lag)
+            else:
+                tl.store(trow + start + ll, tl.where(ok, s, float("-inf")), mask=ll < lag)
+                tl.debug_barrier()
+                base = off
+                for t0 in range(0, lag, BLOCK_T):
+                    t = t0 + tt
+                    tm = t < lag
+                    si = tl.load(trow + start + t, mask=tm, other=0.0)
+                    nb = tl.zeros([BLOCK_T], dtype=tl.int32)
+                    for j0 in range(0, lag, BLOCK_J):
+                        jj = j0 + tl.arange(0, BLOCK_J)
+                        nb += _beaten(si, t, tl.load(trow + start + jj, mask=jj < lag, other=0.0), jj, lag)
+                    base += _emit(nb, start + t, tm, quota_j, base, out_ptr, orow, lag, krow, vrow, skn, svn, ko_ptr,
+                                  vo_ptr, dd, D, MODE)
 
 
-def _blocks(lag: int, d: int, n_scored: int, rows: int, parts: int):
-    """(parts per program, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J). The blocks depend on (lag, d) only,
-    so a partition's scores do not depend on where it sits, how long the row is or the grid."""
+def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: int):
+    """(parts per program, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, num_warps). The blocks depend on
+    (lag, d, dtype) only, so a partition's result does not depend on where it sits, how long the row
+    is or the grid."""
     block_l, block_d = next_pow2(lag), next_pow2(d)
     if INTERPRET:  # ~0.5 ms per program and per op: one program per row, whole-partition tiles
-        return parts or max(n_scored, 1), block_l, block_l, block_d, block_l
-    # [BLOCK_T, BLOCK_D] tiles of 1024 elements: 4 per thread at 8 warps. The per-channel min/max
-    # vectors (old and new, K and V: four [BLOCK_D, 2] values) live in the slice of the tile's layout
-    # over tokens, replicated across the threads that tile the token axis, so they cost as much as
-    # the tile width per thread: at 2048-element tiles (8 per thread) they alone held 64 registers and
-    # the kernel 172-210 (1 CTA/SM); at 1024 it is 118 (sm_90). The rank's [BLOCK_L, BLOCK_J]
-    # comparison is kept at 4096 elements for the same reason.
-    block_t = max(1, min(block_l, 1024 // block_d))
-    block_j = max(1, min(block_l, 4096 // block_l))
-    # >= ~4 programs per SM, and each partition read about once (runs of consecutive partitions)
-    parts = parts or max(1, min(16, (n_scored * rows) // 528))
-    return parts, block_l, block_t, block_d, block_j
+        return parts or max(n_scored, 1), block_l, block_l, block_d, block_l, 4
+    if block_l <= 128 and block_l * block_d <= WHOLE_TILE:
+        # whole partition: K and V as fp32 [BLOCK_L, BLOCK_D] tiles, live together until a token's
+        # finiteness in both is known; 128 x 128 fits 16 warps at 128 registers (8 warps: 255)
+        block_t = block_j = block_l
+        warps = max(4, min(16, block_l * block_d // 1024))
+    else:
+        block_t = max(1, min(block_l, 4096 // block_d))
+        block_j = max(1, min(block_l, 4096 // block_t))
+        warps = 8
+    # runs of consecutive partitions, so that each partition is read about once (a run re-reads only
+    # its last partition's reference): ~2 programs per SM of a 132-SM GPU at one 16-warp program per SM
+    # (32K tokens x 8 rows: 8 partitions per run, 264 programs); not tuned on a GPU yet
+    parts = parts or max(1, min(16, triton.cdiv(n_scored * rows, 264)))
+    return parts, block_l, block_t, block_d, block_j, warps
 
 
 def num_partitions(n: int, sink: int, lag: int) -> int:
@@ -132,45 +267,104 @@ def num_partitions(n: int, sink: int, lag: int) -> int:
     return (n - sink) // lag if n >= sink + 2 * lag else 0
 
 
-def _lagkv_phi(z: torch.Tensor, eps: float) -> torch.Tensor:
+def _run(keys, values, out, ko, vo, mode: int, sink: int, lag: int, eps: float, parts: int, quota: int = 0,
+         rem: int = 0, window: int = 0) -> None:
+    """One launch of ``_lagkv_kernel`` over every row: scored partitions plus the protected program."""
+    B, H, N, D = keys.shape
+    R = B * H
+    n_scored = max(num_partitions(N, sink, lag) - 1, 0)
+    parts, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, warps = _blocks(lag, D, keys.element_size(), n_scored, R, parts)
+    n_runs = triton.cdiv(n_scored, parts)
+    chunked = BLOCK_T < BLOCK_L and n_scored > 0
+    tmp = torch.empty((R, 2, N) if chunked else (1,), dtype=torch.float32, device=keys.device)
+    n_out = ko.shape[2] if mode == SELECT.value else 0
+    launch(_lagkv_kernel, (n_runs + 1, R), keys, values, out, ko, vo, tmp, H,
+           keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+           N, D, sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
+           BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, MODE=mode, num_warps=warps)
+
+
+# ------------------------------------------------------------------------------------------------
+# PyTorch bodies (CPU outside the interpreter)
+
+def _lagkv_phi(z: torch.Tensor, ok: torch.Tensor, eps: float) -> torch.Tensor:
     """φ_Z of Eqs. 5–8 for every scored partition at once: ``z`` fp32 ``[B, H, P, L, D]`` (P ≥ 2
-    partitions) -> ``[B, H, P−1, L]``. Partition j is min–max normalised by partition j+1 (amin/amax
-    propagate NaN, like the kernel and the oracle), then each token's std over channels (divisor
-    D−1, two-pass: the mean, then the norm of the deviations / √(D−1)), then a softmax over the
-    partition's tokens written out (max, exp, sum) so NaN and +inf behave as in the kernel. One
-    full-size temporary; the rest in place."""
-    ref = z[:, :, 1:]
-    lo, hi = ref.amin(dim=3, keepdim=True), ref.amax(dim=3, keepdim=True)
-    dev = (z[:, :, :-1] - lo).div_((hi - lo).clamp_min(eps))  # one temporary, then in place
+    partitions), ``ok`` bool ``[B, H, P, L]`` (finite tokens) -> ``[B, H, P−1, L]``. Partition j is
+    min–max normalised by the finite tokens of partition j+1 (lo = 0, range 1 when there is none),
+    then each token's std over channels (divisor D−1, two-pass: the mean, then the norm of the
+    deviations / √(D−1)), then a softmax over the partition's finite tokens (0 elsewhere)."""
+    ref, okr = z[:, :, 1:], ok[:, :, 1:, :, None]
+    lo = torch.where(okr, ref, float("inf")).amin(dim=3, keepdim=True)
+    hi = torch.where(okr, ref, float("-inf")).amax(dim=3, keepdim=True)
+    has = lo < float("inf")
+    rng = torch.where(has, (hi - lo).clamp_min(eps), 1.0)
+    dev = (z[:, :, :-1] - torch.where(has, lo, 0.0)).div_(rng)  # one temporary, then in place
     dev.sub_(dev.sum(-1, keepdim=True) / z.shape[-1])
     sd = torch.linalg.vector_norm(dev, dim=-1) / math.sqrt(z.shape[-1] - 1)
-    e = torch.exp(sd - sd.amax(-1, keepdim=True))
+    own = ok[:, :, :-1]
+    e = torch.where(own, torch.exp(sd - torch.where(own, sd, float("-inf")).amax(-1, keepdim=True)), 0.0)
     return e / e.sum(-1, keepdim=True)
+
+
+def _scored_torch(keys, values, sink: int, lag: int, eps: float):
+    """φ_K + φ_V of the P−1 scored partitions, fp32 ``[B, H, P−1, L]`` (NaN on tokens with a
+    non-finite key or value), or None when nothing is scored."""
+    B, H, N, D = keys.shape
+    P = num_partitions(N, sink, lag)
+    if P < 2 or B * H == 0:
+        return None
+    span = slice(sink, sink + P * lag)
+    k, v = (z[:, :, span].float().reshape(B, H, P, lag, D) for z in (keys, values))
+    ok = torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1)
+    s = _lagkv_phi(k, ok, eps) + _lagkv_phi(v, ok, eps)
+    return torch.where(ok[:, :, :-1], s, float("nan"))
+
+
+def _ranks_torch(s: torch.Tensor) -> torch.Tensor:
+    """Within-partition ranks ρ (int64, same shape as ``s [..., L]``): one stable ascending sort of
+    the partition read backwards (NaN first as −inf; among equal scores the higher index sorts first,
+    so the lower index gets the higher rank), the sort positions scattered back to the tokens."""
+    lag = s.shape[-1]
+    order = torch.sort(torch.where(torch.isnan(s), float("-inf"), s).flip(-1), dim=-1, stable=True).indices
+    pos = torch.arange(lag, device=s.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, lag - 1 - order, pos)
 
 
 def _lagkv_torch(keys: torch.Tensor, values: torch.Tensor, sink: int, lag: int, eps: float,
                  rank: bool) -> torch.Tensor:
-    """The op's CPU body: the P partitions of every row as one fp32 ``[B, H, P, L, D]`` view per
-    tensor, φ_K + φ_V on the first P−1 of them (``_lagkv_phi``), +inf elsewhere. With ``rank``
-    each score becomes its within-partition rank ρ/L: one stable ascending sort of the partition
-    read backwards (NaN first as −inf; among equal scores the higher index sorts first, so the
-    lower index gets the higher rank), the sort positions scattered back to the tokens."""
+    """The score op's CPU body: φ_K + φ_V (or ρ/L with ``rank``) on the scored partitions, +inf elsewhere."""
     B, H, N, D = keys.shape
     out = torch.full((B, H, N), float("inf"), dtype=torch.float32, device=keys.device)
-    P = num_partitions(N, sink, lag)
-    if P < 2 or B * H == 0:
-        return out
-    span = slice(sink, sink + P * lag)
-    k, v = (z[:, :, span].float().reshape(B, H, P, lag, D) for z in (keys, values))
-    s = _lagkv_phi(k, eps) + _lagkv_phi(v, eps)
-    if rank:
-        s = torch.where(torch.isnan(s), float("-inf"), s).flip(-1)
-        order = torch.sort(s, dim=-1, stable=True).indices  # positions in the flipped partition
-        pos = torch.arange(lag, device=keys.device, dtype=torch.float32).expand_as(s)
-        s = torch.empty_like(s).scatter_(-1, lag - 1 - order, pos) / lag
-    out[:, :, sink:sink + (P - 1) * lag] = s.reshape(B, H, (P - 1) * lag)
+    s = _scored_torch(keys, values, sink, lag, eps)
+    if s is not None:
+        if rank:
+            s = _ranks_torch(s).float() / lag
+        out[:, :, sink:sink + s.shape[2] * lag] = s.reshape(B, H, -1)
     return out
 
+
+def _compress_torch(keys, values, n_out: int, sink: int, lag: int, eps: float, quota: int, rem: int,
+                    window: int):
+    """The compress op's CPU body: partition j keeps its tokens of rank ρ ≥ L − q_j; the kept positions
+    come out ascending from one sort (kept tokens keyed by position, the others pushed past N)."""
+    B, H, N, D = keys.shape
+    dev = keys.device
+    parts = [torch.arange(sink, device=dev).expand(B, H, sink)]
+    s = _scored_torch(keys, values, sink, lag, eps)
+    if s is not None:
+        n_scored = s.shape[2]
+        q = quota + (torch.arange(n_scored, device=dev) < rem).to(torch.int64)
+        keep = (_ranks_torch(s) >= lag - q[:, None]).reshape(B, H, -1)
+        pos = torch.arange(sink, sink + n_scored * lag, device=dev)
+        parts.append(torch.where(keep, pos, pos + N).sort(-1).values[..., :n_out - sink - window])
+    parts.append(torch.arange(N - window, N, device=dev).expand(B, H, window))
+    idx = torch.cat(parts, -1)
+    g = idx[..., None].expand(B, H, n_out, D)
+    return keys.gather(2, g), values.gather(2, g), idx
+
+
+# ------------------------------------------------------------------------------------------------
+# the ops
 
 @triton_op("tritonkv::lagkv_score", mutates_args=())
 def lagkv_score_op(keys: torch.Tensor, values: torch.Tensor, sink: int, lag: int, eps: float,
@@ -180,31 +374,42 @@ def lagkv_score_op(keys: torch.Tensor, values: torch.Tensor, sink: int, lag: int
     if not use_triton(keys):
         return _lagkv_torch(keys, values, sink, lag, eps, rank)
     B, H, N, D = keys.shape
-    out = torch.full((B, H, N), float("inf"), dtype=torch.float32, device=keys.device)
-    n_scored = num_partitions(N, sink, lag) - 1
-    if n_scored >= 1 and B * H > 0:
-        tmp = torch.empty_like(out)
-        parts, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J = _blocks(lag, D, n_scored, B * H, parts)
-        launch(_lagkv_score_kernel, (triton.cdiv(n_scored, parts), B * H), keys, values, out, tmp, H,
-               keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-               N, D, sink, lag, n_scored, parts, eps,
-               BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, RANK=rank,
-               num_warps=8 if BLOCK_T * BLOCK_D >= 1024 else 4)
+    out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)
+    if B * H > 0 and N > 0:
+        sink = min(sink, N)
+        tail = N - sink - max(num_partitions(N, sink, lag) - 1, 0) * lag
+        _run(keys, values, out, keys, values, (RANK if rank else RAW).value, sink, lag, eps, parts, window=tail)
     return out
 
 
-def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, *, sink: int = 16, lag: int = 128,
-                 eps: float = 1e-6, rank: bool = True, parts: int = 0) -> torch.Tensor:
-    """LagKV scores, fp32 ``[B, H, N]`` (higher = keep).
+@triton_op("tritonkv::lagkv_compress", mutates_args=())
+def lagkv_compress_op(keys: torch.Tensor, values: torch.Tensor, n_out: int, sink: int, lag: int, eps: float,
+                      quota: int, rem: int, window: int, parts: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                               torch.Tensor]:
+    """The raw op: keys/values ``[B, H, N, D]`` (last dim unit-stride) -> kept keys/values
+    ``[B, H, n_out, D]`` and int64 indices ``[B, H, n_out]``: the sinks ``[0, sink)``, q_j =
+    ``quota`` + [j < ``rem``] tokens of each scored partition j, the last ``window`` tokens."""
+    if not use_triton(keys):
+        return _compress_torch(keys, values, n_out, sink, lag, eps, quota, rem, window)
+    B, H, N, D = keys.shape
+    ko = torch.empty((B, H, n_out, D), dtype=keys.dtype, device=keys.device)
+    vo = torch.empty((B, H, n_out, D), dtype=values.dtype, device=values.device)
+    idx = torch.empty((B, H, n_out), dtype=torch.int64, device=keys.device)
+    if B * H > 0 and n_out > 0:
+        _run(keys, values, idx, ko, vo, SELECT.value, sink, lag, eps, parts, quota, rem, window)
+    return ko, vo, idx
 
-    Scored partitions get φ_K + φ_V, or with ``rank`` their within-partition rank ρ/L; sinks, the
-    tail and rows with N < sink + 2·lag get +inf. ``parts`` (partitions per program, 0 = automatic)
-    changes the grid, never the result.
-    """
+
+# ------------------------------------------------------------------------------------------------
+# public functions
+
+def _check(keys, values, sink, lag, eps) -> None:
     check_kv_tensor("keys", keys)
     check_kv_tensor("values", values)
     if values.shape != keys.shape:
         raise ValueError(f"values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
+    if values.dtype != keys.dtype:
+        raise TypeError(f"values must have the dtype of keys ({keys.dtype}), got {values.dtype}")
     if keys.shape[-1] < 2:
         raise ValueError(f"keys: LagKV's std over channels needs a head dim >= 2, got {keys.shape[-1]}")
     if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
@@ -213,4 +418,41 @@ def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, *, sink: int = 16, la
         raise ValueError(f"lag must be a positive int, got {lag!r}")
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
+
+
+def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, *, sink: int = 16, lag: int = 128,
+                 eps: float = 1e-6, rank: bool = True, parts: int = 0) -> torch.Tensor:
+    """LagKV scores, fp32 ``[B, H, N]`` (higher = keep).
+
+    Scored partitions get φ_K + φ_V, or with ``rank`` their within-partition rank ρ/L; sinks, the
+    tail and rows with N < sink + 2·lag get +inf; a token with a non-finite key or value gets NaN
+    (rank: the lowest of its partition). ``parts`` (partitions per program, 0 = automatic) changes
+    the grid, never the result.
+    """
+    _check(keys, values, sink, lag, eps)
     return lagkv_score_op(row_major(keys), row_major(values), sink, lag, float(eps), bool(rank), int(parts))
+
+
+def lagkv_compress(keys: torch.Tensor, values: torch.Tensor, k: int, *, sink: int, lag: int, quota: int,
+                   rem: int = 0, window: int, eps: float = 1e-6, parts: int = 0):
+    """LagKV's kept tokens in one launch: ``(keys, values, indices)``, ``[B, H, k, D]`` and int64
+    ``[B, H, k]`` in ascending original order — the first ``sink`` tokens, the top q_j = ``quota`` +
+    [j < ``rem``] by rank of each scored partition j (ties and NaN as in ``lagkv_scores``), and the
+    last ``window`` tokens. ``k`` must equal sink + window + Σ q_j; ``sink`` is also where the
+    partitions start. (Budget mode: ``divmod(k − S − |tail|, P − 1)``; paper mode: ``quota`` = m.)"""
+    _check(keys, values, sink, lag, eps)
+    N = keys.shape[2]
+    for name, v in (("k", k), ("quota", quota), ("rem", rem), ("window", window), ("parts", parts)):
+        check_int(name, v)
+    n_scored = max(num_partitions(N, sink, lag) - 1, 0)
+    if quota > lag or (quota == lag and rem) or rem > n_scored or (n_scored == 0 and (quota or rem)):
+        raise ValueError(f"quota {quota} (+1 in the first rem = {rem}) per partition must fit the {n_scored} "
+                         f"scored partitions of lag {lag}")
+    if sink + window > N or (n_scored and sink + n_scored * lag > N - window):
+        raise ValueError(f"window {window} must lie within the {N} tokens after the sink {sink} and the scored "
+                         f"partitions")
+    if k != sink + window + quota * n_scored + rem:
+        raise ValueError(f"k must be sink + window + quota·(P−1) + rem = "
+                         f"{sink + window + quota * n_scored + rem}, got {k}")
+    return lagkv_compress_op(row_major(keys), row_major(values), k, sink, lag, float(eps), quota, rem, window,
+                             parts)

@@ -5,12 +5,15 @@ Each partition of L tokens after the S sinks is scored against the raw next part
 and is always kept, like the sinks.
 
 * **Budget mode** (``compress(kv, "lagkv", budget)``): scores are within-partition ranks ρ/L, so
-  the shared top-k takes ⌊b/(P−1)⌋ tokens from each scored partition plus one more from each of
-  the earliest b mod (P−1) (b = budget − S − |tail|; equal ranks across partitions, ties to the
-  lower index). ``cross_scoring=True`` keeps the raw scores φ_K + φ_V instead, comparable across
-  partitions and heads (for allocators). Rows shorter than S + 2L behave as StreamingLLM.
+  the top b of them (ties to the lower index) are ⌊b/(P−1)⌋ tokens of each scored partition plus
+  one more in each of the earliest b mod (P−1) (b = budget − S − |tail|). ``compress`` takes that
+  closed form (``LagKV.compress_dense``: one kernel launch that scores, ranks and writes the kept
+  tokens); the scores + shared select path gives the same tokens and serves what the closed form
+  does not: ``cross_scoring=True`` (raw scores φ_K + φ_V, comparable across partitions and heads,
+  for allocators), allocations and ``forced`` tokens. Rows shorter than S + 2L behave as
+  StreamingLLM.
 * **Paper mode** (``LagKV(ratio=r).paper(keys, values)``): sinks + the top m = ⌊r·L⌋ of every
-  scored partition + the tail (Eq. 10); rows shorter than S + 2L are kept whole.
+  scored partition + the tail (Eq. 10), the same kernel; rows shorter than S + 2L are kept whole.
 * **Recursive form** (``LagKVState``): tokens are appended in any chunks and partitions are
   compressed as soon as their successor is complete; the result equals paper mode on the whole row.
 """
@@ -22,9 +25,8 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels import select as _select
 from ..kernels._common import check_kv_tensor
-from ..kernels.lagkv import lagkv_scores, num_partitions
+from ..kernels.lagkv import lagkv_compress, lagkv_scores, num_partitions
 from .base import Policy, register_policy
 
 
@@ -33,12 +35,11 @@ from .base import Policy, register_policy
 class LagKV(Policy):
     """LagKV: sink S, lag L, keep ratio r (paper mode), raw cross-partition scores with ``cross_scoring``.
 
-    Non-finite keys/values follow IEEE arithmetic through Eqs. 5–9 exactly as the NumPy oracle does
-    (the min/max propagate NaN): a NaN or ±inf in a token usually makes the scores of its whole
-    partition NaN (the softmax normaliser) and can do so for the previous partition (it is that
-    partition's min/max reference). NaN scores rank lowest *within their partition* (the lower
-    index first among equals), so budget mode still takes every scored partition's quota and a
-    partition of NaN scores keeps its first tokens; sinks and tail are kept whatever they hold.
+    Non-finite keys/values: a token whose key or value holds a NaN or ±inf scores NaN and ranks
+    lowest *within its partition* (the lower index first among such tokens), and it is left out of
+    every statistic over tokens (the min/max reference of the previous partition, the softmax of its
+    own), so the other tokens score as if it were absent. Budget mode still takes every scored
+    partition's quota; sinks and tail are kept whatever they hold.
     """
 
     name: ClassVar[str] = "lagkv"
@@ -89,18 +90,30 @@ class LagKV(Policy):
         """Within-partition ranks ρ/L (raw φ_K + φ_V with ``cross_scoring``); +inf on sinks and tail."""
         return lagkv_scores(keys, values, sink=self.sink, lag=self.lag, eps=self.eps, rank=not self.cross_scoring)
 
+    def compress_dense(self, keys: torch.Tensor, values: torch.Tensor, k: int, *, sink: int, window: int,
+                       **inputs):
+        """Budget mode's closed form, called by ``compress`` (one budget for every head, k < N):
+        ``(keys, values, indices)`` from one kernel launch, the tokens the scores + shared select path
+        keeps. None where the closed form does not apply (``cross_scoring``, ``forced`` tokens), and
+        ``compress`` then takes that path."""
+        if self.cross_scoring or inputs.get("forced") is not None:
+            return None
+        p = num_partitions(keys.shape[2], self.sink, self.lag)
+        quota, rem = divmod(k - sink - window, p - 1) if p else (0, 0)
+        return lagkv_compress(keys, values, k, sink=sink, lag=self.lag, quota=quota, rem=rem, window=window,
+                              eps=self.eps)
+
     def paper(self, keys: torch.Tensor, values: torch.Tensor):
         """Paper mode (Eq. 10): ``(keys, values, indices)`` with ``kept_count(N)`` tokens per row — the
-        sinks, the top m of each scored partition (shared select over the ranks: exactly the tokens of
-        rank ≥ L − m) and the tail. Rows with N < S + 2L come back unchanged."""
+        sinks, the top m of each scored partition (the tokens of rank ≥ L − m) and the tail, from one
+        kernel launch. Rows with N < S + 2L come back unchanged."""
         check_kv_tensor("keys", keys)
         B, H, N, _ = keys.shape
         k = self.kept_count(N)
         if k >= N:
             return keys, values, torch.arange(N, device=keys.device).expand(B, H, N)
-        ranks = lagkv_scores(keys, values, sink=self.sink, lag=self.lag, eps=self.eps, rank=True)
-        ko, vo, idx, _ = _select.select_kv(ranks, k, keys, values, k, sink=self.sink, window=self.tail(N))
-        return ko, vo, idx
+        return lagkv_compress(keys, values, k, sink=self.sink, lag=self.lag, quota=self.keep, window=self.tail(N),
+                              eps=self.eps)
 
     def new_state(self) -> "LagKVState":
         """An empty recursive-form state with this policy's settings."""
@@ -112,9 +125,9 @@ class LagKVState:
 
     Per row it holds the compressed part C (sinks and kept tokens, ascending positions) and a raw
     tail U that starts on a partition boundary. ``append`` adds any number of tokens; whenever U
-    holds q ≥ 2 full partitions, the first q − 1 are scored against their raw successors (one kernel
-    launch, the same kernel as one-shot scoring), their top m move to C (the shared select) and they
-    leave U, so |U| < 2L afterwards. Every row keeps exactly m per partition, so C stays dense and
+    holds q ≥ 2 full partitions, the first q − 1 are scored against their raw successors and their
+    top m move to C (one kernel launch, the kernel of one-shot compression), and they leave U, so
+    |U| < 2L afterwards. Every row keeps exactly m per partition, so C stays dense and
     the result after any chunking equals ``LagKV(...).paper`` on all tokens seen.
     """
 
@@ -171,9 +184,8 @@ class LagKVState:
         if q >= 2:
             n = (q - 1) * L  # partitions 0 … q−2 of U have their raw successor
             if self.m > 0:
-                ranks = lagkv_scores(self.u_keys, self.u_values, sink=0, lag=L, eps=self.eps, rank=True)
-                ko, vo, idx, _ = _select.select_kv(ranks[:, :, :n], self.m * (q - 1), self.u_keys[:, :, :n],
-                                                   self.u_values[:, :, :n], self.m * (q - 1))
+                ko, vo, idx = lagkv_compress(self.u_keys, self.u_values, self.m * (q - 1), sink=0, lag=L,
+                                             quota=self.m, window=0, eps=self.eps)
                 self._to_c(ko, vo, idx + self.u_start)
             self.u_keys = self.u_keys[:, :, n:].clone()  # a copy, not a view of the compressed partitions
             self.u_values = self.u_values[:, :, n:].clone()
