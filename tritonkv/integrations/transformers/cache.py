@@ -69,13 +69,15 @@ def _read_only(name: str):
     return setter
 
 
-def _compact(keys, values, pos):
-    """Each head's slots that hold a token moved to the end (in order), ``SENTINEL`` slots before them; the width is
-    the longest head's count (one host read). What a policy sees of a layer with pads or per-head rows: its recent
-    window (the last slots) is every head's last real tokens, never a gap, and a row looks as it would alone."""
+def _compact(keys, values, pos, trim: bool = False):
+    """Each head's slots that hold a token moved to the end (in order), ``SENTINEL`` slots before them; ``trim``: cut
+    to the longest head's count (one host read). What a policy sees of a layer with pads or per-head rows: its
+    recent window (the last slots) is every head's last real tokens, never a gap, and a row looks as it would
+    alone."""
     valid = pos != SENTINEL
-    w = int(valid.sum(-1).max())
-    order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[..., pos.shape[-1] - w:]
+    order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices
+    if trim:
+        order = order[..., pos.shape[-1] - int(valid.sum(-1).max()):]
     take = order[..., None].expand(*order.shape, keys.shape[-1])
     return keys.gather(2, take), values.gather(2, take), pos.gather(2, order)
 
@@ -439,8 +441,9 @@ class TritonKVLayer(CacheLayerMixin):
         if isinstance(out, Compressed):
             return out.keys, out.values, pos.gather(2, out.indices)
         # a RaggedKV (per-head budgets): stored as it is, no padding back
-        store = RaggedStore.from_selection(out, pos, self.seen, self._slack(k))
-        return store.without_empty(self._slack(k)) if invalid else store
+        return RaggedStore.from_selection(out, pos, self.seen, self._slack(k))
+
+    _tensor_parallel = property(lambda self: self.cache.inputs.get("process_group") is not None)
 
     def rows_due(self) -> list:
         """Per batch row of a padded layer: the row's budget when its own schedule (the rule of
@@ -470,23 +473,31 @@ class TritonKVLayer(CacheLayerMixin):
         with per-head budgets, one ragged store."""
         st = self.store.to_dense() if self.store.ragged else self.store
         keys, values, pos = st.view()
-        parts = []
+        parts = []  # per row: keys, values, positions and which slots hold what the row keeps
         for b, k in enumerate(due):
-            kb, vb, pb = _compact(keys[b:b + 1], values[b:b + 1], pos[b:b + 1])
+            kb, vb, pb = _compact(keys[b:b + 1], values[b:b + 1], pos[b:b + 1], trim=not self._tensor_parallel)
             if k is not None:
                 real = self.seen - self.pads[b]
                 q = self.queries
                 q = None if q is None else q[b:b + 1, :, q.shape[2] - min(q.shape[2], real):]
                 out = self._select(kb, vb, pb, k, invalid=self.row_alloc[b] or bool((pb == SENTINEL).any()),
                                    queries=q, seq_len=real, offset=self.pads[b], row=b)
-                kb, vb, pb = out.padded() if isinstance(out, RaggedStore) else out
+                if isinstance(out, RaggedStore):  # its rows as they are (an allocator may give a head empty slots)
+                    kb, vb, pb = out.padded()
+                    held = torch.arange(pb.shape[2], device=pb.device) < out.kv.lengths[..., None]
+                else:
+                    kb, vb, pb = out
+                    held = pb != SENTINEL
                 self.row_since[b], self.row_alloc[b] = 0, self.cache.allocation is not None
-                self.row_n[b] = int((pb != SENTINEL).sum(-1).max())
-            parts.append((kb, vb, pb))
+                self.row_n[b] = int(held.sum(-1).max())
+            else:
+                held = pb != SENTINEL
+            parts.append((kb, vb, pb, held))
         width = max(p[0].shape[2] for p in parts)
-        K, V, P = (torch.cat([_pad_to(p[i], width, fill) for p in parts]) for i, fill in ((0, 0), (1, 0), (2, SENTINEL)))
+        K, V, P, held = (torch.cat([_pad_to(p[i], width, fill) for p in parts])
+                         for i, fill in ((0, 0), (1, 0), (2, SENTINEL), (3, False)))
         if self.cache.allocation is not None:
-            self.store = RaggedStore.from_padded(K, V, P, self.seen, self._slack(max(due, key=lambda k: k or 0)))
+            self.store = RaggedStore.from_padded(K, V, P, self.seen, self._slack(max(due, key=lambda k: k or 0)), held)
             self.has_invalid, self.allocated = False, True
         else:
             if self.store.ragged or not self.store.static:

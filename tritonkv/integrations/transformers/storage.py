@@ -138,14 +138,15 @@ class RaggedStore:
         return cls(kv)
 
     @classmethod
-    def from_padded(cls, keys, values, pos, seen: int, slack: int) -> "RaggedStore":
-        """Ragged rows holding exactly the slots of ``keys``/``values`` ``[B, H, N, D]`` whose sequence index ``pos``
-        is not ``SENTINEL`` (in order; the shared select kernel copies them), with ``slack`` free slots per row."""
+    def from_padded(cls, keys, values, pos, seen: int, slack: int, held=None) -> "RaggedStore":
+        """Ragged rows holding exactly the slots of ``keys``/``values`` ``[B, H, N, D]`` marked by ``held`` (bool;
+        default: those whose sequence index ``pos`` is not ``SENTINEL``), in order (the shared select kernel copies
+        them), with ``slack`` free slots per row."""
+        valid = pos != SENTINEL if held is None else held
         if pos.shape[2] == 0:  # every row empty (an allocator gave this layer nothing): one empty slot to select from
             keys, values = keys.new_zeros(*keys.shape[:2], 1, keys.shape[3]), values.new_zeros(*keys.shape[:2], 1,
                                                                                               values.shape[3])
-            pos = pos.new_full((*pos.shape[:2], 1), SENTINEL)
-        valid = pos != SENTINEL
+            pos, valid = pos.new_full((*pos.shape[:2], 1), SENTINEL), valid.new_zeros(*pos.shape[:2], 1)
         lengths = valid.sum(-1).reshape(-1)
         total, longest = torch.stack([lengths.sum(), lengths.max()]).tolist()
         scores = torch.where(valid, 0.0, float("-inf"))  # every real slot, and only those, is in its row's top-k
@@ -156,14 +157,6 @@ class RaggedStore:
     def padded(self):
         """``(keys, values, pos)`` ``[B, H, longest row, D]``: each row's tokens first, ``SENTINEL`` after."""
         return self.to_dense().view()
-
-    def without_empty(self, slack: int) -> "RaggedStore":
-        """This store, or a copy without the slots that hold no token (a selection over padded rows keeps them when
-        a head's budget exceeds its tokens)."""
-        kv = self.kv
-        if not bool((kv.positions == SENTINEL).any()):
-            return self
-        return RaggedStore.from_padded(*self.padded(), int(kv.next_position[0]), slack)
 
     def append(self, keys, values) -> None:
         """One new token per row, in place (``RaggedKV.append``)."""
