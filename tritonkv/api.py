@@ -319,11 +319,12 @@ def compress(kv, policy, budget, *, allocation=None, **inputs):
     if sink + window > kk:
         raise ValueError(f"budget {k} is smaller than the protected tokens of {pol.name!r} "
                          f"(sink {sink} + window {window}); raise the budget or lower sink/window")
-    scores = pol.score(keys, values, budget=kk, **inputs)
     if allocation is None:
+        scores, hist0 = pol.score_and_hist0(keys, values, sink=sink, window=window, budget=kk, **inputs)
         kout, vout, idx, _ = pol.select(scores, kk, keys, values, sink=sink, window=window, k_max=kk,
-                                        budget=kk, **inputs)
+                                        budget=kk, **inputs, **({} if hist0 is None else {"hist0": hist0}))
         return Compressed(kout, vout, idx)
+    scores = pol.score(keys, values, budget=kk, **inputs)
     return _compress_allocated(pol, allocation, scores, keys, values, kk, sink, window, inputs)
 
 
