@@ -147,7 +147,9 @@ def _row_pass(s_ptr, f_ptr, N, sink, window, prefix, k_rem, shift: tl.constexpr,
         offs = t0 + tl.arange(0, TILE)
         mask = offs < N
         u = _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED)
-        acc += _digit_hist(u, shift, mask & ((u >> (shift + 8)) == prefix), NB)
+        match = mask & ((u >> (shift + 8)) == prefix)
+        if tl.max(match.to(tl.int32), 0) != 0:  # after two passes most tiles hold no candidate
+            acc += _digit_hist(u, shift, match, NB)
     b, k_rem = _pick(acc, k_rem, NB)
     return (prefix << 8) | b, k_rem
 
@@ -169,11 +171,12 @@ def _select_hist0_kernel(s_ptr, f_ptr, h0_ptr, N, sink, window, CHUNK, C0,
 
 @triton.jit(do_not_specialize=_RUNTIME)
 def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr, N, sink, window, k_max, CHUNK,
-                          TILE: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr,
+                          TILE: tl.constexpr, SCAN: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr,
                           HAS_FORCED: tl.constexpr, UNIFORM: tl.constexpr):
     """Pass 1 per chunk, then (last program of each row) passes 2-3 and the chunks' output offsets:
     ``cnt[r, c] = (first output slot of chunk c, keys == t in chunks < c)`` and ``cnt[r, C] =
-    (t as int32 bits, keys == t to keep)``."""
+    (t as int32 bits, keys == t to keep)``. The last program scans the row in ``SCAN``-key tiles
+    (``SCAN`` divides ``CHUNK``; many loads in flight: it runs alone on its SM)."""
     c = tl.program_id(0)
     C = tl.num_programs(0)
     r = tl.program_id(1).to(tl.int64)
@@ -194,21 +197,22 @@ def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr,
     if ticket == C - 1:  # the last program of the row: every pass-1 slot is written
         b1, k_rem = _pick(_sum_slots(p1_ptr + r * C * NB, C, NB, SB), k_rem, NB)
         prefix = (p0 << 8) | b1
-        prefix, k_rem = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, 8, TILE, NB, HAS_FORCED)
-        t, need_eq = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, 0, TILE, NB, HAS_FORCED)
-        # one ordered scan: each chunk's first output slot and the keys == t before it
+        prefix, k_rem = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, 8, SCAN, NB, HAS_FORCED)
+        t, need_eq = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, 0, SCAN, NB, HAS_FORCED)
+        # one ordered scan (SCAN divides CHUNK): at each chunk start, the output slot and the keys == t
+        # before it; the keys == t kept are the first need_eq of the row
         slot = 0
         eq_seen = 0
-        for c2 in range(0, C):
-            tl.store(cnt_ptr + (r * (C + 1) + c2) * 2, slot)
-            tl.store(cnt_ptr + (r * (C + 1) + c2) * 2 + 1, eq_seen)
-            for t0 in range(0, CHUNK, TILE):
-                offs = c2 * CHUNK + t0 + tl.arange(0, TILE)
-                mask = offs < N
-                u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
-                n_eq = tl.sum((mask & (u == t)).to(tl.int32), 0)
-                slot += tl.sum((mask & (u > t)).to(tl.int32), 0) + tl.minimum(tl.maximum(need_eq - eq_seen, 0), n_eq)
-                eq_seen += n_eq
+        for t0 in range(0, N, SCAN):
+            offs = t0 + tl.arange(0, SCAN)
+            mask = offs < N
+            u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
+            n_eq = tl.sum((mask & (u == t)).to(tl.int32), 0)
+            if t0 % CHUNK == 0:
+                tl.store(cnt_ptr + (r * (C + 1) + t0 // CHUNK) * 2, slot)
+                tl.store(cnt_ptr + (r * (C + 1) + t0 // CHUNK) * 2 + 1, eq_seen)
+            slot += tl.sum((mask & (u > t)).to(tl.int32), 0) + tl.minimum(tl.maximum(need_eq - eq_seen, 0), n_eq)
+            eq_seen += n_eq
         tl.store(cnt_ptr + (r * (C + 1) + C) * 2, t.to(tl.int32, bitcast=True))
         tl.store(cnt_ptr + (r * (C + 1) + C) * 2 + 1, need_eq)
         tl.store(h0_row, 0)  # the ticket is reset: the same hist0 serves the next select too
@@ -311,9 +315,11 @@ def _blocks(n: int, rows: int, chunk: Optional[int]):
     return chunk, min(tile, chunk)
 
 
-MIN_CHUNK = 1024
-BATCH = 128  # kept K/V rows copied per step of the compaction
+MIN_CHUNK = 2048  # = SCAN, so every automatic chunk compiles the same finish kernel
+BATCH = 64  # kept K/V rows copied per step of the compaction (64 x 128 K and V tiles: 32 KB in flight)
 COMPACT_WARPS = 8
+SCAN = 2048  # keys per step of the finish kernel's row scans (8 per thread; divides CHUNK)
+FINISH_WARPS = 8
 SB = 16  # pass-0/1 slots summed per step
 
 
@@ -386,7 +392,7 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     # absent tensors are passed as ``scores`` (never read: the constexpr flags switch them off)
     f, b = _or(forced, scores), _or(budgets, scores)
     flags = dict(HAS_FORCED=forced is not None, UNIFORM=uniform)
-    compact = dict(BATCH=BATCH if not INTERPRET else max(TILE, 16), BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv,
+    compact = dict(BATCH=BATCH, BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv,
                    WRITE_MASK=write_mask, HAS_START=out_start is not None, num_warps=COMPACT_WARPS, **flags)
     tail = (_or(out_start, scores), k_max, out_idx, out_lengths, _or(out_mask, scores), _or(keys, scores),
             _or(values, scores), _or(out_keys, scores), _or(out_values, scores), H, *kstr, *vstr, D)
@@ -401,7 +407,7 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     p1 = torch.empty((R, C, NB), dtype=torch.int32, device=dev)
     cnt = torch.empty((R, C + 1, 2), dtype=torch.int32, device=dev)
     launch(_select_finish_kernel, (C, R), scores, f, b, hist0, hist0.shape[1] - 1, p1, cnt, N, sink, window, kb,
-           CHUNK, TILE=TILE, NB=NB, SB=SB, **flags)
+           CHUNK, TILE=TILE, SCAN=min(TILE if INTERPRET else SCAN, CHUNK), NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
     launch(_select_compact_kernel, (C, R), scores, f, b, cnt, N, sink, window, kb, C, CHUNK, *tail,
            TILE=TILE, PROTECTED_ONLY=False, **compact)
 
