@@ -283,7 +283,7 @@ def test_budget_tensor_errors():
 def test_select_kernels_compile_ahead_of_time():
     mod = "tritonkv.kernels.select"
     flags = {"HAS_FORCED": True, "UNIFORM": False}
-    const = {n: "constexpr" for n in ("TILE", "NB", "SB", "BATCH", "BLOCK_D", "HAS_FORCED", "UNIFORM", "HAS_KV",
+    const = {n: "constexpr" for n in ("TILE", "SCAN", "NB", "SB", "BATCH", "BLOCK_D", "HAS_FORCED", "UNIFORM", "HAS_KV",
                                       "WRITE_MASK", "HAS_START", "PROTECTED_ONLY")}
     row = {"N": "i32", "sink": "i32", "window": "i32"}
     hist0 = {"module": mod, "kernel": "_select_hist0_kernel",
@@ -293,8 +293,8 @@ def test_select_kernels_compile_ahead_of_time():
     finish = {"module": mod, "kernel": "_select_finish_kernel",
               "signature": {"s_ptr": "*fp32", "f_ptr": "*u8", "budget_ptr": "*i32", "h0_ptr": "*i32", "C0": "i32",
                             "p1_ptr": "*i32", "cnt_ptr": "*i32", **row, "k_max": "i32", "CHUNK": "i32",
-                            **{n: const[n] for n in ("TILE", "NB", "SB", "HAS_FORCED", "UNIFORM")}},
-              "constexprs": {"TILE": 256, "NB": 256, "SB": 16, **flags}}
+                            **{n: const[n] for n in ("TILE", "SCAN", "NB", "SB", "HAS_FORCED", "UNIFORM")}},
+              "constexprs": {"TILE": 256, "SCAN": 2048, "NB": 256, "SB": 16, **flags}}
     compact = {"module": mod, "kernel": "_select_compact_kernel",
                "signature": {"s_ptr": "*fp32", "f_ptr": "*u8", "budget_ptr": "*i32", "cnt_ptr": "*i32", **row,
                              "k_max": "i32", "C": "i32", "CHUNK": "i32", "start_ptr": "*i64", "stride": "i32",

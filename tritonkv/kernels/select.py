@@ -20,9 +20,11 @@ cheap on every Triton, see ``docs/architecture.md``, "Kernels"). Three launches 
    byte of t), histograms the second byte of its chunk's keys that match it into its own slot, and
    takes a ticket (``atomic_add``). The last program of the row (last-block-done: no program waits
    on another, so it also runs under the interpreter, where programs run one after another) sums
-   those slots, finds the last two bytes by two scans of the L2-resident row, then one ordered
-   scan gives every chunk its first output slot and the number of keys equal to t before it (ties
-   at t go to the lowest indices). It writes them, t and the ties to keep, and resets the ticket.
+   those slots, finds the last two bytes by two scans of the L2-resident row (by then few keys
+   match: a tile's matches are added with global atomics, only a dense tile is histogrammed), then
+   one ordered scan gives every chunk its first output slot and the number of keys equal to t
+   before it (ties at t go to the lowest indices). It writes them, t and the ties to keep, and
+   resets the ticket.
 3. **compact** (``_select_compact_kernel``): each program recomputes its chunk's keep flags in
    ``TILE`` steps (a local cumsum from its first slot), writes the kept int64 indices, then copies
    the kept K/V rows in dense batches of ``BATCH`` rows (their indices read back; K and V loaded
@@ -137,19 +139,29 @@ def _pick(h, k_rem, NB: tl.constexpr):
 
 
 @triton.jit
-def _row_pass(s_ptr, f_ptr, N, sink, window, prefix, k_rem, shift: tl.constexpr, TILE: tl.constexpr,
+def _row_pass(s_ptr, f_ptr, N, sink, window, prefix, k_rem, scratch_ptr, shift: tl.constexpr, TILE: tl.constexpr,
               NB: tl.constexpr, HAS_FORCED: tl.constexpr):
     """One radix pass over the whole row by one program: the byte at ``shift`` of the keys whose
     bits above ``shift + 8`` equal ``prefix``; returns the prefix extended by that byte and the
-    keys still to take."""
+    keys still to take. After two passes the matching keys are few: a tile with at most
+    ``TILE // 32`` of them adds them one by one with global atomics into ``scratch`` (``NB`` ints,
+    read back and re-zeroed by atomic exchanges), a denser one is histogrammed; a tile with none
+    costs its load and compare only."""
+    bins = tl.arange(0, NB)
+    tl.atomic_xchg(scratch_ptr + bins, tl.zeros([NB], dtype=tl.int32), sem="relaxed")
     acc = tl.zeros([NB], dtype=tl.int32)
     for t0 in range(0, N, TILE):
         offs = t0 + tl.arange(0, TILE)
         mask = offs < N
         u = _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED)
         match = mask & ((u >> (shift + 8)) == prefix)
-        if tl.max(match.to(tl.int32), 0) != 0:  # after two passes most tiles hold no candidate
+        n = tl.sum(match.to(tl.int32), 0)
+        if n > TILE // 32:
             acc += _digit_hist(u, shift, match, NB)
+        elif n > 0:
+            tl.atomic_add(scratch_ptr + ((u >> shift) & 0xFF).to(tl.int32), 1, mask=match, sem="relaxed")
+    tl.debug_barrier()
+    acc += tl.atomic_xchg(scratch_ptr + bins, tl.zeros([NB], dtype=tl.int32), sem="relaxed")
     b, k_rem = _pick(acc, k_rem, NB)
     return (prefix << 8) | b, k_rem
 
@@ -191,14 +203,15 @@ def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr,
         mask = offs < N
         u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
         acc += _digit_hist(u, 16, mask & ((u >> 24) == p0), NB)
-    tl.store(p1_ptr + (r * C + c) * NB + tl.arange(0, NB), acc)
+    tl.store(p1_ptr + (r * (C + 1) + c) * NB + tl.arange(0, NB), acc)
     tl.debug_barrier()  # every thread's slot stores precede the release of the ticket
     ticket = tl.atomic_add(h0_row, 1, sem="acq_rel", scope="gpu")
     if ticket == C - 1:  # the last program of the row: every pass-1 slot is written
-        b1, k_rem = _pick(_sum_slots(p1_ptr + r * C * NB, C, NB, SB), k_rem, NB)
+        b1, k_rem = _pick(_sum_slots(p1_ptr + r * (C + 1) * NB, C, NB, SB), k_rem, NB)
         prefix = (p0 << 8) | b1
-        prefix, k_rem = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, 8, SCAN, NB, HAS_FORCED)
-        t, need_eq = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, 0, SCAN, NB, HAS_FORCED)
+        scratch = p1_ptr + (r * (C + 1) + C) * NB  # slot C of p1: written by no chunk
+        prefix, k_rem = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, scratch, 8, SCAN, NB, HAS_FORCED)
+        t, need_eq = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, scratch, 0, SCAN, NB, HAS_FORCED)
         # one ordered scan (SCAN divides CHUNK): at each chunk start, the output slot and the keys == t
         # before it; the keys == t kept are the first need_eq of the row
         slot = 0
@@ -404,7 +417,7 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
         hist0 = hist0_buffer(R, C, dev)
         launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=TILE, NB=NB,
                HAS_FORCED=forced is not None)
-    p1 = torch.empty((R, C, NB), dtype=torch.int32, device=dev)
+    p1 = torch.empty((R, C + 1, NB), dtype=torch.int32, device=dev)  # + the finish kernel's scratch
     cnt = torch.empty((R, C + 1, 2), dtype=torch.int32, device=dev)
     launch(_select_finish_kernel, (C, R), scores, f, b, hist0, hist0.shape[1] - 1, p1, cnt, N, sink, window, kb,
            CHUNK, TILE=TILE, SCAN=min(TILE if INTERPRET else SCAN, CHUNK), NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
