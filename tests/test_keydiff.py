@@ -118,17 +118,32 @@ def test_torch_body_matches_kernel(keys, data):
 
 @pytest.mark.parametrize("anchor", kkd.ANCHORS)
 @pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_keys_score_alike_on_both_backends(val, anchor):
-    """A NaN or ±inf key makes its whole row NaN (the anchor), on the kernel and the PyTorch body
-    alike; other rows keep finite scores."""
+def test_non_finite_key_never_poisons_its_row(val, anchor):
+    """A key with a NaN or ±inf element scores NaN and stays out of the anchor: every other token of
+    its row scores as it does with that token absent (kernel, PyTorch body and oracle alike), and
+    the kept tokens are those of the row without it (NaN ranks lowest). Before this rule one such key
+    made its whole row NaN."""
     keys = torch.randn(2, 2, 30, 16, generator=torch.Generator().manual_seed(5))
     keys[0, 1, 4, 3] = val
-    with on_backend("triton"):
-        want = keydiff_scores(keys, anchor=anchor)
-    with on_backend("torch"):
-        got = keydiff_scores(keys, anchor=anchor)
-    assert_same_scores(got, want, rtol=0, atol=TOL)
-    assert torch.isnan(got[0, 1]).all() and torch.isfinite(got[1]).all() and torch.isfinite(got[0, 0]).all()
+    keys[1, 0, 0, :] = val  # a whole key, the first of its row
+    rest = [i for i in range(30) if i != 4]
+    for backend in ("triton", "torch"):
+        with on_backend(backend):
+            got = keydiff_scores(keys, anchor=anchor)
+            alone = keydiff_scores(keys[0:1, 1:2, rest], anchor=anchor)
+            alone2 = keydiff_scores(keys[1:2, 0:1, 1:], anchor=anchor)
+            idx = tritonkv.compress((keys, keys), KeyDiff(anchor=anchor), 10).indices
+        assert torch.isnan(got[0, 1, 4]) and torch.isnan(got[1, 0, 0])
+        assert torch.isfinite(got[0, 1, rest]).all() and torch.isfinite(got[1, 0, 1:]).all()
+        assert_same_scores(got[0, 1, rest], alone[0, 0], rtol=0, atol=TOL)
+        assert_same_scores(got[1, 0, 1:], alone2[0, 0], rtol=0, atol=TOL)
+        assert torch.isfinite(got[0, 0]).all() and torch.isfinite(got[1, 1]).all()
+        want = np.array(rest)[ref_select(alone[0, 0].numpy(), 10)]
+        np.testing.assert_array_equal(idx[0, 1].numpy(), want)
+    o = ref.scores(keys.numpy(), anchor)
+    assert np.isnan(o[0, 1, 4]) and np.isnan(o[1, 0, 0])
+    np.testing.assert_allclose(o[0, 1, rest], ref.scores(keys[0, 1, rest].numpy(), anchor), rtol=0, atol=1e-12)
+    assert_same_scores(got[0, 1, rest], torch.from_numpy(o[0, 1, rest]).float(), rtol=0, atol=TOL)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,13 +346,12 @@ def test_aot_compiles():
     common = {"H": "i32", "skb": "i32", "skh": "i32", "skn": "i32", "N": "i32", "D": "i32", "C": "i32", "CHUNK": "i32"}
     assert_compiles(
         {"module": "tritonkv.kernels.keydiff", "kernel": "_keydiff_anchor_kernel",
-         "signature": {"k_ptr": "*bf16", "part_ptr": "*fp32", "hist_ptr": "*i32", **common, "skb": "i64",
-                       "TILE": "constexpr", "BLOCK_D": "constexpr", "NORMALIZE": "constexpr", "HIST": "constexpr",
-                       "NB": "constexpr"},
-         "constexprs": {"TILE": 64, "BLOCK_D": 128, "NORMALIZE": True, "HIST": True, "NB": 2048}},
+         "signature": {"k_ptr": "*bf16", "part_ptr": "*fp32", **common, "skb": "i64",
+                       "TILE": "constexpr", "BLOCK_D": "constexpr", "NORMALIZE": "constexpr"},
+         "constexprs": {"TILE": 64, "BLOCK_D": 128, "NORMALIZE": True}},
         {"module": "tritonkv.kernels.keydiff", "kernel": "_keydiff_score_kernel",
-         "signature": {"k_ptr": "*fp16", "part_ptr": "*fp32", "out_ptr": "*fp32", "hist_ptr": "*i32", **common,
+         "signature": {"k_ptr": "*fp16", "part_ptr": "*fp32", "out_ptr": "*fp32", "h0_ptr": "*i32", **common,
                        "sink": "i32", "window": "i32", "TILE": "constexpr", "BLOCK_D": "constexpr",
-                       "BLOCK_C": "constexpr", "HIST": "constexpr", "NB": "constexpr"},
-         "constexprs": {"TILE": 64, "BLOCK_D": 128, "BLOCK_C": 32, "HIST": True, "NB": 2048}},
+                       "BLOCK_C": "constexpr", "HIST": "constexpr", "NB": "constexpr", "HIST_TILE": "constexpr"},
+         "constexprs": {"TILE": 64, "BLOCK_D": 128, "BLOCK_C": 32, "HIST": True, "NB": 256, "HIST_TILE": 1024}},
     )

@@ -132,16 +132,16 @@ def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
     if sink + window > kk:
         raise ValueError(f"budget {k} is smaller than the protected tokens of {pol.name!r} "
                          f"(sink {sink} + window {window}); raise the budget or lower sink/window")
-    fused = getattr(pol, "compress_dense", None)  # a policy's closed form of score + select (LagKV), or None
-    if allocation is None and fused is not None:
-        out = fused(keys, values, kk, sink=sink, window=window, **inputs)
+    if allocation is None:
+        fused = getattr(pol, "compress_dense", None)  # a policy's closed form of score + select (LagKV), or None
+        out = None if fused is None else fused(keys, values, kk, sink=sink, window=window, **inputs)
         if out is not None:
             return Compressed(*out)
-    scores = pol.score(keys, values, budget=kk, **inputs)
-    if allocation is None:
+        scores, hist0 = pol.score_and_hist0(keys, values, sink=sink, window=window, budget=kk, **inputs)
         kout, vout, idx, _ = pol.select(scores, kk, keys, values, sink=sink, window=window, k_max=kk,
-                                        budget=kk, **inputs)
+                                        budget=kk, **inputs, **({} if hist0 is None else {"hist0": hist0}))
         return Compressed(kout, vout, idx)
+    scores = pol.score(keys, values, budget=kk, **inputs)
     return _compress_allocated(pol, allocation, scores, keys, values, kk, sink, window, inputs)
 
 

@@ -7,6 +7,9 @@ Two independent forms over the n keys of one row, ``keys [n, D]``:
 * Eq. 7, literally:         s_i = −Σ_j cos(k_i, k_j),  cos(x, y) = x·y / max(‖x‖·‖y‖, 1e-8)
 
 Eq. 7 = −n·‖a‖·(Eq. 8) for keys of non-negligible norm, so both rank tokens identically.
+
+Non-finite keys (the project-wide rule): a key with a NaN or ±inf element scores NaN and every
+statistic over tokens (the anchor's mean) is taken over the finite keys only.
 """
 import numpy as np
 
@@ -17,11 +20,13 @@ EPS_COS = 1e-8
 def anchor(keys, mode: str = "normalized") -> np.ndarray:
     """The anchor vector ``[..., D]``: the mean over tokens of the unit keys (or of the keys, ``raw``)."""
     k = np.asarray(keys, dtype=np.float64)
+    finite = np.isfinite(k).all(axis=-1, keepdims=True)
+    k = np.where(finite, k, 0.0)
     if mode == "normalized":
         k = k / np.maximum(np.linalg.norm(k, axis=-1, keepdims=True), EPS_NORM)
     elif mode != "raw":
         raise ValueError(mode)
-    return k.mean(axis=-2)
+    return k.sum(axis=-2) / np.maximum(finite.sum(axis=-2), 1)
 
 
 def scores(keys, mode: str = "normalized") -> np.ndarray:
@@ -30,7 +35,7 @@ def scores(keys, mode: str = "normalized") -> np.ndarray:
     a = anchor(k, mode)
     dot = (k * a[..., None, :]).sum(axis=-1)
     den = np.maximum(np.linalg.norm(a, axis=-1)[..., None] * np.linalg.norm(k, axis=-1), EPS_COS)
-    return -dot / den
+    return np.where(np.isfinite(k).all(axis=-1), -dot / den, np.nan)
 
 
 def pairwise_scores(keys) -> np.ndarray:

@@ -4,27 +4,35 @@ Per row r (= b·H_kv + h) of fp32 scores, keep exactly ``k_r = min(budget[r], N,
 the protected ones (the first ``sink``, the last ``window``, and any ``forced``) and then the
 highest scores, ties to the lower index, NaN lowest, -0 == +0. Kept tokens are written in
 ascending original order, with their int64 indices, and the K/V rows are gathered in the same
-pass. Budgets are an int32 device tensor that the host never reads.
+pass. Budgets are an int32 device tensor (or one int) that the host never reads.
 
-Pipeline (``docs/architecture.md``, "Kernels"), each launch on grid (chunks, rows) so a long row is
-split over many programs:
+Keys: NaN -> -inf, -0 -> +0, fp32 bits -> order-preserving uint32; protected -> 0xFFFFFFFF (a
+genuine +inf maps to 0xFF800000, so it never displaces a protected token). The threshold t (the
+k-th largest key) is found by an MSB radix select over four 8-bit digits (256-bin histograms:
+cheap on every Triton, see ``docs/architecture.md``, "Kernels"). Three launches on the grid
+(chunks, rows), none of them a memset, none of them spinning:
 
-1. keys: NaN -> -inf, -0 -> +0, fp32 bits -> order-preserving uint32; protected -> 0xFFFFFFFF
-   (a genuine +inf maps to 0xFF800000, so it never displaces a protected token);
-2. three MSB radix passes (11 + 11 + 10 bits): each chunk histograms the next digit of the keys
-   that match the prefix found so far and adds it into a global ``[R, 3, 2048]`` histogram with
-   integer atomics (order-independent, so deterministic). Every later launch re-derives the
-   prefix from the histograms, which makes kernel boundaries the grid-wide barrier;
-3. count: per chunk, keys > t and keys == t for the final threshold t;
-4. compact: an exclusive prefix over earlier chunks plus a local cumsum gives each kept token its
-   output slot (ties at t go to the lowest indices), and the K/V rows are copied to the slot.
+1. **pass 0** (``_select_hist0_kernel``, or fused into a scoring kernel with ``hist0_of_chunk``):
+   each chunk writes the 256-bin histogram of its keys' top byte to its own slot of an int32
+   ``hist0 [R, 1 + C0, 256]`` with plain stores; program 0 of a row zeroes slot 0, the row's
+   control block (a ticket).
+2. **finish** (``_select_finish_kernel``): every program sums the row's pass-0 slots (the first
+   byte of t), histograms the second byte of its chunk's keys that match it into its own slot, and
+   takes a ticket (``atomic_add``). The last program of the row (last-block-done: no program waits
+   on another, so it also runs under the interpreter, where programs run one after another) sums
+   those slots, finds the last two bytes by two scans of the L2-resident row (by then few keys
+   match: a tile's matches are added with global atomics, only a dense tile is histogrammed), then
+   one ordered scan gives every chunk its first output slot and the number of keys equal to t
+   before it (ties at t go to the lowest indices). It writes them, t and the ties to keep, and
+   resets the ticket.
+3. **compact** (``_select_compact_kernel``): each program recomputes its chunk's keep flags in
+   ``TILE`` steps (a local cumsum from its first slot), writes the kept int64 indices, then copies
+   the kept K/V rows in dense batches of ``BATCH`` rows (their indices read back; K and V loaded
+   before either is stored), so the gather moves only kept rows.
 
-Fewer launches where shapes allow (issue 16): a scoring kernel may count the first radix pass itself
-(``score_hist0``/``remember_pass0``: knorm, keydiff), an int budget and the padded layout need no
-device fill (the kernels read the scalar and compute ``r·k_max``), and when every kept token is
-protected (StreamingLLM) one launch copies them with nothing ranked. ``CHUNK``, ``C`` and the
-budget-dependent scalars are runtime arguments that Triton does not specialise on, so a new N
-compiles nothing new.
+When every kept token is protected (StreamingLLM) one launch copies them with nothing ranked.
+``CHUNK``, ``C`` and the budget-dependent scalars are runtime arguments that Triton does not
+specialise on, so a new N compiles nothing new.
 
 On the CPU (outside the Triton interpreter) the same op runs ``_select_torch``: one exact
 ``torch.topk`` over int64 keys that pack the kernel's uint32 key with the reversed index (so ties go
@@ -34,7 +42,6 @@ static shapes only (torch.compile and torch.export trace it).
 from __future__ import annotations
 
 import math
-import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -43,7 +50,7 @@ import triton.language as tl
 
 from ._common import INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, triton_op, use_triton
 
-NB = 2048  # bins per radix pass (digits of 11, 11 and 10 bits)
+NB = 256  # bins per radix pass: four 8-bit digits of the 32-bit keys
 
 
 @triton.jit
@@ -69,37 +76,32 @@ def _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED: tl.con
 
 
 @triton.jit
-def _digit_hist(digit, match, NB: tl.constexpr):
-    """Histogram over NB bins of the int32 ``digit``s of the lanes where ``match`` (no ``mask=``
-    argument: the non-matching lanes are counted in bin 0 and taken out again)."""
-    digit = tl.where(match, digit, 0)
-    n_out = tl.sum(tl.where(match, 0, 1), 0)
-    return tl.histogram(digit, NB) - tl.where(tl.arange(0, NB) == 0, n_out, 0)
+def _digit_hist(u, shift: tl.constexpr, match, NB: tl.constexpr):
+    """256-bin histogram of the byte ``(u >> shift) & 0xFF`` of the lanes where ``match``. Callers
+    pass 1-D tiles of at least one element per thread (never a replicated layout)."""
+    return tl.histogram(((u >> shift) & 0xFF).to(tl.int32), NB, mask=match)
 
 
 @triton.jit
-def score_hist0(s, offs, mask, N, sink, window, NB: tl.constexpr):
-    """For scoring kernels that feed the select (``remember_pass0``): the first radix pass's
-    ``[NB]`` histogram of a tile of fp32 scores, exactly as ``_select_hist_kernel[PASS=0]`` counts
-    them once the scores are stored (the key of the in-register score is the key of the stored one).
-    Accumulate over the program's tiles, then ``add_hist0`` once."""
-    u = _keys_of(s, offs, N, sink, window)
-    return _digit_hist((u >> 21).to(tl.int32), mask, NB)
-
-
-@triton.jit
-def add_hist0(hist_ptr, r, acc, NB: tl.constexpr):
-    """Add a program's pass-0 counts into row ``r`` (int64) of the ``[R, 3, NB]`` histogram."""
-    tl.atomic_add(hist_ptr + r * 3 * NB + tl.arange(0, NB), acc, sem="relaxed")
-
-
-@triton.jit
-def zero_hist(hist_ptr, r, c, C, NB: tl.constexpr, BLOCK: tl.constexpr):
-    """Program ``c`` of the ``C`` of row ``r`` zeroes its share of the row's ``[3, NB]`` histogram
-    (for a kernel that runs before the first histogram pass: the launch boundary orders it)."""
-    for i0 in range(c * BLOCK, 3 * NB, C * BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        tl.store(hist_ptr + r * 3 * NB + i, tl.zeros([BLOCK], dtype=tl.int32), mask=i < 3 * NB)
+def hist0_of_chunk(s_ptr, f_ptr, h0_ptr, r, c, C0, N, CHUNK, sink, window, TILE: tl.constexpr,
+                   NB: tl.constexpr, HAS_FORCED: tl.constexpr):
+    """Pass 0 for chunk ``c`` (tokens ``[c·CHUNK, (c+1)·CHUNK)``) of row ``r`` (int64): the histogram
+    of its keys' top byte into slot ``1 + c`` of ``hist0 [R, 1 + C0, NB]``; program 0 zeroes slot 0
+    (the control block the finish kernel takes its ticket from). ``s_ptr``/``f_ptr`` point at the
+    row. A scoring kernel calls it after storing its chunk's scores and a ``tl.debug_barrier()``:
+    it re-reads them (from L1/L2) in ``TILE``-element 1-D tiles, one key per thread or more."""
+    acc = tl.zeros([NB], dtype=tl.int32)
+    for t0 in range(0, CHUNK, TILE):
+        j = t0 + tl.arange(0, TILE)
+        offs = c * CHUNK + j
+        mask = (offs < N) & (j < CHUNK)
+        u = _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED)
+        acc += _digit_hist(u, 24, mask, NB)
+    row = h0_ptr + r * (C0 + 1) * NB
+    bins = tl.arange(0, NB)
+    tl.store(row + (c + 1) * NB + bins, acc)
+    if c == 0:
+        tl.store(row + bins, tl.zeros([NB], dtype=tl.int32))
 
 
 @triton.jit
@@ -113,79 +115,120 @@ def _row_budget(budget_ptr, r, N, k_max, UNIFORM: tl.constexpr):
 
 
 @triton.jit
-def _radix_prefix(hist_ptr, k, PASSES: tl.constexpr, NB: tl.constexpr):
-    """Walk the first PASSES histograms of a row: the key prefix of the k-th largest key and the
-    number of keys still to take from inside that prefix group."""
+def _sum_slots(p_ptr, n, NB: tl.constexpr, SB: tl.constexpr):
+    """Sum of ``n`` histograms of ``NB`` bins stored one after another at ``p_ptr`` (read through
+    L2: other programs of the grid wrote them)."""
     bins = tl.arange(0, NB)
-    prefix = tl.zeros([], dtype=tl.uint32)
-    k_rem = k
-    for p in tl.static_range(PASSES):
-        h = tl.load(hist_ptr + p * NB + bins)
-        above = tl.sum(h, 0) - tl.cumsum(h, 0)  # keys in bins > i
-        b = tl.max(tl.where(above + h >= k_rem, bins, -1), 0)  # k_rem >= 0 so b >= 0
-        k_rem = k_rem - tl.sum(tl.where(bins == b, above, 0), 0)
-        if p < 2:
-            prefix = (prefix << 11) | b.to(tl.uint32)
-        else:
-            prefix = (prefix << 10) | b.to(tl.uint32)
-    return prefix, k_rem
+    acc = tl.zeros([NB], dtype=tl.int32)
+    for i0 in range(0, n, SB):
+        i = i0 + tl.arange(0, SB)
+        acc += tl.sum(tl.load(p_ptr + i[:, None] * NB + bins[None, :], mask=(i < n)[:, None], other=0,
+                              cache_modifier=".cg"), 0)
+    return acc
+
+
+@triton.jit
+def _pick(h, k_rem, NB: tl.constexpr):
+    """The bin holding the ``k_rem``-th largest key of histogram ``h`` (uint32) and how many keys
+    are still to take from inside that bin (``k_rem`` >= 0)."""
+    bins = tl.arange(0, NB)
+    above = tl.sum(h, 0) - tl.cumsum(h, 0)  # keys in bins > i
+    b = tl.max(tl.where(above + h >= k_rem, bins, -1), 0)
+    k_rem = k_rem - tl.sum(tl.where(bins == b, above, 0), 0)
+    return b.to(tl.uint32), k_rem
+
+
+@triton.jit
+def _row_pass(s_ptr, f_ptr, N, sink, window, prefix, k_rem, scratch_ptr, shift: tl.constexpr, TILE: tl.constexpr,
+              NB: tl.constexpr, HAS_FORCED: tl.constexpr):
+    """One radix pass over the whole row by one program: the byte at ``shift`` of the keys whose
+    bits above ``shift + 8`` equal ``prefix``; returns the prefix extended by that byte and the
+    keys still to take. After two passes the matching keys are few: a tile with at most
+    ``TILE // 32`` of them adds them one by one with global atomics into ``scratch`` (``NB`` ints,
+    read back and re-zeroed by atomic exchanges), a denser one is histogrammed; a tile with none
+    costs its load and compare only."""
+    bins = tl.arange(0, NB)
+    tl.atomic_xchg(scratch_ptr + bins, tl.zeros([NB], dtype=tl.int32), sem="relaxed")
+    acc = tl.zeros([NB], dtype=tl.int32)
+    for t0 in range(0, N, TILE):
+        offs = t0 + tl.arange(0, TILE)
+        mask = offs < N
+        u = _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED)
+        match = mask & ((u >> (shift + 8)) == prefix)
+        n = tl.sum(match.to(tl.int32), 0)
+        if n > TILE // 32:
+            acc += _digit_hist(u, shift, match, NB)
+        elif n > 0:
+            tl.atomic_add(scratch_ptr + ((u >> shift) & 0xFF).to(tl.int32), 1, mask=match, sem="relaxed")
+    tl.debug_barrier()
+    acc += tl.atomic_xchg(scratch_ptr + bins, tl.zeros([NB], dtype=tl.int32), sem="relaxed")
+    b, k_rem = _pick(acc, k_rem, NB)
+    return (prefix << 8) | b, k_rem
 
 
 # CHUNK (tokens per program) and C (programs per row) are runtime arguments: a new N, or a new
 # power-of-two bucket of N, reuses the compiled kernels. Loop steps (TILE) stay constexpr.
-
 # Scalars that vary with N or the budget are not specialised on (divisibility by 16, == 1), so they
 # never pick a new compiled variant either; N itself is (it aligns the rows of scores).
-_RUNTIME = ["sink", "window", "k_max", "C", "CHUNK", "stride"]
+_RUNTIME = ["sink", "window", "k_max", "C", "CHUNK", "stride", "C0"]
 
 
-@triton.jit(do_not_specialize=_RUNTIME[:3] + ["CHUNK"])
-def _select_hist_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, N, sink, window, k_max, CHUNK,
-                        PASS: tl.constexpr, TILE: tl.constexpr, NB: tl.constexpr,
-                        HAS_FORCED: tl.constexpr, UNIFORM: tl.constexpr):
+@triton.jit(do_not_specialize=["sink", "window", "CHUNK", "C0"])
+def _select_hist0_kernel(s_ptr, f_ptr, h0_ptr, N, sink, window, CHUNK, C0,
+                         TILE: tl.constexpr, NB: tl.constexpr, HAS_FORCED: tl.constexpr):
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
+    hist0_of_chunk(s_ptr + r * N, f_ptr + r * N, h0_ptr, r, c, C0, N, CHUNK, sink, window, TILE, NB, HAS_FORCED)
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr, N, sink, window, k_max, CHUNK,
+                          TILE: tl.constexpr, SCAN: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr,
+                          HAS_FORCED: tl.constexpr, UNIFORM: tl.constexpr):
+    """Pass 1 per chunk, then (last program of each row) passes 2-3 and the chunks' output offsets:
+    ``cnt[r, c] = (first output slot of chunk c, keys == t in chunks < c)`` and ``cnt[r, C] =
+    (t as int32 bits, keys == t to keep)``. The last program scans the row in ``SCAN``-key tiles
+    (``SCAN`` divides ``CHUNK``; many loads in flight: it runs alone on its SM)."""
+    c = tl.program_id(0)
+    C = tl.num_programs(0)
+    r = tl.program_id(1).to(tl.int64)
+    s_row = s_ptr + r * N
+    f_row = f_ptr + r * N
     k = _row_budget(budget_ptr, r, N, k_max, UNIFORM)
-    hrow = hist_ptr + r * 3 * NB
-    prefix, k_rem = _radix_prefix(hrow, k, PASS, NB)
+    h0_row = h0_ptr + r * (C0 + 1) * NB
+    p0, k_rem = _pick(_sum_slots(h0_row + NB, C0, NB, SB), k, NB)
     acc = tl.zeros([NB], dtype=tl.int32)
     for t0 in range(0, CHUNK, TILE):
         offs = c * CHUNK + t0 + tl.arange(0, TILE)
         mask = offs < N
-        u = _sortable_keys(s_ptr + r * N, f_ptr + r * N, offs, mask, N, sink, window, HAS_FORCED)
-        if PASS == 0:
-            match = mask
-            digit = u >> 21
-        elif PASS == 1:
-            match = mask & ((u >> 21) == prefix)
-            digit = (u >> 10) & 0x7FF
-        else:
-            match = mask & ((u >> 10) == prefix)
-            digit = u & 0x3FF
-        acc += _digit_hist(digit.to(tl.int32), match, NB)
-    # integer counts: the order of the adds never matters and the next launch is the barrier,
-    # so no fence is needed (the default acq_rel semantics adds one per atomic)
-    tl.atomic_add(hrow + PASS * NB + tl.arange(0, NB), acc, sem="relaxed")
-
-
-@triton.jit(do_not_specialize=_RUNTIME[:5])
-def _select_count_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, window, k_max, C, CHUNK,
-                         TILE: tl.constexpr, NB: tl.constexpr, HAS_FORCED: tl.constexpr,
-                         UNIFORM: tl.constexpr):
-    c = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
-    k = _row_budget(budget_ptr, r, N, k_max, UNIFORM)
-    t, need_eq = _radix_prefix(hist_ptr + r * 3 * NB, k, 3, NB)
-    n_gt = 0
-    n_eq = 0
-    for t0 in range(0, CHUNK, TILE):
-        offs = c * CHUNK + t0 + tl.arange(0, TILE)
-        mask = offs < N
-        u = _sortable_keys(s_ptr + r * N, f_ptr + r * N, offs, mask, N, sink, window, HAS_FORCED)
-        n_gt += tl.sum((mask & (u > t)).to(tl.int32), 0)
-        n_eq += tl.sum((mask & (u == t)).to(tl.int32), 0)
-    tl.store(cnt_ptr + (r * C + c) * 2, n_gt)
-    tl.store(cnt_ptr + (r * C + c) * 2 + 1, n_eq)
+        u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
+        acc += _digit_hist(u, 16, mask & ((u >> 24) == p0), NB)
+    tl.store(p1_ptr + (r * (C + 1) + c) * NB + tl.arange(0, NB), acc)
+    tl.debug_barrier()  # every thread's slot stores precede the release of the ticket
+    ticket = tl.atomic_add(h0_row, 1, sem="acq_rel", scope="gpu")
+    if ticket == C - 1:  # the last program of the row: every pass-1 slot is written
+        b1, k_rem = _pick(_sum_slots(p1_ptr + r * (C + 1) * NB, C, NB, SB), k_rem, NB)
+        prefix = (p0 << 8) | b1
+        scratch = p1_ptr + (r * (C + 1) + C) * NB  # slot C of p1: written by no chunk
+        prefix, k_rem = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, scratch, 8, SCAN, NB, HAS_FORCED)
+        t, need_eq = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, scratch, 0, SCAN, NB, HAS_FORCED)
+        # one ordered scan (SCAN divides CHUNK): at each chunk start, the output slot and the keys == t
+        # before it; the keys == t kept are the first need_eq of the row
+        slot = 0
+        eq_seen = 0
+        for t0 in range(0, N, SCAN):
+            offs = t0 + tl.arange(0, SCAN)
+            mask = offs < N
+            u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
+            n_eq = tl.sum((mask & (u == t)).to(tl.int32), 0)
+            if t0 % CHUNK == 0:
+                tl.store(cnt_ptr + (r * (C + 1) + t0 // CHUNK) * 2, slot)
+                tl.store(cnt_ptr + (r * (C + 1) + t0 // CHUNK) * 2 + 1, eq_seen)
+            slot += tl.sum((mask & (u > t)).to(tl.int32), 0) + tl.minimum(tl.maximum(need_eq - eq_seen, 0), n_eq)
+            eq_seen += n_eq
+        tl.store(cnt_ptr + (r * (C + 1) + C) * 2, t.to(tl.int32, bitcast=True))
+        tl.store(cnt_ptr + (r * (C + 1) + C) * 2 + 1, need_eq)
+        tl.store(h0_row, 0)  # the ticket is reset: the same hist0 serves the next select too
 
 
 @triton.jit
@@ -202,19 +245,19 @@ def _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, 
         tl.store(vo_ptr + dst[:, None] * D + d[None, :], vv, mask=m2)
 
 
-@triton.jit(do_not_specialize=_RUNTIME)
-def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink, window, k_max, C, CHUNK,
+@triton.jit(do_not_specialize=_RUNTIME[:6])
+def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, cnt_ptr, N, sink, window, k_max, C, CHUNK,
                            start_ptr, stride, idx_ptr, len_ptr, mask_ptr,
                            k_ptr, v_ptr, ko_ptr, vo_ptr, H, skb, skh, skn, svb, svh, svn, D,
-                           TILE: tl.constexpr, NB: tl.constexpr, CB: tl.constexpr,
+                           TILE: tl.constexpr, BATCH: tl.constexpr,
                            BLOCK_D: tl.constexpr, HAS_FORCED: tl.constexpr, HAS_KV: tl.constexpr,
                            WRITE_MASK: tl.constexpr, UNIFORM: tl.constexpr, HAS_START: tl.constexpr,
                            PROTECTED_ONLY: tl.constexpr):
     """Writes row r's kept tokens at ``start[r]`` (or ``r·stride`` without ``HAS_START``).
 
     ``PROTECTED_ONLY``: every kept token is protected (no forced tokens, and the protected count
-    equals k_r), so nothing is ranked: program c writes output slots ``[c·TILE, (c+1)·TILE)``
-    (the first ``sink`` tokens, then the last ``k_r − sink``), with no histogram and no scores read."""
+    equals k_r), so nothing is ranked: program c writes output slots ``[c·BATCH, (c+1)·BATCH)``
+    (the first ``sink`` tokens, then the last ``k_r − sink``), with no select state and no scores read."""
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     k = _row_budget(budget_ptr, r, N, k_max, UNIFORM)
@@ -227,7 +270,7 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink,
     bh_k = (r // H) * skb + (r % H) * skh
     bh_v = (r // H) * svb + (r % H) * svh
     if PROTECTED_ONLY:
-        j = c * TILE + tl.arange(0, TILE)
+        j = c * BATCH + tl.arange(0, BATCH)
         keep = j < k
         src = tl.where(j < sink, j, j + (N - k)).to(tl.int64)
         dst = base + j.to(tl.int64)
@@ -235,16 +278,12 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink,
         if HAS_KV:
             _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, keep, D, BLOCK_D)
     else:
-        t, need_eq = _radix_prefix(hist_ptr + r * 3 * NB, k, 3, NB)
-        # keys > t and keys == t in the earlier chunks of the row
-        gt_before = 0
-        eq_seen = 0
-        for c0 in range(0, c, CB):
-            cs = c0 + tl.arange(0, CB)
-            before = cs < c
-            gt_before += tl.sum(tl.load(cnt_ptr + (r * C + cs) * 2, mask=before, other=0), 0)
-            eq_seen += tl.sum(tl.load(cnt_ptr + (r * C + cs) * 2 + 1, mask=before, other=0), 0)
-        slot = gt_before + tl.minimum(eq_seen, need_eq)
+        state = cnt_ptr + r * (C + 1) * 2
+        t = tl.load(state + C * 2).to(tl.uint32, bitcast=True)
+        need_eq = tl.load(state + C * 2 + 1)
+        first = tl.load(state + c * 2)
+        slot = first
+        eq_seen = tl.load(state + c * 2 + 1)
         for t0 in range(0, CHUNK, TILE):
             offs = c * CHUNK + t0 + tl.arange(0, TILE)
             mask = offs < N
@@ -257,17 +296,24 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, hist_ptr, cnt_ptr, N, sink,
             tl.store(idx_ptr + dst, offs.to(tl.int64), mask=keep)
             if WRITE_MASK:
                 tl.store(mask_ptr + r * N + offs, keep.to(tl.int8), mask=mask)
-            if HAS_KV:
-                _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, offs.to(tl.int64), dst, keep,
-                              D, BLOCK_D)
             slot += tl.sum(keep_i, 0)
             eq_seen += tl.sum(eq, 0)
+        if HAS_KV:  # the kept rows, dense: their indices were just written by this program
+            tl.debug_barrier()
+            for j0 in range(first, slot, BATCH):
+                j = j0 + tl.arange(0, BATCH)
+                m = j < slot
+                dst = base + j.to(tl.int64)
+                src = tl.load(idx_ptr + dst, mask=m, other=0)
+                _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, m, D, BLOCK_D)
 
 
 def _blocks(n: int, rows: int, chunk: Optional[int]):
-    """(CHUNK, TILE, COMPACT_TILE): tokens per program, per loop step of the histogram and count
-    passes, and per loop step of the compaction (which also moves K/V rows: a smaller tile keeps
-    the K and V tiles in registers)."""
+    """(CHUNK, TILE): tokens per program of the select and per loop step of its kernels.
+
+    The finish and compact stages read only the L2-resident fp32 scores (and the kept K/V rows), so
+    a program takes at least ``MIN_CHUNK`` tokens (that also bounds the pass-0 slots each program
+    sums); enough programs for ~2 waves of 132 SMs when rows are few."""
     if INTERPRET:  # one program costs ~0.5 ms: few, large programs
         tile = min(next_pow2(n), 4096)
     else:
@@ -275,17 +321,19 @@ def _blocks(n: int, rows: int, chunk: Optional[int]):
     if chunk is None:
         if INTERPRET:
             chunk = tile
-        else:  # enough programs to fill ~2 waves of 132 SMs when rows are few
+        else:
             want = max(1, -(-264 // rows))
-            chunk = min(max(next_pow2(-(-n // want)), tile), 32768)
+            chunk = min(max(next_pow2(-(-n // want)), MIN_CHUNK), 32768)
     chunk = next_pow2(chunk)
-    tile = min(tile, chunk)
-    return chunk, tile, tile if INTERPRET else min(COMPACT_TILE, tile)
+    return chunk, min(tile, chunk)
 
 
-COMPACT_TILE = 32  # tokens per step of the compaction on the GPU (K and V tiles of 32 x 128 stay in registers)
+MIN_CHUNK = 2048  # = SCAN, so every automatic chunk compiles the same finish kernel
+BATCH = 64  # kept K/V rows copied per step of the compaction (64 x 128 K and V tiles: 32 KB in flight)
 COMPACT_WARPS = 8
-CB = 64  # earlier chunks' counts summed per step of the compaction's prefix
+SCAN = 2048  # keys per step of the finish kernel's row scans (8 per thread; divides CHUNK)
+FINISH_WARPS = 8
+SB = 16  # pass-0/1 slots summed per step
 
 
 def _protected_only(n: int, sink: int, window: int, k_max: int, full_rows: bool, has_forced: bool,
@@ -294,39 +342,59 @@ def _protected_only(n: int, sink: int, window: int, k_max: int, full_rows: bool,
     return full_rows and not has_forced and not write_mask and k_max == min(sink + window, n)
 
 
-@triton_op("tritonkv::select_into",
-           mutates_args={"out_idx", "out_lengths", "out_mask", "out_keys", "out_values", "hist"})
-def select_into(scores: torch.Tensor, budgets: torch.Tensor, forced: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, out_start: torch.Tensor, out_idx: torch.Tensor, out_lengths: torch.Tensor,
-                out_mask: torch.Tensor, out_keys: torch.Tensor, out_values: torch.Tensor, hist: torch.Tensor,
-                sink: int, window: int, k_max: int, budget: int, full_rows: bool, chunk: int) -> None:
-    """The raw op. Empty ``forced``/``keys``/``out_mask`` tensors mean "absent".
+def hist0_buffer(rows: int, chunks: int, device) -> torch.Tensor:
+    """Uninitialised int32 ``[rows, 1 + chunks, NB]`` for the pass-0 slots of ``chunks`` programs per
+    row (``hist0_of_chunk`` writes all of it)."""
+    return torch.empty((rows, 1 + chunks, NB), dtype=torch.int32, device=device)
 
-    scores fp32 [R, N] contiguous; budgets int32 [R], or empty: every row's budget is the int
+
+class Hist0(NamedTuple):
+    """The select's first radix pass over a row's scores, made by the kernel that wrote them: the
+    int32 ``[R, 1 + C0, NB]`` slots (``hist0_of_chunk``) and the protection they were counted with.
+    Pass it to ``select_kv(..., hist0=)`` with those very scores, the same sink and window and no
+    ``forced`` tokens; it may serve any number of such selects (in stream order)."""
+
+    hist: torch.Tensor
+    sink: int
+    window: int
+
+
+@triton_op("tritonkv::select_into",
+           mutates_args={"out_idx", "out_lengths", "out_mask", "out_keys", "out_values", "hist0"})
+def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: Optional[torch.Tensor],
+                keys: Optional[torch.Tensor], values: Optional[torch.Tensor], out_start: Optional[torch.Tensor],
+                out_idx: torch.Tensor, out_lengths: torch.Tensor, out_mask: Optional[torch.Tensor],
+                out_keys: Optional[torch.Tensor], out_values: Optional[torch.Tensor], hist0: Optional[torch.Tensor],
+                sink: int, window: int, k_max: int, budget: int, full_rows: bool, chunk: int) -> None:
+    """The raw op. ``None`` means "absent" for every optional tensor.
+
+    scores fp32 [R, N] contiguous; budgets int32 [R], or None: every row's budget is the int
     ``budget``; forced uint8 [R, N]; keys/values [B, H, N, D] (last dim unit-stride); out_start
-    int64 [R] (first slot of each row in the outputs), or empty: the padded layout, row r at
+    int64 [R] (first slot of each row in the outputs), or None: the padded layout, row r at
     ``r·k_max``; out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 [R, N]; out_keys/out_values
-    [T, D]. ``hist``: empty, or int32 [R, 3, NB] holding the first radix pass of these scores
-    (``score_hist0``) in ``hist[:, 0]`` and zeros in ``hist[:, 1:]`` (then that pass is skipped).
+    [T, D]. ``hist0``: None, or the int32 ``[R, 1 + C0, NB]`` first radix pass of these scores with
+    these sink/window and no forced tokens (``hist0_of_chunk``; its ticket word is used and reset).
     ``full_rows``: a static promise that the outputs are the padded layout (``out_start[r] =
     r·k_max``, ``T = R·k_max``) and every row keeps ``k_max <= N`` tokens (budgets >= k_max); the
     PyTorch body then gathers straight into the outputs, and the kernels copy protected rows directly
     when they are all that is kept. CPU tensors run ``_select_torch`` (outside the Triton interpreter).
     """
     R, N = scores.shape
+    dev = scores.device
     if not use_triton(scores):
-        if budgets.numel() == 0:
-            budgets = torch.full((R,), budget, dtype=torch.int32, device=scores.device)
-        if out_start.numel() == 0:
-            out_start = torch.arange(R, device=scores.device, dtype=torch.int64) * k_max
-        return _select_torch(scores, budgets, forced, keys, values, out_start, out_idx, out_lengths, out_mask,
-                             out_keys, out_values, sink, window, k_max, full_rows)
-    CHUNK, TILE, CTILE = _blocks(N, R, chunk if chunk > 0 else None)
+        if budgets is None:
+            budgets = torch.full((R,), budget, dtype=torch.int32, device=dev)
+        if out_start is None:
+            out_start = torch.arange(R, device=dev, dtype=torch.int64) * k_max
+        e = scores.new_empty(0)
+        return _select_torch(scores, budgets, _or(forced, e, torch.uint8), _or(keys, e), _or(values, e), out_start,
+                             out_idx, out_lengths, _or(out_mask, e, torch.int8), _or(out_keys, e),
+                             _or(out_values, e), sink, window, k_max, full_rows)
+    CHUNK, TILE = _blocks(N, R, chunk if chunk > 0 else None)
     C = triton.cdiv(N, CHUNK)
-    has_forced = forced.numel() > 0
-    has_kv = keys.numel() > 0
-    write_mask = out_mask.numel() > 0
-    uniform = budgets.numel() == 0
+    has_kv = keys is not None
+    write_mask = out_mask is not None
+    uniform = budgets is None
     kb = min(budget, k_max) if uniform else k_max  # the kernels' k_max: the uniform budget folded in
     if has_kv:
         H, D = keys.shape[1], keys.shape[3]
@@ -334,83 +402,34 @@ def select_into(scores: torch.Tensor, budgets: torch.Tensor, forced: torch.Tenso
         vstr = (values.stride(0), values.stride(1), values.stride(2))
     else:
         H, D, kstr, vstr = 1, 1, (0, 0, 0), (0, 0, 0)
-    flags = dict(HAS_FORCED=has_forced, UNIFORM=uniform)
-    compact = dict(NB=NB, CB=CB, BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv, WRITE_MASK=write_mask,
-                   HAS_START=out_start.numel() > 0, num_warps=COMPACT_WARPS, **flags)
-    tail = (out_start, k_max, out_idx, out_lengths, out_mask, keys, values, out_keys, out_values, H, *kstr, *vstr, D)
-    if _protected_only(N, sink, window, k_max, full_rows, has_forced, write_mask):
-        launch(_select_compact_kernel, (max(triton.cdiv(k_max, CTILE), 1), R), scores, forced, budgets, hist, hist,
-               N, sink, window, kb, 1, CHUNK, *tail, TILE=CTILE, PROTECTED_ONLY=True, **compact)
+    # absent tensors are passed as ``scores`` (never read: the constexpr flags switch them off)
+    f, b = _or(forced, scores), _or(budgets, scores)
+    flags = dict(HAS_FORCED=forced is not None, UNIFORM=uniform)
+    compact = dict(BATCH=BATCH, BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv,
+                   WRITE_MASK=write_mask, HAS_START=out_start is not None, num_warps=COMPACT_WARPS, **flags)
+    tail = (_or(out_start, scores), k_max, out_idx, out_lengths, _or(out_mask, scores), _or(keys, scores),
+            _or(values, scores), _or(out_keys, scores), _or(out_values, scores), H, *kstr, *vstr, D)
+    if _protected_only(N, sink, window, k_max, full_rows, forced is not None, write_mask):
+        launch(_select_compact_kernel, (max(triton.cdiv(k_max, compact["BATCH"]), 1), R), scores, f, b, scores,
+               N, sink, window, kb, 1, CHUNK, *tail, TILE=TILE, PROTECTED_ONLY=True, **compact)
         return
-    common = (N, sink, window, kb)
-    if hist.numel() == 0:
-        hist = torch.zeros((R, 3, NB), dtype=torch.int32, device=scores.device)
-        passes = range(3)
-    else:
-        passes = range(1, 3)
-    for p in passes:
-        launch(_select_hist_kernel, (C, R), scores, forced, budgets, hist, *common, CHUNK,
-               PASS=p, TILE=TILE, NB=NB, **flags)
-    cnt = torch.empty((R, C, 2), dtype=torch.int32, device=scores.device)
-    launch(_select_count_kernel, (C, R), scores, forced, budgets, hist, cnt, *common, C, CHUNK,
-           TILE=TILE, NB=NB, **flags)
-    launch(_select_compact_kernel, (C, R), scores, forced, budgets, hist, cnt, *common, C, CHUNK, *tail,
-           TILE=CTILE, PROTECTED_ONLY=False, **compact)
+    if hist0 is None:
+        hist0 = hist0_buffer(R, C, dev)
+        launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=TILE, NB=NB,
+               HAS_FORCED=forced is not None)
+    p1 = torch.empty((R, C + 1, NB), dtype=torch.int32, device=dev)  # + the finish kernel's scratch
+    cnt = torch.empty((R, C + 1, 2), dtype=torch.int32, device=dev)
+    launch(_select_finish_kernel, (C, R), scores, f, b, hist0, hist0.shape[1] - 1, p1, cnt, N, sink, window, kb,
+           CHUNK, TILE=TILE, SCAN=min(TILE if INTERPRET else SCAN, CHUNK), NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
+    launch(_select_compact_kernel, (C, R), scores, f, b, cnt, N, sink, window, kb, C, CHUNK, *tail,
+           TILE=TILE, PROTECTED_ONLY=False, **compact)
 
 
-# ------------------------------------------------------------------------------------------------
-# The first radix pass, fused into a scoring kernel. A policy whose score kernel also histograms its
-# scores (``score_hist0``) registers the histogram with the scores; the next ``select_kv`` of those
-# very scores (same tensor, not modified since: its version counter is unchanged) with the same sink
-# and window and no ``forced`` mask takes it and skips the pass. Anything else (another tensor,
-# different protection, an in-place change, tracing) runs the full pipeline: same result.
-
-_pass0: list = [None]  # (weakref to the scores, their version, hist, sink, window)
-
-
-def pass0_buffer(rows: int, device, zeroed: bool = True) -> torch.Tensor:
-    """An int32 ``[rows, 3, NB]`` histogram for ``select_into``'s ``hist`` (zeroed, or to be zeroed
-    by a kernel with ``zero_hist`` before the scoring kernel adds into it)."""
-    return (torch.zeros if zeroed else torch.empty)((rows, 3, NB), dtype=torch.int32, device=device)
-
-
-def protect_for(policy, keys, budget):
-    """``(sink, window)`` that ``policy`` protects in rows of ``keys [B, H, N, D]`` at an int
-    ``budget`` (what ``compress()`` passes the select), or None without one: a policy's ``score``
-    then counts the select's first pass for exactly that protection."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0 or keys.dim() != 4:
-        return None
-    n = keys.shape[2]
-    return policy.protected(n, min(budget, n))
-
-
-def _version(t: torch.Tensor):
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter: never remembered
-        return None
-
-
-def remember_pass0(scores: torch.Tensor, hist: torch.Tensor, sink: int, window: int) -> None:
-    """Register ``hist`` (``select_into``'s layout, pass 0 of ``scores`` with these protected tokens)
-    for the next select of ``scores``. Eager calls only."""
-    v = _version(scores) if type(scores) is torch.Tensor and not torch.compiler.is_compiling() else None
-    _pass0[0] = None if v is None else (weakref.ref(scores), v, hist, int(sink), int(window))
-
-
-def _take_pass0(scores, sink: int, window: int, forced) -> torch.Tensor:
-    """The registered pass-0 histogram of ``scores`` (then forgotten), or an empty tensor."""
-    m = _pass0[0]
-    if m is not None and type(scores) is torch.Tensor and not torch.compiler.is_compiling():
-        ref, v, hist, s, w = m
-        obj = ref()
-        if obj is None:
-            _pass0[0] = None
-        elif obj is scores:
-            _pass0[0] = None
-            if forced is None and (s, w) == (sink, window) and _version(scores) == v:
-                return hist
-    return torch.empty(0, dtype=torch.int32, device=scores.device)
+def _or(t: Optional[torch.Tensor], other: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``t``, or ``other`` (as an empty tensor of ``dtype`` when given) where ``t`` is None."""
+    if t is not None:
+        return t
+    return other if dtype is None else other.new_empty(0, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -540,7 +559,7 @@ class Out(NamedTuple):
     keys: torch.Tensor
     values: torch.Tensor
     indices: torch.Tensor  # int64 [T]
-    start: torch.Tensor  # int64 [R]
+    start: Optional[torch.Tensor]  # int64 [R]; None: the padded layout, row r at r·k_max
     lengths: torch.Tensor  # int32 [R]
 
 
@@ -583,9 +602,9 @@ def _scores_2d(scores: torch.Tensor) -> torch.Tensor:
     return scores.reshape(rows, scores.shape[-1]).to(torch.float32).contiguous()
 
 
-def _forced_2d(forced, shape, device) -> torch.Tensor:
+def _forced_2d(forced, shape, device) -> Optional[torch.Tensor]:
     if forced is None:
-        return torch.empty(0, dtype=torch.uint8, device=device)
+        return None
     if not isinstance(forced, torch.Tensor) or forced.dtype.is_floating_point or forced.dtype.is_complex:
         raise TypeError(f"forced must be a bool (or integer) tensor shaped like scores, got "
                         f"{getattr(forced, 'dtype', type(forced).__name__)}")
@@ -607,18 +626,14 @@ def _full_rows(budgets, n: int, k_max: int) -> bool:
     return isinstance(budgets, int) and not isinstance(budgets, bool) and k_max <= n and min(budgets, n) >= k_max
 
 
-def _empty(device, dtype=torch.float32):
-    return torch.empty(0, dtype=dtype, device=device)
-
-
 def _budget_args(budget, rows: int, device):
-    """``select_into``'s ``(budgets, budget)``: a tensor budget as ``budget_tensor``; an int one as an
-    empty tensor and the int (no device fill)."""
+    """``select_into``'s ``(budgets, budget)``: a tensor budget as ``budget_tensor``; an int one as
+    None and the int (no device fill)."""
     if isinstance(budget, torch.Tensor):
         return budget_tensor(budget, rows, device), 0
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise TypeError(f"budget must be an int or an int tensor, got {type(budget).__name__}")
-    return _empty(device, torch.int32), check_int("budget", budget)
+    return None, check_int("budget", budget)
 
 
 def _indices(rows: int, k_max: int, full: bool, device) -> torch.Tensor:
@@ -642,10 +657,9 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
     idx = _indices(R, k_max, full and R > 0 and N > 0, dev)
     lengths = torch.empty(R, dtype=torch.int32, device=dev)
     mask = torch.empty((R, N) if with_mask else (0,), dtype=torch.int8, device=dev)
-    if N > 0 and R > 0:  # empty out_start: the padded layout
-        select_into(s, b, _forced_2d(forced, (R, N), dev), _empty(dev), _empty(dev), _empty(dev, torch.int64), idx,
-                    lengths, mask, _empty(dev), _empty(dev), _empty(dev, torch.int32), sink, window, k_max, bi, full,
-                    chunk or 0)
+    if N > 0 and R > 0:  # no out_start: the padded layout
+        select_into(s, b, _forced_2d(forced, (R, N), dev), None, None, None, idx, lengths, mask if with_mask else None,
+                    None, None, None, sink, window, k_max, bi, full, chunk or 0)
     else:
         lengths.zero_()
         mask.zero_()
@@ -661,7 +675,7 @@ def select_mask(scores, budgets, *, sink: int = 0, window: int = 0, forced=None,
 
 
 def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, window: int = 0, forced=None,
-              out: Optional[Out] = None, chunk: Optional[int] = None):
+              out: Optional[Out] = None, chunk: Optional[int] = None, hist0: Optional[Hist0] = None):
     """Select and gather K/V.
 
     ``scores`` fp32 ``[B, H, N]``; ``keys``/``values`` ``[B, H, N, D]``; ``budgets`` an int or int32
@@ -670,6 +684,9 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
     Without ``out``: returns ``(keys [B,H,k_max,D], values, indices int64 [B,H,k_max], lengths
     int32 [B,H])``; rows kept shorter than ``k_max`` are zero-padded (indices -1). With ``out``:
     writes row r at ``out.start[r]`` of the flattened ``out`` tensors and returns ``out``.
+    ``hist0``: the first radix pass of these scores made by their scoring kernel (a ``Hist0``, with
+    this sink and window and no ``forced``; a ValueError otherwise): the select then runs one launch
+    fewer. The kept tokens are the same either way.
     """
     check_kv_tensor("keys", keys)
     check_kv_tensor("values", values)
@@ -698,16 +715,32 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
         vo = alloc((R * k_max, values.shape[-1]), dtype=values.dtype, device=dev)
         idx = _indices(R, k_max, full and R > 0 and N > 0, dev)
         lengths = torch.empty(R, dtype=torch.int32, device=dev)
-        dst = Out(ko, vo, idx, _empty(dev, torch.int64), lengths)  # empty start: the padded layout
+        dst = Out(ko, vo, idx, None, lengths)  # no start: the padded layout
     else:
         dst = out
+    h0 = _hist0_arg(hist0, R, sink, window, forced)
     if N > 0 and R > 0:
-        hist = _take_pass0(scores, sink, window, forced)
         select_into(s, b, _forced_2d(forced, (R, N), dev), keys, values, dst.start, dst.indices, dst.lengths,
-                    _empty(dev, torch.int8), dst.keys, dst.values, hist, sink, window, k_max, bi, full, chunk or 0)
+                    None, dst.keys, dst.values, h0, sink, window, k_max, bi, full, chunk or 0)
     else:
         dst.lengths.zero_()
     if out is not None:
         return out
     return (dst.keys.view(B, H, k_max, D), dst.values.view(B, H, k_max, values.shape[-1]),
             dst.indices.view(B, H, k_max), dst.lengths.view(B, H))
+
+
+def _hist0_arg(hist0, rows: int, sink: int, window: int, forced) -> Optional[torch.Tensor]:
+    """``select_kv``'s ``hist0`` checked against the select it is passed to (static checks only)."""
+    if hist0 is None:
+        return None
+    if not isinstance(hist0, Hist0) or not isinstance(hist0.hist, torch.Tensor):
+        raise TypeError(f"hist0 must be a tritonkv.kernels.select.Hist0, got {type(hist0).__name__}")
+    h = hist0.hist
+    if h.dtype != torch.int32 or h.dim() != 3 or h.shape[0] != rows or h.shape[1] < 2 or h.shape[2] != NB:
+        raise ValueError(f"hist0.hist must be int32 [{rows}, 1 + chunks, {NB}], got {h.dtype} {tuple(h.shape)}")
+    if forced is not None or (hist0.sink, hist0.window) != (sink, window):
+        raise ValueError(f"hist0 was counted with sink {hist0.sink}, window {hist0.window} and no forced tokens; "
+                         f"this select has sink {sink}, window {window}"
+                         + (" and forced tokens" if forced is not None else ""))
+    return h

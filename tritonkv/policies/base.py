@@ -82,16 +82,23 @@ class Policy:
         """fp32 scores ``[B, H_kv, N]``, higher means keep."""
         raise NotImplementedError
 
+    def score_and_hist0(self, keys: torch.Tensor, values: torch.Tensor, *, sink: int, window: int, **inputs):
+        """``(scores, hist0)`` for a select with this ``sink``/``window`` (``compress()``'s dense path):
+        ``score()``'s scores, and the shared select's first radix pass over them where the scoring
+        kernel counts it (a ``select.Hist0`` for ``select(..., hist0=)``), else None."""
+        return self.score(keys, values, **inputs), None
+
     # -- selection -----------------------------------------------------------------------------
     def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None, forced=None,
-               **inputs):
+               hist0=None, **inputs):
         """Kept K/V through the shared kernel. ``budgets`` int32 ``[B*H_kv]`` on the device; ``forced``
-        (optional bool ``[B, H_kv, N]``) marks more tokens kept like protected ones (inside the budget).
+        (optional bool ``[B, H_kv, N]``) marks more tokens kept like protected ones (inside the budget);
+        ``hist0`` the select's first pass from ``score_and_hist0`` (or None).
 
         Returns ``select.select_kv``'s tuple, or writes into ``out`` (a ``select.Out``) when given.
         """
         return _select.select_kv(scores, budgets, keys, values, k_max, sink=sink, window=window, forced=forced,
-                                 out=out)
+                                 out=out, hist0=hist0)
 
     def missing(self, inputs: dict) -> list[str]:
         return [n for n in self.needs if inputs.get(n) is None]

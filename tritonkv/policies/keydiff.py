@@ -9,7 +9,6 @@ from typing import ClassVar
 import torch
 
 from ..kernels.keydiff import ANCHORS, keydiff_scores
-from ..kernels.select import protect_for
 from .base import Policy, register_policy
 
 
@@ -25,9 +24,9 @@ class KeyDiff(Policy):
       a fixed number; set at most one of them. ``sink`` (default 0) protects the first tokens.
       Protection changes only the selection: the anchor still spans every token.
 
-    Non-finite keys: the anchor is a mean over the row, so a NaN or ±inf in any key of a row makes
-    every score of that row NaN (kernel and oracle alike). All of them then rank equally lowest:
-    the row keeps its protected tokens and then its first tokens by index. Other rows are unaffected.
+    Non-finite keys: a key holding a NaN or ±inf element scores NaN (ranks lowest) and is left out of
+    the anchor (a mean over the row's finite keys), so the other tokens score exactly as if it were
+    absent; a row whose keys are all non-finite keeps its protected tokens, then its first by index.
     """
 
     name: ClassVar[str] = "keydiff"
@@ -54,6 +53,12 @@ class KeyDiff(Policy):
         return sink, min(window, n - sink)
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
-        """fp32 ``[B, H_kv, N]`` = −cos(k_i, a), in [−1, 1]. Given the ``budget`` (as ``compress()``
-        does), the kernels also count the select's first pass for this budget's protected tokens."""
-        return keydiff_scores(keys, anchor=self.anchor, protect=protect_for(self, keys, inputs.get("budget")))
+        """fp32 ``[B, H_kv, N]`` = −cos(k_i, a), in [−1, 1]; NaN for a key with a non-finite element."""
+        return keydiff_scores(keys, anchor=self.anchor)
+
+    def score_and_hist0(self, keys: torch.Tensor, values: torch.Tensor, *, sink: int, window: int, **inputs):
+        """The scores and, from the scoring kernels, the select's first radix pass for this
+        protection (None with ``forced`` tokens, which change the select's keys)."""
+        if inputs.get("forced") is not None:
+            return self.score(keys, values, **inputs), None
+        return keydiff_scores(keys, anchor=self.anchor, protect=(sink, window))

@@ -8,7 +8,6 @@ from typing import ClassVar
 import torch
 
 from ..kernels.knorm import knorm_scores
-from ..kernels.select import protect_for
 from .base import Policy, register_policy
 
 
@@ -20,12 +19,18 @@ class Knorm(Policy):
     Devoto et al. leave the first two layers uncompressed; that is a per-layer decision for the
     caller (compress only the layers you want), not a setting of the score.
 
-    Non-finite keys: a key holding NaN scores NaN, one holding ±inf scores −inf; both rank lowest
-    (evicted first; among equal scores the lower index is kept). Values are copied, never read."""
+    Non-finite keys: a key holding a NaN or ±inf element scores NaN, which ranks lowest (evicted
+    first; among equal scores the lower index is kept). Values are copied, never read."""
 
     name: ClassVar[str] = "knorm"
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
-        """fp32 ``[B, H_kv, N]`` = −‖k_i‖₂ (≤ 0). Given the ``budget`` (as ``compress()`` does), the
-        kernel also counts the select's first pass for this budget's protected tokens."""
-        return knorm_scores(keys, protect=protect_for(self, keys, inputs.get("budget")))
+        """fp32 ``[B, H_kv, N]`` = −‖k_i‖₂ (≤ 0), NaN for a key with a non-finite element."""
+        return knorm_scores(keys)
+
+    def score_and_hist0(self, keys: torch.Tensor, values: torch.Tensor, *, sink: int, window: int, **inputs):
+        """The scores and, from the same kernel, the select's first radix pass for this protection
+        (None with ``forced`` tokens, which change the select's keys)."""
+        if inputs.get("forced") is not None:
+            return self.score(keys, values, **inputs), None
+        return knorm_scores(keys, protect=(sink, window))

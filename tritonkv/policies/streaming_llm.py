@@ -1,7 +1,7 @@
 """StreamingLLM (``docs/algorithms.md`` §1.3): the first ``sink`` tokens (attention sinks)
 and the most recent ``k − sink``. No kernel of its own: everything kept is protected, so the shared
 select copies the protected rows directly (one launch, ``PROTECTED_ONLY``: no ranking, the scores
-are never read); the scores are constant zeros."""
+are never read, so ``compress()`` does not even fill them); ``score()`` gives constant zeros."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from ..kernels._common import check_kv_tensor
+from ..kernels._common import check_kv_tensor, use_triton
 from .base import Policy, register_policy
 
 
@@ -38,3 +38,12 @@ class StreamingLLM(Policy):
         """Constant fp32 zeros ``[B, H_kv, N]`` (selection is decided by ``protected`` alone)."""
         check_kv_tensor("keys", keys)
         return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
+
+    def score_and_hist0(self, keys: torch.Tensor, values: torch.Tensor, *, sink: int, window: int, **inputs):
+        """For a select that keeps only protected tokens (``compress()``'s dense path): the kernels
+        never read the scores, so they are left unwritten there (no device fill); zeros where the
+        PyTorch body runs."""
+        check_kv_tensor("keys", keys)
+        if not use_triton(keys):
+            return self.score(keys, values), None
+        return torch.empty(keys.shape[:3], dtype=torch.float32, device=keys.device), None

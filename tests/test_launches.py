@@ -1,0 +1,121 @@
+"""Device launches per ``compress`` (Triton launches + torch-side device ops), counted by the dry
+launch replay: CPU tensors routed to the Triton bodies, ``record_launches(execute=False)`` (nothing
+runs, so no value can steer the count) and a ``TorchDispatchMode`` that logs every aten op that would
+run on the device (fills, copies, arithmetic; views and ``empty`` allocations are no launches) and
+every host read of a device value (a sync). Targets: the one-kernel-scorers Knorm and StreamingLLM
+at most 4, KeyDiff (two scoring launches) at most 5, the window-attention policies at most 5, none
+syncing with the host."""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tritonkv
+from tritonkv.kernels import _common
+from tritonkv.kernels.select import select_indices, select_kv
+
+NO_LAUNCH = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "as_strided", "unsqueeze", "squeeze",
+             "permute", "t", "transpose", "alias", "detach", "split", "unbind", "narrow", "lift_fresh",
+             "_reshape_alias", "diagonal", "unflatten", "flatten", "split_with_sizes", "view_as", "expand_as",
+             "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+SYNC = {"_local_scalar_dense", "is_nonzero", "item", "equal"}
+
+
+class DeviceOps(TorchDispatchMode):
+    """Logs the aten ops of the block by name, descending into tritonkv's custom ops (a mode sees a
+    custom op whole; its Python body is run again under the mode so the ops inside show)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "tritonkv":
+            from torch._library.custom_ops import OPDEFS
+
+            opdef = OPDEFS.get(func._schema.name)
+            if opdef is not None:
+                with self:
+                    return opdef._init_fn(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if name not in NO_LAUNCH:
+            self.ops.append(name)
+        return func(*args, **kwargs)
+
+
+def dry(fn):
+    """``(Triton launch names, torch device op names, host syncs)`` of ``fn()``, nothing launched."""
+    mode = DeviceOps()
+    old, _common._cpu[0] = _common._cpu[0], "triton"
+    try:
+        with _common.record_launches(execute=False) as log, mode:
+            fn()
+    finally:
+        _common._cpu[0] = old
+    syncs = [o for o in mode.ops if o in SYNC]
+    return [x.name for x in log], [o for o in mode.ops if o not in SYNC], syncs
+
+
+B, H, G, N, D, W = 1, 4, 2, 1500, 32, 8
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    values = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    queries = torch.randn(B, H * G, W, D, generator=g).to(torch.bfloat16)
+    lse = torch.randn(B, H * G, W)
+    return keys, values, dict(queries=queries, attn_lse=lse)
+
+
+LIMITS = {"knorm": 4, "streaming_llm": 4, "keydiff": 5, "snapkv": 5, "tova": 5, "h2o": 5, "surfacelogic": 5}
+
+
+@pytest.mark.parametrize("name", sorted(LIMITS))
+def test_compress_launches_stay_few_and_never_sync(name):
+    keys, values, pool = _inputs()
+    pol = tritonkv.POLICIES[name]()
+    inputs = {n: pool[n] for n in pol.needs}
+    if "queries" in pol.needs:
+        inputs["attn_lse"] = pool["attn_lse"]
+    triton_launches, torch_ops, syncs = dry(lambda: tritonkv.compress((keys, values), pol, 0.25, **inputs))
+    total = len(triton_launches) + len(torch_ops)
+    assert total <= LIMITS[name] and not syncs, (name, triton_launches, torch_ops, syncs)
+    assert triton_launches, name  # the kernels were reached (not the PyTorch bodies)
+
+
+def test_select_alone_is_three_launches_and_two_with_the_score_pass():
+    """The select is pass 0, finish and compact (no memset, no count kernel); with a ``Hist0`` from the
+    scoring kernel two; StreamingLLM's protected-only copy one."""
+    keys, values, _ = _inputs()
+    s = torch.randn(B, H, N)
+    names, ops, syncs = dry(lambda: select_kv(s, 300, keys, values, 300, sink=2, window=5))
+    assert names == ["_select_hist0_kernel", "_select_finish_kernel", "_select_compact_kernel"] and not ops
+    names, ops, syncs = dry(lambda: select_indices(s, torch.arange(H, dtype=torch.int32) * 50, 300, with_mask=True))
+    assert names == ["_select_hist0_kernel", "_select_finish_kernel", "_select_compact_kernel"] and not syncs
+    names, ops, _ = dry(lambda: tritonkv.compress((keys, values), "knorm", 300))
+    assert names == ["_knorm_kernel", "_select_finish_kernel", "_select_compact_kernel"] and not ops
+    names, ops, _ = dry(lambda: tritonkv.compress((keys, values), "streaming_llm", 300))
+    assert names == ["_select_compact_kernel"] and not ops
+
+
+def test_rows_over_two_to_the_31_elements_index_in_int64():
+    """R·N > 2^31 scores (each row < 2^31): every select kernel offsets its row by the int64 program
+    id (``r * N`` and ``r * (C + 1)`` never wrap) and the launcher passes N < 2^31 as a plain int."""
+    import inspect
+
+    from tritonkv.kernels import select
+
+    for k in (select._select_hist0_kernel, select._select_finish_kernel, select._select_compact_kernel):
+        src = inspect.getsource(k.fn)
+        assert "r = tl.program_id(1).to(tl.int64)" in src, k.fn.__name__
+    R, n = 2, 2 ** 30 + 5  # 2^31 + 10 scores: 8 GB of address space, never touched by a dry replay
+    s = torch.empty(R, n)
+    with _common.record_launches(execute=False) as log:
+        old, _common._cpu[0] = _common._cpu[0], "triton"
+        try:
+            select_indices(s, 7, 7)
+        finally:
+            _common._cpu[0] = old
+    assert [x.name for x in log] == ["_select_hist0_kernel", "_select_finish_kernel", "_select_compact_kernel"]
+    assert all(x.grid[1] == R and x.args["N"] == n for x in log)
