@@ -113,12 +113,16 @@ def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
         def call(*args, **kwargs):
             if not _eager(args, kwargs):
                 return op(*args, **kwargs)
-            prev = getattr(wrap_triton_enabled, "value", True)
+            # below the dispatcher an op's body runs without autograd (its outputs never require grad, and
+            # out= ops accept inputs that do, e.g. keys computed from a model's weights outside no_grad)
+            prev, grad = getattr(wrap_triton_enabled, "value", True), torch.is_grad_enabled()
             wrap_triton_enabled.value = False
+            torch.set_grad_enabled(False)
             try:
                 return fn(*args, **kwargs)
             finally:
                 wrap_triton_enabled.value = prev
+                torch.set_grad_enabled(grad)
 
         call.op = op
         return call

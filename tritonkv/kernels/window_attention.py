@@ -19,8 +19,8 @@ Non-finite inputs (``docs/contracts.md``): a key with a NaN or ±inf element is 
 softmax (P = 0) and its u is NaN, a hole in its neighbours' pool; a query row with one (or with a
 non-finite given LSE) is left out: the row mean divides by the rows left in of its head, the group
 mean by the heads with a row left in. The kernels take the key flag from the tile they load
-(x·0 = 0 only for finite x), and the row weights (``row_weights``, ``[B, H_q, W]``: one small pass
-over the queries) with the means folded in, P·w = exp(τ·q·k − (lse − ln w)), so the reductions
+(x·0 = 0 only for finite x), and the row weights with the means folded in (from the query block in
+registers when one block holds a head's rows, else ``row_weights``, ``[B, H_q, W]``: small torch ops), P·w = exp(τ·q·k − (lse − ln w)), so the reductions
 cost nothing per key.
 
 Kernels, each on a grid (key chunks, B·H_kv) so a long row splits over many programs; one program
@@ -101,6 +101,23 @@ def _load_w(w_ptr, wbase, W, g, i, valid):
 
 
 @triton.jit
+def _hoisted_w(q, lse, g, i, pos, G, W, GB: tl.constexpr, BW: tl.constexpr, HAS_LSE: tl.constexpr,
+               ROW_MEAN: tl.constexpr, HEAD_MEAN: tl.constexpr):
+    """``row_weights`` of the one row block that holds every row of a KV head's group (heads 0..GB, rows
+    0..BW), from its queries and LSEs already in registers: no pass of its own and no launch."""
+    ok = (g < G) & (i < W) & (tl.sum(tl.where(q * 0.0 == 0.0, 0, 1), 1) == 0)
+    if HAS_LSE:  # a given LSE: −inf is right only for a row at a negative position (it sees no key)
+        ok = ok & ((lse * 0.0 == 0.0) | (pos < 0))
+    w = ok.to(tl.float32)
+    cnt = tl.sum(tl.reshape(w, [GB, BW]), 1)  # rows left in, per head
+    if ROW_MEAN:
+        w = w / tl.reshape(tl.broadcast_to(tl.maximum(cnt, 1.0)[:, None], [GB, BW]), [GB * BW])
+    if HEAD_MEAN:
+        w = w / tl.maximum(tl.sum((cnt > 0).to(tl.float32), 0), 1.0)
+    return w, tl.log(w)
+
+
+@triton.jit
 def _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid):
     """ln Σ over all keys per row, combined from NC partial LSEs (NC = 1: ``attn_lse`` as given)."""
     offs = lbase + g.to(tl.int64) * slg + i.to(tl.int64) * slw
@@ -152,7 +169,8 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                          slb, slh, slc, slg, slw, NC, w_ptr, scale,
                          CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                          BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
-                         CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
+                         CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr, HAS_LSE: tl.constexpr = False,
+                         ROW_MEAN: tl.constexpr = True, HEAD_MEAN: tl.constexpr = True):
     scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
@@ -164,10 +182,11 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
     n_chunk = tl.minimum(CHUNK, N - c * CHUNK)  # keys of this chunk
     if HOIST:  # a single row block: queries, LSEs and weights stay in registers for every key tile
         g_h, i_h, pos_h, valid_h = _rows(0, 0, G, W, N, GB, BW)
-        q_h = _load_q(q_ptr, qbase, sqh, sqw, g_h, i_h, valid_h, d, D, CAST_FP32)
-        w_h, lw_h = _load_w(w_ptr, wbase, W, g_h, i_h, valid_h)
+        q_h = _load_q(q_ptr, qbase, sqh, sqw, g_h, i_h, (g_h < G) & (i_h < W), d, D, CAST_FP32)
+        lse_h = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g_h, i_h, valid_h)
+        w_h, lw_h = _hoisted_w(q_h, lse_h, g_h, i_h, pos_h, G, W, GB, BW, HAS_LSE, ROW_MEAN, HEAD_MEAN)
         valid_h = valid_h & (w_h > 0)
-        lse_h = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g_h, i_h, valid_h) - lw_h
+        lse_h = lse_h - lw_h
     for t0 in range(0, n_chunk, BLOCK_N):
         j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
         kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
@@ -433,9 +452,11 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
         launch(_window_lse_kernel, (C, R), keys, queries, lse, *kq, C, scale, **common)
     pooled = kernel_size > 1 or head_reduce == "layer"
     u = torch.empty_like(out) if pooled else out
-    w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce)
+    hoist = G <= cfg["GB"] and W <= cfg["BW"]  # one row block: the kernel derives the row weights itself
+    w = out if hoist else row_weights(queries, attn_lse, N, H, row_reduce, head_reduce)
     launch(_window_score_kernel, (C, R), keys, queries, lse, u, *kq, *lstr, NC, w, scale,
-           GROUP_MAX=head_reduce == "max", HOIST=G <= cfg["GB"] and W <= cfg["BW"], **common)
+           GROUP_MAX=head_reduce == "max", HOIST=hoist, HAS_LSE=attn_lse.numel() > 0,
+           ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max", **common)
     if pooled:
         block = min(next_pow2(N), 4096 if INTERPRET else 1024)
         launch(_window_pool_kernel, (triton.cdiv(N, block), R), u, out, H, N, max(N - W, 0),
