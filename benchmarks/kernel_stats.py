@@ -2,9 +2,9 @@
 spills, shared memory, occupancy, the SASS of each hot loop, and per policy the device launches in order,
 their bytes, host syncs and a simple time model.
 
-    python benchmarks/kernel_stats.py              # N = 32768, sm_90 + sm_80 -> results/kernel_stats-triton-<v>.*
-    python benchmarks/kernel_stats.py --smoke      # N = 2048, sm_90 only (< 60 s), writes nothing unless --out
-    python benchmarks/kernel_stats.py --compare A.json B.json --out results/kernel_stats.md
+    python -m benchmarks.kernel_stats              # N = 32768, sm_90 + sm_80 -> results/kernel_stats-triton-<v>.*
+    python -m benchmarks.kernel_stats --smoke      # N = 2048, sm_90 only (< 60 s), writes nothing unless --out
+    python -m benchmarks.kernel_stats --compare A.json B.json --out results/kernel_stats.md
     make stats                                     # Triton 3.6 (side environment) and the installed one + comparison
 
 Target shape (``docs/architecture.md``, Benchmarks): B = 1, H_kv = 8, H_q = 32, D = 128, bf16 K/V, keep 25 %,
@@ -86,7 +86,6 @@ import argparse
 import ast
 import builtins
 import contextlib
-import datetime
 import functools
 import inspect
 import io
@@ -94,7 +93,6 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -113,11 +111,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 
 import tritonkv  # noqa: E402
+from benchmarks.common import RESULTS, ROOT, command, git, now, write_results  # noqa: E402
 from tritonkv.kernels import _common  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 SPEED_JSON = os.path.join(RESULTS, "nvidia-h200-speed.json")
 
 # (B, H_kv, G, D, W), keep fraction, N
@@ -1086,10 +1082,9 @@ def _run(args, N: int, archs, t_start) -> dict:
     import platform
 
     return dict(
-        program="benchmarks/kernel_stats.py", command=" ".join(["python", "benchmarks/kernel_stats.py"] +
-                                                               [shlex.quote(a) for a in args.argv]),
-        smoke=bool(args.smoke), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=_git("rev-parse", "--short", "HEAD"), dirty_kernels=bool(_git("status", "--porcelain", "tritonkv")),
+        program="benchmarks/kernel_stats.py", command=command(args.argv, "benchmarks.kernel_stats"),
+        smoke=bool(args.smoke), date=now(), commit=git("rev-parse", "--short", "HEAD") or None,
+        dirty_kernels=bool(git("status", "--porcelain", "tritonkv")),
         triton=triton.__version__, triton_path=os.path.dirname(triton.__file__), torch=torch.__version__,
         python=platform.python_version(), ptxas=_ptxas_version(), fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"),
         shape=dict(SHAPE, N=N, H_q=SHAPE["H"] * SHAPE["G"], dtype="bfloat16", keep=KEEP,
@@ -1137,13 +1132,6 @@ def check_targets(kernels, rows, archs) -> dict:
         launches=launches, launches_ok_triton=all(x["triton_ok"] for x in launches),
         launches_ok_all=all(x["all_ok"] for x in launches),
         fenced_atomics=fenced, no_fenced_atomics=not fenced, host_syncs=syncs, no_host_syncs=not syncs)
-
-
-def _git(*a) -> str | None:
-    try:
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _ptxas_version() -> str | None:
@@ -1393,13 +1381,7 @@ def compare_markdown(results: list[dict]) -> str:
 
 
 def write(res: dict, out_dir: str) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"kernel_stats-triton-{res['triton']}")
-    with open(base + ".json", "w") as f:
-        json.dump(res, f, indent=1, default=str)
-        f.write("\n")
-    with open(base + ".md", "w") as f:
-        f.write(markdown(res))
+    base = write_results(os.path.join(out_dir, f"kernel_stats-triton-{res['triton']}"), res, markdown(res))
     return [base + ".json", base + ".md"]
 
 
