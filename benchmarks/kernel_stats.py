@@ -84,7 +84,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import builtins
 import contextlib
 import functools
 import inspect
@@ -1281,7 +1280,8 @@ def markdown(res: dict) -> str:
     out += table([[f"`{k['label']}`", L["where"], L["depth"], L["own_n"], *(L["own"][op] for op in ops),
                    L["own"]["HGMMA"] + L["own"]["HMMA"], L["own"]["MUFU"]]
                   for k in res["kernels"] for L in k["archs"].get(MODEL_ARCH, {}).get("loops", [])], None,
-                 ["kernel", "loop (source `for`)", "depth", "own instr.", *ops, "HGMMA/HMMA", "MUFU"], align="ll" + "r" * 12)
+                 ["kernel", "loop (source `for`)", "depth", "own instr.", *ops, "HGMMA/HMMA", "MUFU"],
+                 align="ll" + "r" * 12)
     out += ["", "## Launch sequences", "",
             "Per workload, the device launches in order: Triton kernels (grid, bytes by the per-kernel formula, "
             "iterations per program of each SASS loop, modelled H200 µs = bytes / issue / shared atomics parts) "
