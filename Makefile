@@ -104,9 +104,9 @@ STATS_TRITON_VERSION ?= 3.6.0
 STATS_TRITON := .cache/triton-$(STATS_TRITON_VERSION)
 stats: $(STAMP)
 	test -d $(STATS_TRITON)/triton || $(PY) -m pip install -q --no-deps --target $(STATS_TRITON) "triton==$(STATS_TRITON_VERSION)"
-	PYTHONPATH=$(CURDIR)/$(STATS_TRITON):$(CURDIR) $(PY) benchmarks/kernel_stats.py
-	PYTHONPATH=$(CURDIR) $(PY) benchmarks/kernel_stats.py
-	PYTHONPATH=$(CURDIR) $(PY) benchmarks/kernel_stats.py --compare \
+	PYTHONPATH=$(CURDIR)/$(STATS_TRITON):$(CURDIR) $(PY) -m benchmarks.kernel_stats
+	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.kernel_stats
+	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.kernel_stats --compare \
 		benchmarks/results/kernel_stats-triton-$(STATS_TRITON_VERSION).json \
 		benchmarks/results/kernel_stats-triton-$$(PYTHONPATH= $(PY) -c "import triton; print(triton.__version__)").json
 

@@ -9,7 +9,7 @@ re-compression every 8 decode steps (decoding mode), 12 new tokens greedily with
 the largest logit difference from the row alone over every step, and its kept tokens per layer and head
 (``kept_tokens()``, which must count real tokens only) against the row alone's.
 
-    python benchmarks/batch_invariance.py --cases 240 --out benchmarks/results/batch_invariance.json
+    python -m benchmarks.batch_invariance --cases 240 --out benchmarks/results/batch_invariance.json
 
 (tests/test_transformers_padding.py runs the first cases of the same sweep.) Recursive LagKV (``"lagkv"`` in
 ``"decoding"`` mode) refuses padded batches by design; that combination runs ``"blockwise"`` instead.
@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
+
+from benchmarks import common
 
 ATOL = 1e-5  # fp32 round-off of logits of magnitude ~1 (measured differences: ~1e-7)
 POLICIES = ["criticalkv", "h2o", "keydiff", "knorm", "lagkv", "score", "snapkv", "streaming_llm", "surfacelogic",
@@ -32,13 +33,8 @@ LAYERS, H_KV, H_Q, VOCAB = 2, 2, 4, 1000
 
 
 def random_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=H_Q, num_key_value_heads=H_KV, pad_token_id=0,
-                      max_position_embeddings=4096)
-    return LlamaForCausalLM(cfg).eval()
+    """``common.random_llama`` (``LAYERS`` layers, ``H_Q`` / ``H_KV`` heads, vocabulary ``VOCAB``), token 0 the pad."""
+    return common.random_llama(pad_token_id=0)
 
 
 def extra_inputs(policy, allocation, batch: int, gen: torch.Generator) -> dict:
@@ -135,12 +131,11 @@ def main():
                    worst=max(r["worst"] for r in results), seconds=round(time.time() - t0, 1),
                    combinations=len({(r["policy"], r["allocation"], r["mode"]) for r in results}),
                    evicting=sum(r["evicted"] for r in results),
-                   command=f"python benchmarks/batch_invariance.py --cases {args.cases} --seed {args.seed}",
-                   machine=f"{platform.machine()} CPU, torch {torch.__version__}")
+                   command=common.command(["--cases", str(args.cases), "--seed", str(args.seed)]),
+                   machine=common.describe(common.run_info()))
     print(json.dumps(summary))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(summary=summary, failures=bad, results=results), f, indent=1)
+        common.write_json(args.out, dict(summary=summary, failures=bad, results=results))
     raise SystemExit(1 if bad else 0)
 
 

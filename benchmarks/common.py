@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -55,6 +56,18 @@ def _version(name: str):
         return None
 
 
+def versions(*names) -> dict:
+    """``{distribution: installed version or None}`` of each of ``names``."""
+    return {n: _version(n) for n in names}
+
+
+def command(argv=None, module=None) -> str:
+    """How this process was started, as ``python -m benchmarks.<name> ARGS`` (``argv``: the arguments, default
+    ``sys.argv[1:]``, each quoted for a shell where it needs it; ``module``: the program, default the one running)."""
+    module = module or os.path.splitext(os.path.relpath(os.path.abspath(sys.argv[0]), ROOT))[0].replace(os.sep, ".")
+    return " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+
+
 def run_info(cuda: bool = False, argv=None) -> dict:
     """Where and what ran: the device, the CPU, library versions, the commit (and the files of ``tritonkv/`` it
     did not include), the date and the command (``argv``: the arguments, default ``sys.argv[1:]``)."""
@@ -62,15 +75,13 @@ def run_info(cuda: bool = False, argv=None) -> dict:
 
     modified = [f for f in git("status", "--porcelain", "--untracked-files=no", "--", "tritonkv").split()
                 if f.startswith("tritonkv/")]
-    module = os.path.splitext(os.path.relpath(os.path.abspath(sys.argv[0]), ROOT))[0].replace(os.sep, ".")
-    args = sys.argv[1:] if argv is None else list(argv)
     return dict(device=torch.cuda.get_device_name() if cuda else "cpu", cpu=cpu_model(), cores=os.cpu_count(),
                 torch_threads=torch.get_num_threads(), python=platform.python_version(), torch=torch.__version__,
                 triton=_version("triton"), transformers=_version("transformers"), commit=git("rev-parse",
                                                                                             "--short=10", "HEAD"),
                 tritonkv_dirty=bool(modified), tritonkv_modified=modified,
                 triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1", date=now(),
-                command=" ".join(["python -m", module, *args]))
+                command=command(argv))
 
 
 def describe(info: dict) -> str:
@@ -80,6 +91,19 @@ def describe(info: dict) -> str:
             f"{' (TRITON_INTERPRET=1)' if info.get('triton_interpret') else ''}; commit `{info['commit'] or '?'}`"
             f"{' plus changes to ' + ', '.join(info['tritonkv_modified']) if info.get('tritonkv_modified') else ''}"
             f"; {info['date']}")
+
+
+def random_llama(max_positions: int = 4096, pad_token_id=None, seed: int = 0):
+    """The seeded random Llama of the CPU programs (2 layers, hidden 64, 4 query / 2 KV heads, vocab 1000; fp32,
+    no download). ``pad_token_id`` also zeroes that token's embedding."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=pad_token_id,
+                      max_position_embeddings=max_positions)
+    return LlamaForCausalLM(cfg).eval()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,11 +172,17 @@ def cpu_times(fns, runs: int) -> list:
 # result files
 
 
+def write_json(path: str, data) -> str:
+    """``data`` as indented JSON at ``path`` (the folder made if needed; what JSON cannot hold as its ``str``)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    return path
+
+
 def write_results(base: str, data: dict, markdown: str) -> str:
     """The JSON and Markdown files ``<base>.json`` and ``<base>.md`` (the folder made if needed); returns ``base``."""
-    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
-    with open(base + ".json", "w") as f:
-        json.dump(data, f, indent=1)
+    write_json(base + ".json", data)
     with open(base + ".md", "w") as f:
         f.write(markdown)
     return base
@@ -187,10 +217,12 @@ def append_jsonl(path: str, records) -> None:
         f.write(text)
 
 
-def table(rows, cols, head=None, right: bool = False) -> list:
+def table(rows, cols, head=None, right: bool = False, align: str = "") -> list:
     """Markdown table lines. ``rows``: dicts read at ``cols`` (None and absent keys show as "–"), or lists of cells;
-    ``head``: the column titles (default ``cols``); ``right``: every column but the first right-aligned."""
+    ``head``: the column titles (default ``cols``); ``right``: every column but the first right-aligned; ``align``:
+    instead, one letter per column, ``l`` left- or ``r`` right-aligned."""
     head = head or cols
     cells = [[("–" if r.get(c) is None else r[c]) for c in cols] if isinstance(r, dict) else r for r in rows]
-    rule = "|---|" + ("---:|" if right else "---|") * (len(head) - 1)
+    rule = ("|" + "".join("---:|" if a == "r" else "---|" for a in align) if align
+            else "|---|" + ("---:|" if right else "---|") * (len(head) - 1))
     return ["| " + " | ".join(map(str, head)) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in cells]

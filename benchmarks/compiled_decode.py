@@ -6,7 +6,7 @@ step (the cache re-compresses every 16 steps), greedy decoding; the eager loop d
 cache. Per policy: the largest logit difference over all steps, graphs compiled after the first step (a recompile
 raises: ``torch._dynamo.config.error_on_recompile``), and the compressions of each loop.
 
-    python benchmarks/compiled_decode.py --steps 500 --out benchmarks/results/compiled_decode.json
+    python -m benchmarks.compiled_decode --steps 500 --out benchmarks/results/compiled_decode.json
 
 (tests/test_transformers_compiled.py runs 40 steps of the same loop.)
 """
@@ -14,21 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import tritonkv
+from benchmarks import common
+from benchmarks.common import random_llama
 from tritonkv.integrations import transformers as tt
-
-
-def random_llama():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def cache_inputs(model, policy):
@@ -93,14 +86,12 @@ def main():
                          compressions_compiled=compiled_n, compressions_eager=eager_n,
                          seconds=round(time.time() - t0, 1)))
         print(json.dumps(rows[-1]), flush=True)
-    summary = dict(command=f"python benchmarks/compiled_decode.py --steps {args.steps}",
-                   machine=f"{platform.machine()} CPU, torch {torch.__version__}",
+    summary = dict(command=common.command(["--steps", str(args.steps)]), machine=common.describe(common.run_info()),
                    recompiles=sum(r["graphs_after_first_step"] for r in rows),
                    worst=max(r["max_abs_logit_diff"] for r in rows))
     print(json.dumps(summary))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(summary=summary, results=rows), f, indent=1)
+        common.write_json(args.out, dict(summary=summary, results=rows))
 
 
 if __name__ == "__main__":

@@ -22,24 +22,24 @@ the same core (about 15-25 µs on an idle modern core). ``without_triton_run_us`
 ``JITFunction.run`` itself stubbed: tritonkv's own host time, without Triton's per-launch binder and cache
 lookup.
 
-    python benchmarks/host_time.py                          # this checkout's tritonkv
-    python benchmarks/host_time.py --compare <git ref> --json benchmarks/results/host_time.json
+    python -m benchmarks.host_time                          # this checkout's tritonkv
+    python -m benchmarks.host_time --compare <git ref> --json benchmarks/results/host_time.json
 
 ``--compare REF`` also measures the ``tritonkv`` package of git revision ``REF`` (extracted to a temporary
 directory, run in a subprocess with the same harness), interleaving the two so that a loaded machine affects
-both alike. Run without ``TRITON_INTERPRET``. Standalone: needs torch and triton only.
+both alike. Run without ``TRITON_INTERPRET``. Needs torch and triton only.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
-import time
 import timeit
+
+from benchmarks.common import ROOT, git, run_info, table, write_json
 
 B, H, G, N, D, W = 1, 8, 4, 1024, 128, 32  # H_q = H·G = 32 window queries of W tokens; keep 25 %
 KEEP = 0.25
@@ -158,18 +158,15 @@ def _worker(args) -> None:
 
 
 def _run_tree(tree: str, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1")
+    """One worker process on ``tree``'s tritonkv (first on the path; this checkout's ``benchmarks`` after it)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, ROOT]), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(args.calls), "--rounds",
+    cmd = [sys.executable, "-m", "benchmarks.host_time", "--worker", "--calls", str(args.calls), "--rounds",
            str(args.rounds), "--warmup", str(args.warmup)] + (["--only", *args.only] if args.only else [])
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
     if r.returncode:
         raise SystemExit(f"host_time worker for {tree} failed:\n{r.stderr[-4000:]}")
     return json.loads(r.stdout)
-
-
-def _git(*a, cwd) -> str:
-    return subprocess.run(["git", *a], cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
 
 
 def main() -> None:
@@ -186,12 +183,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    trees = {"after": (repo, _git("rev-parse", "HEAD", cwd=repo))}
+    trees = {"after": (ROOT, git("rev-parse", "HEAD"))}
     with tempfile.TemporaryDirectory() as tmp:
         if args.compare:
-            sha = _git("rev-parse", args.compare, cwd=repo)
-            subprocess.run(f"git archive {sha} tritonkv | tar -x -C {tmp}", shell=True, cwd=repo, check=True)
+            sha = git("rev-parse", "--verify", args.compare + "^{commit}")
+            if not sha:
+                raise SystemExit(f"--compare: no git revision {args.compare!r}")
+            subprocess.run(f"git archive {sha} tritonkv | tar -x -C {tmp}", shell=True, cwd=ROOT, check=True)
             trees = {"before": (tmp, sha), **trees}
         runs = {k: [] for k in trees}
         for _ in range(args.repeats):
@@ -213,40 +211,35 @@ def main() -> None:
         print(f"{c:<16}{row}")
     print("calibration, 1000-iteration Python loop (us): "
           + ", ".join(f"{k} {v['loop_us']}" for k, v in res.items()))
+    info = run_info()
     if args.md:
-        write_md(args.md, res, " ".join(["python benchmarks/host_time.py"] + sys.argv[1:]))
+        write_md(args.md, res, info["command"], info)
     if args.json:
-        import torch
-        import triton
-
-        doc = dict(what="host time per eager tritonkv.compress, GPU path driven on the CPU with stub launches "
-                        "(benchmarks/host_time.py docstring)",
-                   shape=dict(B=B, H_kv=H, H_q=H * G, N=N, D=D, W=W, dtype="bfloat16", keep=KEEP),
-                   machine=dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(),
-                                load_average=[round(x, 2) for x in os.getloadavg()],
-                                python=platform.python_version(), torch=torch.__version__,
-                                triton=triton.__version__),
-                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   settings=dict(calls=args.calls, rounds=args.rounds, warmup=args.warmup, repeats=args.repeats),
-                   **res)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
+        write_json(args.json, dict(
+            what="host time per eager tritonkv.compress, GPU path driven on the CPU with stub launches "
+                 "(benchmarks/host_time.py docstring)",
+            shape=dict(B=B, H_kv=H, H_q=H * G, N=N, D=D, W=W, dtype="bfloat16", keep=KEEP),
+            machine=dict({k: info[k] for k in ("cpu", "cores")}, load_average=[round(x, 2) for x in os.getloadavg()],
+                         **{k: info[k] for k in ("python", "torch", "triton")}),
+            date=info["date"], command=info["command"],
+            settings=dict(calls=args.calls, rounds=args.rounds, warmup=args.warmup, repeats=args.repeats), **res))
 
 
-def write_md(path: str, res: dict, command: str) -> None:
-    """The table of ``res`` as Markdown (host µs per call, before/after when both were measured)."""
+def write_md(path: str, res: dict, command: str, info: dict) -> None:
+    """The table of ``res`` as Markdown (host µs per call, before/after when both were measured); ``info``:
+    ``run_info()``."""
     trees = list(res)
     head = ["case"] + [f"{k} µs" for k in trees] + [f"{k} µs without Triton's run()" for k in trees]
     if "before" in res:
         head.append("after / before")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for c in res["after"]["host_us"]:
         row = [c] + [f"{res[k]['host_us'][c]:.0f}" for k in trees]
         row += [f"{res[k]['without_triton_run_us'][c]:.0f}" for k in trees]
         if "before" in res:
             row.append(f"{res['after']['host_us'][c] / res['before']['host_us'][c]:.2f}")
-        lines.append("| " + " | ".join(row) + " |")
+        rows.append(row)
+    lines = table(rows, None, head)
     calib = ", ".join(f"{k} {v['loop_us']} µs" for k, v in res.items())
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     commits = ", ".join(f"{k} `{v['commit'][:7]}`" for k, v in res.items())
@@ -258,7 +251,7 @@ keep {KEEP:.0%}; minimum over rounds and interleaved worker runs of the mean per
 
 {chr(10).join(lines)}
 
-Machine: {platform.machine()}, {os.cpu_count()} CPU cores, load average {load} at the end of the run (1, 5, 15
+Machine: {info['cpu']}, {info['cores']} CPU cores, load average {load} at the end of the run (1, 5, 15
 min). Calibration: a 1000-iteration empty Python loop took {calib} (minimum; an idle modern core: 15-25 µs).
 """
     with open(path, "w") as f:

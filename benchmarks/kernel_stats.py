@@ -2,9 +2,9 @@
 spills, shared memory, occupancy, the SASS of each hot loop, and per policy the device launches in order,
 their bytes, host syncs and a simple time model.
 
-    python benchmarks/kernel_stats.py              # N = 32768, sm_90 + sm_80 -> results/kernel_stats-triton-<v>.*
-    python benchmarks/kernel_stats.py --smoke      # N = 2048, sm_90 only (< 60 s), writes nothing unless --out
-    python benchmarks/kernel_stats.py --compare A.json B.json --out results/kernel_stats.md
+    python -m benchmarks.kernel_stats              # N = 32768, sm_90 + sm_80 -> results/kernel_stats-triton-<v>.*
+    python -m benchmarks.kernel_stats --smoke      # N = 2048, sm_90 only (< 60 s), writes nothing unless --out
+    python -m benchmarks.kernel_stats --compare A.json B.json --out results/kernel_stats.md
     make stats                                     # Triton 3.6 (side environment) and the installed one + comparison
 
 Target shape (``docs/architecture.md``, Benchmarks): B = 1, H_kv = 8, H_q = 32, D = 128, bf16 K/V, keep 25 %,
@@ -84,9 +84,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import builtins
 import contextlib
-import datetime
 import functools
 import inspect
 import io
@@ -94,7 +92,6 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -113,11 +110,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 
 import tritonkv  # noqa: E402
+from benchmarks.common import RESULTS, ROOT, command, git, now, table, write_results  # noqa: E402
 from tritonkv.kernels import _common  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 SPEED_JSON = os.path.join(RESULTS, "nvidia-h200-speed.json")
 
 # (B, H_kv, G, D, W), keep fraction, N
@@ -1086,10 +1081,9 @@ def _run(args, N: int, archs, t_start) -> dict:
     import platform
 
     return dict(
-        program="benchmarks/kernel_stats.py", command=" ".join(["python", "benchmarks/kernel_stats.py"] +
-                                                               [shlex.quote(a) for a in args.argv]),
-        smoke=bool(args.smoke), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        commit=_git("rev-parse", "--short", "HEAD"), dirty_kernels=bool(_git("status", "--porcelain", "tritonkv")),
+        program="benchmarks/kernel_stats.py", command=command(args.argv, "benchmarks.kernel_stats"),
+        smoke=bool(args.smoke), date=now(), commit=git("rev-parse", "--short", "HEAD") or None,
+        dirty_kernels=bool(git("status", "--porcelain", "tritonkv")),
         triton=triton.__version__, triton_path=os.path.dirname(triton.__file__), torch=torch.__version__,
         python=platform.python_version(), ptxas=_ptxas_version(), fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"),
         shape=dict(SHAPE, N=N, H_q=SHAPE["H"] * SHAPE["G"], dtype="bfloat16", keep=KEEP,
@@ -1139,13 +1133,6 @@ def check_targets(kernels, rows, archs) -> dict:
         fenced_atomics=fenced, no_fenced_atomics=not fenced, host_syncs=syncs, no_host_syncs=not syncs)
 
 
-def _git(*a) -> str | None:
-    try:
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _ptxas_version() -> str | None:
     tool = _tool("ptxas")
     if tool is None:
@@ -1173,6 +1160,9 @@ def _grid(g) -> str:
 
 def _used(k) -> str:
     return ", ".join(k["used_by"]) if len(k["used_by"]) <= 3 else f"{len(k['used_by'])} workloads"
+
+
+LOOP_OPS = ("ATOMS", "POPC", "VOTE", "BAR")  # the loop columns of the kernel tables
 
 
 def _loop_cell(loops, op) -> str:
@@ -1229,20 +1219,21 @@ def markdown(res: dict) -> str:
             f"Measured: {meas.get('device', '—')} with Triton {meas.get('triton', '—')}, torch {meas.get('torch', '—')} "
             "(results/nvidia-h200-speed.json; CUDA-graph replay for compress, eager for the allocation). "
             "The ratio only has to be in the right order of magnitude (0.3–3): the model ignores latency, "
-            "L2 and host time.", "",
-            "| workload | Triton launches | torch-side launches | all | host syncs | read MB | written MB | floor MB | "
-            "model H100 µs | model H200 µs | measured H200 µs | model / measured |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "L2 and host time.", ""]
+    rows = []
     for r in res["workloads"]:
         if r["error"]:
-            out.append(f"| {r['name']} | error: {r['error'][:150]} |||||||||||")
+            rows.append([r["name"], f"error: {r['error'][:150]}"])
             continue
         ms = r["measured_h200"]
-        out.append(f"| {r['name']} | {r['triton_launches']} | {r['torch_launches']} | {r['launches']} | "
-                   f"{r['host_syncs']} | {_mb(r['read_bytes'])} | {_mb(r['write_bytes'])} | {_mb(r['floor_bytes'])} | "
-                   f"{r['model_us']['H100']} | {r['model_us']['H200']} | "
-                   f"{'—' if not ms else str(ms['us']) + ('' if ms.get('timing') == 'graph' else ' (' + str(ms.get('timing')) + ')')} | "
-                   f"{'—' if r['model_over_measured'] is None else r['model_over_measured']} |")
+        rows.append([r["name"], r["triton_launches"], r["torch_launches"], r["launches"], r["host_syncs"],
+                     _mb(r["read_bytes"]), _mb(r["write_bytes"]), _mb(r["floor_bytes"]), r["model_us"]["H100"],
+                     r["model_us"]["H200"], "—" if not ms else f"{ms['us']}" + (
+                         "" if ms.get("timing") == "graph" else f" ({ms.get('timing')})"),
+                     "—" if r["model_over_measured"] is None else r["model_over_measured"]])
+    out += table(rows, None, ["workload", "Triton launches", "torch-side launches", "all", "host syncs", "read MB",
+                              "written MB", "floor MB", "model H100 µs", "model H200 µs", "measured H200 µs",
+                              "model / measured"], right=True)
     ratios = sorted((r["model_over_measured"], r["name"]) for r in res["workloads"] if r["model_over_measured"])
     if ratios:
         mid = ratios[len(ratios) // 2][0]
@@ -1260,15 +1251,12 @@ def markdown(res: dict) -> str:
     # kernels
     for arch in res["archs"]:
         lim = res["arch_limits"][arch]
-        out += ["", f"## Kernels, {arch} (occupancy on an {lim['gpu']})", "",
-                "| kernel | used by | grid | regs | spill st/ld B | smem B | warps | stages | CTAs/SM | occupancy | "
-                "limited by | SASS instr. | loops: own instr. | loops: ATOMS | loops: POPC | loops: VOTE | loops: BAR |",
-                "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|---|---|---|---|"]
+        out += ["", f"## Kernels, {arch} (occupancy on an {lim['gpu']})", ""]
+        rows = []
         for k in res["kernels"]:
             st = k["archs"].get(arch, {})
             if "error" in st:
-                out.append(f"| `{k['label']}` | {_used(k)} | {_grid(k['grid'])} | compile error: {st['error'][:120]} "
-                           "||||||||||||||")
+                rows.append([f"`{k['label']}`", _used(k), _grid(k["grid"]), f"compile error: {st['error'][:120]}"])
                 continue
             occ = f"{st['occupancy']:.1%}"
             if arch == "sm_90" and st["occupancy"] < MIN_OCCUPANCY:
@@ -1277,25 +1265,23 @@ def markdown(res: dict) -> str:
             if st["spill_stores"] or st["spill_loads"]:
                 spill = f"**{spill}**"
             L = st.get("loops", [])
-            out.append(f"| `{k['label']}` | {_used(k)} | {_grid(k['grid'])} | {st['regs']} | {spill} | {st['smem']} | "
-                       f"{st['num_warps']} | {st['num_stages']} | {st['ctas_per_sm']} | {occ} | {st['limiter']} | "
-                       f"{st.get('sass_n', '—')} | {' / '.join(str(x['own_n']) for x in L) or '—'} | "
-                       f"{_loop_cell(L, 'ATOMS')} | {_loop_cell(L, 'POPC')} | {_loop_cell(L, 'VOTE')} | "
-                       f"{_loop_cell(L, 'BAR')} |")
+            rows.append([f"`{k['label']}`", _used(k), _grid(k["grid"]), st["regs"], spill, st["smem"], st["num_warps"],
+                         st["num_stages"], st["ctas_per_sm"], occ, st["limiter"], st.get("sass_n", "—"),
+                         " / ".join(str(x["own_n"]) for x in L) or "—"] + [_loop_cell(L, op) for op in LOOP_OPS])
+        out += table(rows, None, ["kernel", "used by", "grid", "regs", "spill st/ld B", "smem B", "warps", "stages",
+                                  "CTAs/SM", "occupancy", "limited by", "SASS instr.", "loops: own instr."]
+                     + [f"loops: {op}" for op in LOOP_OPS], align="lllrrrrrrrlrlllll")
     out += ["", "Loop columns: one value per SASS loop in address order (outer loops count only their own "
             "instructions, not those of the loops inside); the source line of each loop is in the hot-loop table. "
             "Rows split by `{...}` are argument specialisations that compile differently (`{arg%16}` divisible by "
             "16, `{arg=1}` equal to 1, `{arg}` neither).", ""]
-    out += [f"## SASS loops ({MODEL_ARCH})", "",
-            "| kernel | loop (source `for`) | depth | own instr. | ATOMS | POPC | VOTE | BAR | SHFL | LDG | STG | "
-            "LDGSTS | HGMMA/HMMA | MUFU |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for k in res["kernels"]:
-        st = k["archs"].get(MODEL_ARCH, {})
-        for L in st.get("loops", []):
-            o = L["own"]
-            out.append(f"| `{k['label']}` | {L['where']} | {L['depth']} | {L['own_n']} | {o['ATOMS']} | {o['POPC']} | "
-                       f"{o['VOTE']} | {o['BAR']} | {o['SHFL']} | {o['LDG']} | {o['STG']} | {o['LDGSTS']} | "
-                       f"{o['HGMMA'] + o['HMMA']} | {o['MUFU']} |")
+    ops = ("ATOMS", "POPC", "VOTE", "BAR", "SHFL", "LDG", "STG", "LDGSTS")
+    out += [f"## SASS loops ({MODEL_ARCH})", ""]
+    out += table([[f"`{k['label']}`", L["where"], L["depth"], L["own_n"], *(L["own"][op] for op in ops),
+                   L["own"]["HGMMA"] + L["own"]["HMMA"], L["own"]["MUFU"]]
+                  for k in res["kernels"] for L in k["archs"].get(MODEL_ARCH, {}).get("loops", [])], None,
+                 ["kernel", "loop (source `for`)", "depth", "own instr.", *ops, "HGMMA/HMMA", "MUFU"],
+                 align="ll" + "r" * 12)
     out += ["", "## Launch sequences", "",
             "Per workload, the device launches in order: Triton kernels (grid, bytes by the per-kernel formula, "
             "iterations per program of each SASS loop, modelled H200 µs = bytes / issue / shared atomics parts) "
@@ -1304,26 +1290,25 @@ def markdown(res: dict) -> str:
         if r["error"]:
             continue
         out += [f"**{r['name']}** ({r['launches']} launches, {r['host_syncs']} host syncs; model "
-                f"{r['model_us']['H200']} µs on an H200)", "",
-                "| # | launch | grid | read MB | written MB | loop iterations / program | H200 µs (bytes / issue / atoms) |",
-                "|---:|---|---|---:|---:|---|---|"]
-        i = 0
+                f"{r['model_us']['H200']} µs on an H200)", ""]
+        rows, i = [], 0
         for x in r["sequence"]:
             if x["type"] in ("sync", "input_check"):
                 what = "host sync" if x["type"] == "sync" else "check of an input (no sync when it is on the host)"
-                out.append(f"| – | {what} `{x['name']}` at {x['where']} | | | | | |")
+                rows.append(["–", f"{what} `{x['name']}` at {x['where']}", "", "", "", "", ""])
                 continue
             i += 1
             m = x["model"]["H200"]
             if x["type"] == "triton":
                 its = ", ".join(f"{L['where']}: {L['iterations'] if L['iterations'] is not None else '?'}"
                                 for L in x["loops"]) or "—"
-                out.append(f"| {i} | `{x['name']}` | {_grid(x['grid'])} | {_mb(x['read'])} | {_mb(x['write'])} | {its} | "
-                           f"{m['us']} ({m['bytes_us']} / {m['issue_us']} / {m['atoms_us']}) |")
+                rows.append([i, f"`{x['name']}`", _grid(x["grid"]), _mb(x["read"]), _mb(x["write"]), its,
+                             f"{m['us']} ({m['bytes_us']} / {m['issue_us']} / {m['atoms_us']})"])
             else:
                 shp = "×".join(str(s) for s in (x["shapes"] or [[]])[0])
-                out.append(f"| {i} | torch `{x['name']}` [{shp}] | | {_mb(x['read'])} | {_mb(x['write'])} | | {m['us']} |")
-        out.append("")
+                rows.append([i, f"torch `{x['name']}` [{shp}]", "", _mb(x["read"]), _mb(x["write"]), "", m["us"]])
+        out += table(rows, None, ["#", "launch", "grid", "read MB", "written MB", "loop iterations / program",
+                                  "H200 µs (bytes / issue / atoms)"], align="rllrrll") + [""]
     out += [f"Occupancy: {res['occupancy_formula']}."]
     return "\n".join(out) + "\n"
 
@@ -1340,27 +1325,25 @@ def compare_markdown(results: list[dict]) -> str:
            + ". GPU images with torch 2.11 run Triton 3.6. Times are the model of "
              "`benchmarks/kernel_stats.py` (bytes / bandwidth, launches, SASS instructions and shared atomics), "
              "not measurements; the last column is the measured H200 time (Triton 3.6).", "",
-           "## Per workload", "",
-           f"| workload | launches (Triton+torch) | host syncs | model H200 µs: {hdr} | model H100 µs: {hdr} | "
-           f"measured H200 µs | model / measured: {hdr} |",
-           "|---|---:|---:|---|---|---:|---|"]
-    names = [w["name"] for w in results[0]["workloads"]]
+           "## Per workload", ""]
     by = [{w["name"]: w for w in r["workloads"]} for r in results]
-    for n in names:
+    rows = []
+    for n in [w["name"] for w in results[0]["workloads"]]:
         ws = [b.get(n) for b in by]
         w0 = ws[0]
         if w0["error"]:
-            out.append(f"| {n} | error: {w0['error'][:100]} ||||||")
+            rows.append([n, f"error: {w0['error'][:100]}"])
             continue
         ms = w0["measured_h200"]
         cell = lambda key, m: " / ".join("—" if (w is None or w["error"]) else str(w[key][m]) for w in ws)  # noqa: E731
         ratio = " / ".join("—" if (w is None or w["model_over_measured"] is None) else str(w["model_over_measured"])
                            for w in ws)
-        out.append(f"| {n} | {w0['launches']} ({w0['triton_launches']}+{w0['torch_launches']}) | {w0['host_syncs']} | "
-                   f"{cell('model_us', 'H200')} | {cell('model_us', 'H100')} | {ms['us'] if ms else '—'} | {ratio} |")
-    out += ["", "## Kernels (sm_90)", "",
-            f"| kernel | regs: {hdr} | CTAs/SM: {hdr} | spills: {hdr} | smem B: {hdr} | SASS instr.: {hdr} |",
-            "|---|---|---|---|---|---|"]
+        rows.append([n, f"{w0['launches']} ({w0['triton_launches']}+{w0['torch_launches']})", w0["host_syncs"],
+                     cell("model_us", "H200"), cell("model_us", "H100"), ms["us"] if ms else "—", ratio])
+    out += table(rows, None, ["workload", "launches (Triton+torch)", "host syncs", f"model H200 µs: {hdr}",
+                              f"model H100 µs: {hdr}", "measured H200 µs", f"model / measured: {hdr}"],
+                 align="lrrllrl")
+    out += ["", "## Kernels (sm_90)", ""]
     kb = [{k["label"]: k for k in r["kernels"]} for r in results]
     labels = list(dict.fromkeys(lab for d in kb for lab in d))
 
@@ -1369,37 +1352,29 @@ def compare_markdown(results: list[dict]) -> str:
         st = k["archs"].get(MODEL_ARCH) if k else None
         return st if st and "error" not in st else None
 
+    kernel_rows, loop_rows = [], []
     for lab in labels:
         sts = [st_of(d, lab) for d in kb]
         col = lambda f: " / ".join("—" if s is None else str(f(s)) for s in sts)  # noqa: E731
-        out.append(f"| `{lab}` | {col(lambda s: s['regs'])} | {col(lambda s: s['ctas_per_sm'])} | "
-                   f"{col(lambda s: s['spill_stores'] + s['spill_loads'])} | {col(lambda s: s['smem'])} | "
-                   f"{col(lambda s: s.get('sass_n'))} |")
-    out += ["", "## Hot loops (sm_90, per source `for`)", "",
-            f"| kernel | loop | own instr.: {hdr} | ATOMS: {hdr} | POPC: {hdr} | VOTE: {hdr} | BAR: {hdr} |",
-            "|---|---|---|---|---|---|---|"]
-    for lab in labels:
-        sts = [st_of(d, lab) for d in kb]
-        wheres = list(dict.fromkeys(L["where"] for s in sts if s for L in s.get("loops", [])))
-        for wh in wheres:
+        kernel_rows.append([f"`{lab}`", col(lambda s: s["regs"]), col(lambda s: s["ctas_per_sm"]),
+                            col(lambda s: s["spill_stores"] + s["spill_loads"]), col(lambda s: s["smem"]),
+                            col(lambda s: s.get("sass_n"))])
+        for wh in dict.fromkeys(L["where"] for s in sts if s for L in s.get("loops", [])):
             Ls = [None if s is None else next((L for L in s.get("loops", []) if L["where"] == wh), None) for s in sts]
             col = lambda f: " / ".join("—" if L is None else str(f(L)) for L in Ls)  # noqa: E731
-            out.append(f"| `{lab}` | {wh} | {col(lambda L: L['own_n'])} | {col(lambda L: L['own']['ATOMS'])} | "
-                       f"{col(lambda L: L['own']['POPC'])} | {col(lambda L: L['own']['VOTE'])} | "
-                       f"{col(lambda L: L['own']['BAR'])} |")
+            loop_rows.append([f"`{lab}`", wh, col(lambda L: L["own_n"])]
+                             + [col(lambda L, op=op: L["own"][op]) for op in LOOP_OPS])
+    out += table(kernel_rows, None, ["kernel"] + [f"{t}: {hdr}" for t in ("regs", "CTAs/SM", "spills", "smem B",
+                                                                          "SASS instr.")])
+    out += ["", "## Hot loops (sm_90, per source `for`)", ""]
+    out += table(loop_rows, None, ["kernel", "loop", f"own instr.: {hdr}"] + [f"{op}: {hdr}" for op in LOOP_OPS])
     out += ["", "A loop appears once per source `for` whose closing branch survives in the SASS (unrolled loops "
             "do not appear; two SASS loops of one `for`, e.g. a peeled copy, share a row and the first is shown)."]
     return "\n".join(out) + "\n"
 
 
 def write(res: dict, out_dir: str) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"kernel_stats-triton-{res['triton']}")
-    with open(base + ".json", "w") as f:
-        json.dump(res, f, indent=1, default=str)
-        f.write("\n")
-    with open(base + ".md", "w") as f:
-        f.write(markdown(res))
+    base = write_results(os.path.join(out_dir, f"kernel_stats-triton-{res['triton']}"), res, markdown(res))
     return [base + ".json", base + ".md"]
 
 

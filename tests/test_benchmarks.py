@@ -179,3 +179,38 @@ def test_cpu_speed_smoke(tmp_path):
     md = (tmp_path / "cpu_speed.md").read_text()
     assert "| policy | N | tritonkv ms | plain ms | ratio | min ratio | runs |" in md
     assert all(f"| {p} | 1024 |" in md for p in tritonkv.POLICIES)
+
+
+def test_host_time_smoke(tmp_path):
+    """``python -m benchmarks.host_time`` on one dense and one allocated case (one round, stub launches, no
+    interpreter): positive host times with and without Triton's ``run``, the calibration loop, and the JSON and
+    Markdown with the machine and the command that ran."""
+    j, md = tmp_path / "ht.json", tmp_path / "ht.md"
+    run_module("host_time", "--only", "knorm", "snapkv+adakv", "--calls", "2", "--rounds", "1", "--warmup", "1",
+               "--repeats", "1", "--json", str(j), "--md", str(md))
+    data = json.loads(j.read_text())
+    for m in ("host_us", "without_triton_run_us"):
+        assert set(data["after"][m]) == {"knorm", "snapkv+adakv"} and min(data["after"][m].values()) > 0
+    assert data["after"]["loop_us"] > 0 and data["after"]["commit"]
+    assert data["machine"]["cpu"] and data["machine"]["cores"] >= 1 and data["machine"]["triton"]
+    assert data["command"].startswith("python -m benchmarks.host_time --only knorm")
+    text = md.read_text()
+    assert "Command: `python -m benchmarks.host_time " in text and "| knorm |" in text and "| snapkv+adakv |" in text
+
+
+def test_soak_smoke(tmp_path):
+    """``python -m benchmarks.soak`` with 20 decode steps per cache and 3 requests: every cache's memory readings,
+    the server loop's count, and ``--render`` rewriting the same Markdown from the JSON."""
+    base = str(tmp_path / "soak")
+    run_module("soak", "--steps", "20", "--every", "10", "--warmup", "10", "--requests", "3", "--warmup-requests",
+               "1", "--out", base)
+    data = json.loads((tmp_path / "soak.json").read_text())
+    assert len(data["decode"]) == 3 and data["server"]["requests"] == 3 and len(data["server"]["rss_mib"]) == 3
+    for r in data["decode"].values():
+        assert [s["step"] for s in r["samples"]] == [0, 10, 20] and r["rss_mib_at_warmup"] > 0
+        assert r["cache_bytes_at_warmup"] > 0
+    assert data["command"].startswith("python -m benchmarks.soak --steps 20") and data["machine"]["cpu"]
+    md = (tmp_path / "soak.md").read_text()
+    assert "| cache | ms/step |" in md and "## Server loop: 3 requests" in md
+    run_module("soak", "--render", "--out", base)
+    assert (tmp_path / "soak.md").read_text() == md

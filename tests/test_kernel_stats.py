@@ -8,7 +8,6 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-SCRIPT = os.path.join(ROOT, "benchmarks", "kernel_stats.py")
 
 
 def _python(code: str, tmp_path) -> dict:
@@ -187,8 +186,8 @@ def test_smoke_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
     f = str(tmp_path / f"kernel_stats-triton-{ver}.json")
-    r = subprocess.run([sys.executable, SCRIPT, "--compare", f, f, "--out", str(tmp_path / "cmp.md")],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernel_stats", "--compare", f, f, "--out",
+                        str(tmp_path / "cmp.md")], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     cmp_md = (tmp_path / "cmp.md").read_text()
     assert f"Triton {ver} vs {ver}" in cmp_md and "## Hot loops" in cmp_md and "select.py:" in cmp_md

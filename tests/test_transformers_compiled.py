@@ -7,17 +7,12 @@ serves (recursive LagKV decodes eagerly): no recompile after the first step (the
 never in a guard), and the logits of the eager loop to 1e-5 at every step — window policies included, whose saved
 queries the compiled steps keep current. ``benchmarks/compiled_decode.py`` runs the same loop for 500 steps.
 """
-import os
-import sys
-
 import pytest
 import torch
 
 import tritonkv
+from benchmarks.compiled_decode import compiled_vs_eager, random_llama
 from tritonkv.integrations import transformers as tt
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-from compiled_decode import compiled_vs_eager, random_llama  # noqa: E402
 
 ATOL = 1e-5  # fp32 round-off (measured: ~1e-7)
 POLICIES = sorted(p for p in tritonkv.POLICIES if p != "lagkv")

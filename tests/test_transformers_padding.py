@@ -4,16 +4,11 @@ every allocation; ``kept_tokens()`` counts real tokens only and no per-head row 
 
 The randomized sweep is ``benchmarks/batch_invariance.py`` (its first ``CASES`` cases here; the committed
 ``benchmarks/results/batch_invariance.json`` holds a longer run)."""
-import os
-import sys
-
 import pytest
 import torch
 
+from benchmarks import batch_invariance as bi
 from tritonkv.integrations import transformers as tt
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-import batch_invariance as bi  # noqa: E402
 
 CASES = 33  # every policy in every mode, every allocation several times
 

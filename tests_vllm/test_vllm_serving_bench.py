@@ -1,4 +1,4 @@
-"""benchmarks/serving.py: its arguments, and ``--smoke`` (two engines on the CPU with the tiny Llama, a 24-block
+"""``python -m benchmarks.serving``: its arguments, and ``--smoke`` (two engines on the CPU with the tiny Llama, a 24-block
 pool): with 4x compression more requests run at once than without."""
 import json
 import os
@@ -7,10 +7,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from benchmarks import serving
 
-import serving  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_arguments():
@@ -23,16 +22,16 @@ def test_arguments():
     for bad in (["--rates", "0.5"], ["--min-len", "100", "--max-len", "50"], ["--num-prompts", "0"]):
         with pytest.raises(SystemExit):
             serving.parse(bad)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"), "--help"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
     assert r.returncode == 0 and "--kv-blocks" in r.stdout
 
 
 def test_smoke(tmp_path):
     out = tmp_path / "serving.json"
     env = dict(os.environ, PYTHONPATH=ROOT, VLLM_CPU_KVCACHE_SPACE="1")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"), "--smoke", "--out",
-                        str(out)], capture_output=True, text=True, timeout=900, env=env, cwd=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--smoke", "--out", str(out)], capture_output=True,
+                       text=True, timeout=900, env=env, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     res = json.loads(out.read_text())
     rows = {row["rate"]: row for row in res["rows"]}
