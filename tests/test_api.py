@@ -86,7 +86,7 @@ def test_missing_input_is_named():
         tritonkv.compress((k, v), "criticalkv", 40, queries=torch.randn(1, 2, 32, 16))
 
 
-# -- issue 17: arguments are never silently dropped ---------------------------------------------------
+# -- arguments are never silently dropped ---------------------------------------------------
 
 Q = torch.randn(1, 4, 8, 16, generator=torch.Generator().manual_seed(3))  # H_q = 4: 2 query heads per KV head
 WO = torch.randn(32, 4 * 16, generator=torch.Generator().manual_seed(4))
@@ -208,7 +208,7 @@ def test_shared_name_policy_says_which_is_which():
     assert "allocation=\"score\"" in doc and "surfacelogic" in doc
 
 
-# -- issue 17: layout mistakes do not pass silently ---------------------------------------------------
+# -- layout mistakes do not pass silently ---------------------------------------------------
 
 def test_queries_in_token_major_layout_are_an_error():
     q = Q.transpose(1, 2)[:, :7]  # [B, W=7, H_q=4, D]: W is not a multiple of H_kv = 2

@@ -1,4 +1,4 @@
-"""RaggedKV layout properties (kernels.md §4) against the list-of-rows oracle, with the Triton kernels
+"""RaggedKV layout properties (docs/architecture.md, "RaggedKV") against the list-of-rows oracle, with the Triton kernels
 (interpreted) and the CPU PyTorch bodies; the raw append op on both, and its graph capture."""
 import os
 import subprocess

@@ -344,8 +344,7 @@ def test_merge_of_many_splits_matches_oracle(config, data):
 
 _NO_RECOMPILE = r"""
 import json, os, sys
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-import kernel_stats as ks  # drops TRITON_INTERPRET; Triton's own JIT binder gives the compiled variant
+from benchmarks import kernel_stats as ks  # drops TRITON_INTERPRET; Triton's own JIT binder gives the compiled variant
 import torch
 from tritonkv.kernels.decode_attention import decode_attention_ragged
 keys, splits = {}, {}
@@ -407,7 +406,7 @@ for m, args in ((Dense(), (q, k, v, torch.tensor([[5, 32]], dtype=torch.int32)))
 def test_decode_attention_exports_without_graph_break():
     """torch.export (strict) sees one traceable op and ``torch.compile(fullgraph=True)`` (aot_eager)
     has no graph break, both equal to eager (no interpreter in the subprocess, so CPU tensors run the
-    PyTorch body: kernels.md §6)."""
+    PyTorch body)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITONKV_CPU_KERNELS")}
     r = subprocess.run([sys.executable, "-c", _EXPORT], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-4000:]

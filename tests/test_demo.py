@@ -1,4 +1,4 @@
-"""``tritonkv demo`` (tritonkv/demo.py, issue 17): its table, legend and plot on a tiny random model in a few
+"""``tritonkv demo`` (tritonkv/demo.py): its table, legend and plot on a tiny random model in a few
 seconds, and, on the real model, the full cache's greedy answer contains the pass key."""
 import sys
 

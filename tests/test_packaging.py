@@ -1,4 +1,4 @@
-"""Packaging (issue 17): the console script and its help, the license, the extras, and what a user without
+"""Packaging: the console script and its help, the license, the extras, and what a user without
 the ``hf`` extra sees. Commands run in subprocesses, as a user runs them."""
 import ast
 import os

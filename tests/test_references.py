@@ -7,7 +7,6 @@ import os
 import re
 import tokenize
 
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {".git", ".venv", ".hypothesis", "__pycache__", ".cache", "build", "dist"}
@@ -21,19 +20,6 @@ GENERATED = {"cpu-speed.md", "cpu-decode_attention.md"}  # written by a benchmar
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 OUTSIDE = [re.compile(r"(?:\.\./)?\bshared/(?:notes|DESIGN|seeds)|\.\./shared"), re.compile(r"\bissues? #?\d+", re.I)]
 
-# Hits in files other branches own, to be fixed when they are merged (path, the text that dangles). The test below
-# fails on any hit not listed here; the xfail under it fails (strictly) once none of these is left: then delete
-# both this set's entries and the xfail.
-REMAINING = {
-    ("README.md", "docs/vllm.md"),  # the page is written on another branch
-    ("benchmarks/kernel_stats.py", "Issue 16"), ("benchmarks/kernel_stats.py", "issue 16"),
-    ("benchmarks/results/kernel_stats.md", "Issue 16"),  # written by kernel_stats.py
-    ("tests/test_api.py", "issue 17"), ("tests/test_demo.py", "issue 17"), ("tests/test_packaging.py", "issue 17"),
-    ("tests/test_reliability.py", "issue 8"), ("tests/test_cache.py", "kernels.md"),
-    ("tests/test_decode_attention.py", "kernels.md"), ("tritonkv/kernels/window_attention.py", "kernels.md"),
-    ("tritonkv/kernels/select.py", "issue 16"),
-    ("tests/test_transformers.py", "tritonkv/integrations/transformers.py"),  # a package now: .../transformers/
-}
 
 
 def files(root):
@@ -102,14 +88,8 @@ def test_the_scanner_finds_what_dangles(tmp_path):
 
 def test_every_pointer_resolves():
     found = hits()
-    new = {k: v for k, v in found.items() if k not in REMAINING}
-    assert not new, "dangling pointers:\n" + "\n".join(f"{v}: {t}" for (_, t), v in sorted(new.items(), key=str))
+    assert not found, "dangling pointers:\n" + "\n".join(f"{v}: {t}" for (_, t), v in sorted(found.items(), key=str))
 
-
-@pytest.mark.xfail(strict=True, reason="pointers in files other branches own, fixed after they merge: REMAINING")
-def test_nothing_remains():
-    left = {k: v for k, v in hits().items() if k in REMAINING}
-    assert not left, "\n".join(f"{v}: {t}" for (_, t), v in sorted(left.items(), key=str))
 
 
 def test_bare_names_count_in_prose_only(tmp_path):

@@ -312,8 +312,7 @@ def test_select_kernels_compile_ahead_of_time():
 
 _GPU_LAUNCHES = r"""
 import json, os, sys
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
-import kernel_stats as ks  # drops TRITON_INTERPRET: the launchers take their GPU branch
+from benchmarks import kernel_stats as ks  # drops TRITON_INTERPRET: the launchers take their GPU branch
 import torch, tritonkv
 from tritonkv.kernels import select as sel
 

@@ -1,4 +1,4 @@
-"""tritonkv inside the real SmolLM2-135M-Instruct (tritonkv/integrations/transformers.py).
+"""tritonkv inside the real SmolLM2-135M-Instruct (tritonkv/integrations/transformers/).
 
 - exactness: with a budget >= the sequence every mode gives the uncompressed model's greedy tokens over 20
   decoded tokens, and logits within ATOL = 1e-4 (fp32 round-off: our attention runs SDPA with an explicit

@@ -145,6 +145,13 @@ def test_non_finite_inputs_score_alike_on_both_backends(val, which, where, N, W)
                dict(head_reduce="layer", pool="avg", kernel_size=4)):
         with on_backend("triton"):
             want = window_attention_scores(t["keys"], t["queries"], attn_lse=t["attn_lse"], **kw)
+            orig = kwa._config  # row blocks of one head: the row weights come from row_weights, not the kernel
+            kwa._config = lambda *a: {**orig(*a), "GB": 1, "BW": 16}
+            try:
+                blocked = window_attention_scores(t["keys"], t["queries"], attn_lse=t["attn_lse"], **kw)
+            finally:
+                kwa._config = orig
+        assert_same_scores(blocked, want, rtol=2e-5, atol=1e-9)
         for block in (kwa.TORCH_BLOCK, 50):
             orig, kwa.TORCH_BLOCK = kwa.TORCH_BLOCK, block
             try:
@@ -417,7 +424,8 @@ def test_kernels_compile_ahead_of_time():
                      **i32("slb", "slh", "slc", "slg", "slw", "NC"), "w_ptr": "*fp32", "scale": f,
                      "CHUNK": "i32"}
         lse_c = {**blocks, **tail}
-        score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail}
+        score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail,  # hoisted: weights from the block
+                   "HAS_LSE": hoist, "ROW_MEAN": hoist, "HEAD_MEAN": not gmax}
         specs.append({"module": mod, "kernel": "_window_lse_kernel", "constexprs": lse_c,
                       "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}}})
         specs.append({"module": mod, "kernel": "_window_score_kernel", "constexprs": score_c,

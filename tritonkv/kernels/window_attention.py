@@ -34,7 +34,7 @@ holds all G·W query rows of its KV head (in blocks of GB heads × BW rows when 
    pooling, which needs neighbours across chunk borders, over the reduced ``[B, H_kv, N]`` rows.
 
 ``tl.dot`` takes the native fp16/bf16 operands on the GPU (fp32 accumulation) and fp32 operands
-under the interpreter, whose bf16 arithmetic is wrong (kernels.md rule 1), or for fp32 inputs
+under the interpreter, whose bf16 arithmetic is wrong, or for fp32 inputs
 (then with ``input_precision="ieee"``, not TF32).
 
 On the CPU (outside the interpreter) the op runs ``_window_attention_torch``: the same two passes
@@ -169,8 +169,8 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                          slb, slh, slc, slg, slw, NC, w_ptr, scale,
                          CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                          BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
-                         CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr, HAS_LSE: tl.constexpr = False,
-                         ROW_MEAN: tl.constexpr = True, HEAD_MEAN: tl.constexpr = True):
+                         CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr, HAS_LSE: tl.constexpr,
+                         ROW_MEAN: tl.constexpr, HEAD_MEAN: tl.constexpr):
     scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
