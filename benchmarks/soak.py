@@ -100,8 +100,8 @@ def long_decode(model, policy, budget, allocation, steps: int, every: int, warmu
 def random_request(rng: random.Random):
     """(policy, budget, mode, allocation, batch lengths, new tokens, cache kwargs) of one valid request:
     combinations the library refuses by design with a named ValueError are redrawn (recursive LagKV with
-    an allocation or a padded batch; a budget below the protected tokens, which for LagKV are its sinks and
-    last partition, up to 16 + 255 tokens)."""
+    an allocation or a padded batch; a budget below the protected tokens in any row, which for LagKV are its
+    sinks and last partition, up to 16 + 255 tokens)."""
     while True:
         policy = rng.choice(sorted(tritonkv.POLICIES))
         mode = rng.choice(["after_prefill", "blockwise", "decoding"])
@@ -112,9 +112,9 @@ def random_request(rng: random.Random):
             continue
         p = tritonkv.get_policy(policy)
         need = 16 + 255 if policy == "lagkv" and mode != "decoding" else p.sink + p.window
-        kept = tritonkv.resolve_budget(budget, max(lengths))
-        # per-head allocations (pyramid) give some layers a fraction of the average: keep a margin
-        if kept < 2 * need + 8 and kept < max(lengths):
+        # a float budget is a fraction of each row's own prompt (a padded batch compresses every row as if it ran
+        # alone); per-head allocations (pyramid) give some layers a fraction of the average: keep a margin
+        if any(kept < 2 * need + 8 and kept < n for n in lengths for kept in [tritonkv.resolve_budget(budget, n)]):
             continue
         kwargs = {"hd": torch.ones(2)} if policy == "score" else {}
         return policy, budget, mode, allocation, lengths, rng.randint(1, 12), kwargs

@@ -18,10 +18,11 @@ positions (W > N) see no key and add nothing.
 Non-finite inputs (``docs/contracts.md``): a key with a NaN or ±inf element is masked out of every
 softmax (P = 0) and its u is NaN, a hole in its neighbours' pool; a query row with one (or with a
 non-finite given LSE) is left out: the row mean divides by the rows left in of its head, the group
-mean by the heads with a row left in. The kernels take the key flag from the tile they load
-(x·0 = 0 only for finite x), and the row weights with the means folded in (from the query block in
-registers when one block holds a head's rows, else ``row_weights``, ``[B, H_q, W]``: small torch ops), P·w = exp(τ·q·k − (lse − ln w)), so the reductions
-cost nothing per key.
+mean by the heads with a row left in. The kernels flag a key from the logits they compute anyway: with
+a finite query, q·k is finite exactly when k is (x·0 = 0 only for finite x), so no reduction over a key
+tile is needed. The row weights, with the means folded in, come from the query block in registers
+when one block holds a head's rows (else ``row_weights``, ``[B, H_q, W]``: small torch ops), and
+P·w = exp(τ·q·k − (lse − ln w)), so the reductions cost nothing per key.
 
 Kernels, each on a grid (key chunks, B·H_kv) so a long row splits over many programs; one program
 holds all G·W query rows of its KV head (in blocks of GB heads × BW rows when there are many):
@@ -87,13 +88,6 @@ def _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32: tl.constexpr):
 
 
 @triton.jit
-def _finite_cols(kt):
-    """Per key of a [BLOCK_D, BLOCK_N] tile: True when every element is finite (x·0 is 0 only for a
-    finite x), from the tile already loaded."""
-    return tl.sum(tl.where(kt * 0.0 == 0.0, 0, 1), 0) == 0
-
-
-@triton.jit
 def _load_w(w_ptr, wbase, W, g, i, valid):
     """Per query row: its weight in the reduction (0 for a row left out) and ln of it."""
     w = tl.load(w_ptr + wbase + g.to(tl.int64) * W + i, mask=valid, other=0.0)
@@ -152,7 +146,8 @@ def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb
                 j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
                 kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
                 s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
-                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & _finite_cols(kt)[None, :]
+                # a non-finite key makes s non-finite in every row whose query is finite: masked out
+                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & (s * 0.0 == 0.0)
                 s = tl.where(vis, s, float("-inf"))
                 new = tl.maximum(mx, tl.max(s, 1))
                 safe = tl.where(new == float("-inf"), 0.0, new)
@@ -190,7 +185,6 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
     for t0 in range(0, n_chunk, BLOCK_N):
         j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
         kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
-        kfin = _finite_cols(kt)
         acc = tl.zeros([BLOCK_N], tl.float32)
         for g0 in range(0, G, GB):
             hs = tl.zeros([GB, BLOCK_N], tl.float32)  # per-head sums over the window rows
@@ -204,8 +198,10 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                     valid = valid & (w > 0)
                     lse = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid) - lw
                 s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
-                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & kfin[None, :]
+                fin = s * 0.0 == 0.0  # in a row with a finite query, s is not finite exactly for a non-finite key
+                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & fin
                 p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))
+                p = tl.where(valid[:, None] & ~fin, float("nan"), p)  # ... whose u is NaN: no column reduction
                 hs += tl.sum(tl.reshape(p, [GB, BW, BLOCK_N]), 1)
             if GROUP_MAX:  # padded heads add zeros; u >= 0. tl.max skips NaN: a NaN head makes the max NaN
                 hsum = tl.sum(hs, 0)
@@ -213,7 +209,7 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                                  propagate_nan=tl.PropagateNan.ALL)
             else:
                 acc += tl.sum(hs, 0)
-        tl.store(u_ptr + r * N + j, tl.where(kfin, acc, float("nan")), mask=j < N)
+        tl.store(u_ptr + r * N + j, acc, mask=j < N)
 
 
 @triton.jit
