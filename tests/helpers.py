@@ -5,8 +5,10 @@ from typing import ClassVar, Optional
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference.select import select as ref_select
+from tritonkv.kernels import _common
 from tritonkv.policies import Policy
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -129,3 +131,49 @@ def tiny_llama():
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
     return LlamaForCausalLM(cfg).eval()
+
+
+# -- device launches of a block, logged and not run (the dry launch replay) ---------------------------------
+
+NO_LAUNCH = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "as_strided", "unsqueeze", "squeeze",
+             "permute", "t", "transpose", "alias", "detach", "split", "unbind", "narrow", "lift_fresh",
+             "_reshape_alias", "diagonal", "unflatten", "flatten", "split_with_sizes", "view_as", "expand_as",
+             "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+SYNC = {"_local_scalar_dense", "is_nonzero", "item", "equal"}
+
+
+class DeviceOps(TorchDispatchMode):
+    """Logs the aten ops of the block by name, descending into tritonkv's custom ops (a mode sees a
+    custom op whole; its Python body is run again under the mode so the ops inside show)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "tritonkv":
+            from torch._library.custom_ops import OPDEFS
+
+            opdef = OPDEFS.get(func._schema.name)
+            if opdef is not None:
+                with self:
+                    return opdef._init_fn(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if name not in NO_LAUNCH:
+            self.ops.append(name)
+        return func(*args, **kwargs)
+
+
+def dry(fn):
+    """``(Triton launch names, torch device op names, host syncs)`` of ``fn()``, nothing launched."""
+    mode = DeviceOps()
+    old, _common._cpu[0] = _common._cpu[0], "triton"
+    try:
+        with _common.record_launches(execute=False) as log, mode:
+            fn()
+    finally:
+        _common._cpu[0] = old
+    syncs = [o for o in mode.ops if o in SYNC]
+    return [x.name for x in log], [o for o in mode.ops if o not in SYNC], syncs
+

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonkv
 from aot import assert_compiles
@@ -13,7 +12,7 @@ from reference.select import select as ref_select
 from tritonkv.kernels import lagkv as klag
 from tritonkv.kernels.lagkv import lagkv_scores
 from tritonkv.policies.lagkv import LagKV, LagKVState
-from helpers import assert_same_scores, both_backends, on_backend  # noqa: E402
+from helpers import assert_same_scores, both_backends, dry, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -465,37 +464,11 @@ def test_bad_input():
         state.append(torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8))
 
 
-class DeviceOps(TorchDispatchMode):
-    """The aten ops of a block that do device work (not allocations, views or metadata), looking inside
-    tritonkv's own ops (a mode sees a custom op whole: its Python body is run again under the mode)."""
-
-    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "view", "_unsafe_view", "reshape", "expand",
-            "as_strided", "slice", "select", "unsqueeze", "squeeze", "permute", "transpose", "t", "alias",
-            "detach", "lift_fresh"}
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "tritonkv":
-            from torch._library.custom_ops import OPDEFS
-
-            with self:
-                return OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
-        if func._schema.name.split("::")[-1] not in self.FREE:
-            self.ops.append(str(func))
-        return func(*args, **kwargs)
-
-
 @pytest.mark.parametrize("what", ["budget", "budget_short_row", "paper", "recursive"])
 def test_compress_is_one_launch(what):
     """Budget mode (also on a row too short to score) and paper mode: one Triton launch and no torch-side
     device op (so no host sync either); a recursive step: one Triton launch. (The launches logged and not
     run, on the Triton bodies; the old score + shared select path made 6 and more.)"""
-    from tritonkv.kernels._common import cpu_kernels, record_launches
-
     if not klag.INTERPRET:
         pytest.skip("the Triton bodies run on CPU tensors only under TRITON_INTERPRET=1")
     n = 100 if what == "budget_short_row" else 4096
@@ -507,12 +480,10 @@ def test_compress_is_one_launch(what):
            "budget_short_row": lambda: tritonkv.compress((keys, values), pol, 0.25),
            "paper": lambda: pol.paper(keys, values),
            "recursive": lambda: state.append(keys[:, :, :16 + 3 * 128], values[:, :, :16 + 3 * 128])}[what]
-    mode = DeviceOps()
-    with cpu_kernels("triton"), record_launches(execute=False) as log, mode:
-        run()
-    assert [r.name for r in log] == ["_lagkv_kernel"], [r.name for r in log]
+    launches, ops, syncs = dry(run)
+    assert launches == ["_lagkv_kernel"] and not syncs, (launches, syncs)
     if what != "recursive":  # (a recursive step also copies tokens into its state: arange, clone, cat)
-        assert not mode.ops and len(log) + len(mode.ops) <= 2, mode.ops
+        assert not ops, ops
 
 
 def test_lagkv_kernel_compiles_ahead_of_time():

@@ -7,54 +7,11 @@ at most 4, KeyDiff (two scoring launches) at most 5, the window-attention polici
 syncing with the host."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tritonkv
+from helpers import dry  # noqa: E402
 from tritonkv.kernels import _common
 from tritonkv.kernels.select import select_indices, select_kv
-
-NO_LAUNCH = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "as_strided", "unsqueeze", "squeeze",
-             "permute", "t", "transpose", "alias", "detach", "split", "unbind", "narrow", "lift_fresh",
-             "_reshape_alias", "diagonal", "unflatten", "flatten", "split_with_sizes", "view_as", "expand_as",
-             "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
-SYNC = {"_local_scalar_dense", "is_nonzero", "item", "equal"}
-
-
-class DeviceOps(TorchDispatchMode):
-    """Logs the aten ops of the block by name, descending into tritonkv's custom ops (a mode sees a
-    custom op whole; its Python body is run again under the mode so the ops inside show)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "tritonkv":
-            from torch._library.custom_ops import OPDEFS
-
-            opdef = OPDEFS.get(func._schema.name)
-            if opdef is not None:
-                with self:
-                    return opdef._init_fn(*args, **kwargs)
-        name = func._schema.name.split("::")[-1]
-        if name not in NO_LAUNCH:
-            self.ops.append(name)
-        return func(*args, **kwargs)
-
-
-def dry(fn):
-    """``(Triton launch names, torch device op names, host syncs)`` of ``fn()``, nothing launched."""
-    mode = DeviceOps()
-    old, _common._cpu[0] = _common._cpu[0], "triton"
-    try:
-        with _common.record_launches(execute=False) as log, mode:
-            fn()
-    finally:
-        _common._cpu[0] = old
-    syncs = [o for o in mode.ops if o in SYNC]
-    return [x.name for x in log], [o for o in mode.ops if o not in SYNC], syncs
-
 
 B, H, G, N, D, W = 1, 4, 2, 1500, 32, 8
 
