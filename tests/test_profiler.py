@@ -1,4 +1,5 @@
-"""SurfaceLogicKV INFsc profiler (tritonkv/allocation/profiler.py; docs/algorithms.md §2.5)."""
+"""SurfaceLogicKV INFsc profiler (tritonkv/allocation/profiler.py, the model-running half in
+tritonkv/integrations/profiler.py; docs/algorithms.md §2.5)."""
 import json
 
 import numpy as np
@@ -6,8 +7,8 @@ import pytest
 import torch
 
 from tritonkv.allocation import profiler
-from tritonkv.allocation.profiler import (WeightSums, group_mean, infsc_scores, load_profile, needle_weights,
-                                          paper_grid, profile_infsc)
+from tritonkv.allocation.profiler import WeightSums, group_mean, infsc_scores, load_profile, needle_weights, paper_grid
+from tritonkv.integrations.profiler import profile_infsc
 
 SHIPPED = "smollm2-135m-instruct-infsc"
 

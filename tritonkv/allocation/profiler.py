@@ -167,21 +167,3 @@ def load_profile(name: str, heads: str = "kv") -> torch.Tensor:
     if key not in data:
         raise ValueError(f"profile {name!r} has no {key!r} entry")
     return torch.tensor(data[key], dtype=torch.float32)
-
-
-# the model-running half lives in tritonkv.integrations.profiler; these names resolve there on first use
-_MOVED = ("_eager", "answer_attention", "profile_infsc", "main", "_floats")
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        from ..integrations import profiler as _impl
-
-        return getattr(_impl, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    from tritonkv.integrations.profiler import main as _main
-
-    _main()
