@@ -13,6 +13,7 @@ from reference import criticalkv as ref
 from tritonkv.kernels import critical as kcrit
 from tritonkv.kernels import select as ksel
 from tritonkv.kernels.critical import value_norms
+from tritonkv.policies import H2O, TOVA, SnapKV, SurfaceLogicKV
 from tritonkv.policies.criticalkv import CriticalKV
 from helpers import GivenScores, SignedScores, assert_same_scores, both_backends, on_backend  # noqa: E402
 
@@ -134,6 +135,42 @@ def test_torch_body_matches_kernel(case, block):
     torch.testing.assert_close(got, want, rtol=2 * REL, atol=1e-6)
 
 
+@st.composite
+def tiled_cases(draw):
+    """(values, W_O, G) at head dims 64 and 128 (and an odd one), D_model off the column tile."""
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, 2))
+    G = draw(st.sampled_from([1, 3, 4]))
+    N = draw(st.integers(1, 90))
+    D = draw(st.sampled_from([64, 128, 40]))
+    DM = draw(st.sampled_from([16, 40, 72]))
+    dtype = draw(st.sampled_from(DTYPES))
+    w_dtype = draw(st.sampled_from([dtype, torch.float32]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    scale = np.exp(rng.uniform(-1.5, 1.5, (B, H, N, 1)))
+    values = torch.from_numpy(rng.standard_normal((B, H, N, D)) * scale).to(dtype)
+    w = torch.from_numpy(rng.standard_normal((DM, H * G * D)) / np.sqrt(D)).to(w_dtype)
+    return values, w, G
+
+
+@settings(max_examples=12, deadline=None)
+@given(case=tiled_cases(), blocks=st.sampled_from([(16, 16, 4), (32, 32, 4), (16, 64, 8)]))
+def test_value_norm_kernel_in_tiles_matches_oracle(case, blocks):
+    """The L1 kernel in GPU-like tiles (the interpreter's default is one tile of every kind): several
+    token tiles, N off the token tile, and a column loop over every query head's D_model tiles with
+    D_model off the column tile, against the float64 oracle."""
+    values, w, G = case
+    bn, bm, warps = blocks
+
+    def tiles(n, d, dm, native):
+        return bn, max(triton.next_power_of_2(d), 16), bm, warps, 1
+
+    with on_backend("triton"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kcrit, "_blocks", tiles)
+        n = value_norms(values, w)
+    np.testing.assert_allclose(n.numpy(), oracle_norms(values, w, G), rtol=REL, atol=1e-6)
+
+
 @pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_values_score_alike_on_both_backends(val):
     """A value with a NaN or ±inf element gives a NaN norm (the token ranks lowest), also where an
@@ -154,6 +191,39 @@ def test_non_finite_values_score_alike_on_both_backends(val):
     bad[0, 1, 4] = bad[1, 0, 9] = True
     assert torch.isnan(got[bad]).all() and torch.isnan(want[bad]).all()
     assert torch.isfinite(got[~bad]).all() and torch.isfinite(want[~bad]).all()
+
+
+BASES = {"snapkv": lambda: SnapKV(window=6, kernel_size=1), "snapkv_pool3": lambda: SnapKV(window=6, kernel_size=3),
+         "h2o": lambda: H2O(window=6), "tova": lambda: TOVA(), "surfacelogic": lambda: SurfaceLogicKV(window=6)}
+
+
+@both_backends
+@pytest.mark.parametrize("base", sorted(BASES))
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_base_scores_a_non_finite_value_as_a_non_finite_key(backend, base, given_lse):
+    """docs/contracts.md: a token whose value is not finite is scored by the base as if absent, i.e.
+    exactly as the base scores it with its key made NaN. The window kernels read the values with the
+    keys (no pass of their own): the same scores, bit for bit, with and without a given LSE."""
+    g = torch.Generator().manual_seed(3)
+    B, H, G, N, D, W = 2, 2, 2, 37, 16, 6
+    keys = torch.randn(B, H, N, D, generator=g)
+    values = torch.randn(B, H, N, 24, generator=g).to(torch.bfloat16)
+    values[0, 1, 5, 2] = float("nan")
+    values[1, 0, 9, :] = float("inf")
+    values[1, 1, 20, 23] = float("-inf")
+    keys[0, 0, 12, 1] = float("nan")  # a non-finite key as well
+    inputs = {"queries": torch.randn(B, H * G, W, D, generator=g)}
+    if given_lse:
+        inputs["attn_lse"] = torch.rand(B, H * G, W, generator=g) + 3.0
+    pol = CriticalKV(base=BASES[base]())
+    nan_keys = torch.where(torch.isfinite(values).all(-1, keepdim=True), keys, float("nan"))
+    with on_backend(backend):
+        got = pol.score(keys, values, **inputs)
+        want = pol.base.score(nan_keys, values, **inputs)
+        plain = pol.base.score(keys, values, **inputs)  # what a base that never reads values gives
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(got[0, 1, 5]) and torch.isnan(got[1, 0, 9]) and torch.isnan(got[1, 1, 20])
+    assert not torch.isnan(plain[0, 1, 5])
 
 
 @both_backends
@@ -492,13 +562,18 @@ def test_bad_input():
 
 
 def test_value_norm_kernel_compiles_ahead_of_time():
-    sig = {"v_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "H": "i32", "G": "i32", "N": "i32", "D": "i32",
-           "DM": "i32", "svb": "i64", "svh": "i64", "svn": "i64", "swm": "i64", "swc": "i64",
+    """The GPU configurations of ``_blocks``: tensor-core tiles at d = 128 and 64, d = 256, and the IEEE
+    fp32 tiles (fp32 and mixed dtypes)."""
+    sig = {"v_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "B": "i32", "H": "i32", "G": "i32", "N": "i32",
+           "D": "i32", "DM": "i32", "svb": "i64", "svh": "i64", "svn": "i64", "swm": "i64", "swc": "i64",
            "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "NATIVE_DOT": "constexpr"}
     spec = {"module": "tritonkv.kernels.critical", "kernel": "_value_norm_kernel", "signature": sig}
-    assert_compiles({**spec, "constexprs": {"BLOCK_N": 128, "BLOCK_D": 128, "BLOCK_M": 64, "NATIVE_DOT": True}},
+    assert_compiles({**spec, "constexprs": {"BLOCK_N": 256, "BLOCK_D": 128, "BLOCK_M": 64, "NATIVE_DOT": True}},
+                    {**spec, "signature": {**sig, "v_ptr": "*fp16", "w_ptr": "*fp16"},
+                     "constexprs": {"BLOCK_N": 256, "BLOCK_D": 64, "BLOCK_M": 64, "NATIVE_DOT": True}},
+                    {**spec, "constexprs": {"BLOCK_N": 64, "BLOCK_D": 256, "BLOCK_M": 64, "NATIVE_DOT": True}},
                     {**spec, "signature": {**sig, "v_ptr": "*fp32", "w_ptr": "*fp16"},
-                     "constexprs": {"BLOCK_N": 64, "BLOCK_D": 64, "BLOCK_M": 128, "NATIVE_DOT": False}})
+                     "constexprs": {"BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_M": 32, "NATIVE_DOT": False}})
 
 
 def test_value_norm_l2_kernel_compiles_ahead_of_time():

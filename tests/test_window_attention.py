@@ -411,21 +411,23 @@ def test_kernels_compile_ahead_of_time():
     and fp32 inputs (IEEE dot, several row blocks, group max); pooling max and avg + layer mean."""
     mod = "tritonkv.kernels.window_attention"
     i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    kq = i32("H", "G", "N", "W", "D", "skb", "skh", "skn", "sqb", "sqh", "sqw")
+    kq = i32("H", "G", "N", "W", "D", "skb", "skh", "skn", "sqb", "sqh", "sqw", "DV", "svb", "svh", "svn")
     specs = []
     # the fp32 build takes its scales as fp64, the type torch.compile (Inductor) gives a Python float
     for dt, cast, gmax, hoist, gb, bw in (("bf16", False, False, True, 4, 32), ("fp32", True, True, False, 1, 16)):
         f = "fp64" if dt == "fp32" else "fp32"
         blocks = {"BLOCK_N": 64, "GB": gb, "BW": bw, "BLOCK_D": 128}
         tail = {"CAST_FP32": cast, "DOT_PREC": "ieee"}
-        lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32", "scale": f,
-                   "CHUNK": "i32"}
-        score_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "lse_ptr": "*fp32", "u_ptr": "*fp32", **kq,
+        vals = {"BLOCK_DV": 128, "HAS_V": True} if hoist else {"BLOCK_DV": 16, "HAS_V": False}  # values read or not
+        lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "v_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32",
+                   "scale": f, "CHUNK": "i32"}
+        score_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "v_ptr": f"*{dt}", "lse_ptr": "*fp32", "u_ptr": "*fp32",
+                     **kq,
                      **i32("slb", "slh", "slc", "slg", "slw", "NC"), "w_ptr": "*fp32", "scale": f,
                      "CHUNK": "i32"}
-        lse_c = {**blocks, **tail}
+        lse_c = {**blocks, **tail, **vals}
         score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail,  # hoisted: weights from the block
-                   "HAS_LSE": hoist, "ROW_MEAN": hoist, "HEAD_MEAN": not gmax}
+                   "HAS_LSE": hoist, "ROW_MEAN": hoist, "HEAD_MEAN": not gmax, **vals}
         specs.append({"module": mod, "kernel": "_window_lse_kernel", "constexprs": lse_c,
                       "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}}})
         specs.append({"module": mod, "kernel": "_window_score_kernel", "constexprs": score_c,
@@ -436,3 +438,14 @@ def test_kernels_compile_ahead_of_time():
         specs.append({"module": mod, "kernel": "_window_pool_kernel", "constexprs": c,
                       "signature": {**pool_sig, **{k: "constexpr" for k in c}}})
     assert_compiles(*specs)
+
+
+def test_values_are_checked():
+    """``values`` (read with the keys for a policy that reads values): [B, H_kv, N, D_v] like the keys."""
+    keys, q = torch.randn(1, 2, 10, 16), torch.randn(1, 4, 3, 16)
+    for bad, exc in ((torch.randn(1, 2, 9, 16), ValueError), (torch.randn(2, 10, 16), ValueError),
+                     (torch.zeros(1, 2, 10, 16, dtype=torch.int32), TypeError), ([1.0], TypeError)):
+        with pytest.raises(exc, match="values"):
+            window_attention_scores(keys, q, values=bad)
+    v = torch.randn(1, 2, 10, 8)
+    torch.testing.assert_close(window_attention_scores(keys, q, values=v), window_attention_scores(keys, q))

@@ -206,14 +206,14 @@ def pool_rows(u: torch.Tensor, window: int, kernel_size: int, pool: str) -> torc
 
 
 def window_scores_layer_mean(keys, queries, tp: TPGroup, *, attn_lse=None, scale=None, kernel_size: int = 1,
-                             pool: str = "max", row_reduce: str = "mean") -> torch.Tensor:
+                             pool: str = "max", row_reduce: str = "mean", values=None) -> torch.Tensor:
     """Window attention with ``head_reduce="layer"`` over the heads of all ranks: each rank's per-KV-head rows
     (the group mean, unpooled) are gathered (one collective), averaged over all ``world·H_l`` heads in head
     order, expanded to this rank's heads and pooled — the single-process CPU computation, step for step."""
     from .kernels.window_attention import window_attention_scores
 
     u = window_attention_scores(keys, queries, attn_lse=attn_lse, scale=scale, kernel_size=1, pool=pool,
-                                row_reduce=row_reduce, head_reduce="mean")
+                                row_reduce=row_reduce, head_reduce="mean", values=values)
     B, Hl, N = u.shape
     full = tp.cat_heads(u, 1)
     lay = (full.sum(1, keepdim=True) / full.shape[1]).expand(B, Hl, N)

@@ -5,12 +5,18 @@ For KV head h with query heads G(h) = {h·G, …, h·G + G − 1} and ``o_proj``
 
     n_j = (1/G) Σ_{q∈G(h)} ‖ W_O[:, q·d:(q+1)·d] · v_j ‖₁         (the group mean of ‖v_j W_O^q‖₁)
 
-One launch covers every (batch row, KV head) on a grid (token chunks, rows): a program loads its
-tile of values ``[BLOCK_N, d]`` once, then for each query head of the group walks D_model in
-blocks of BLOCK_M, forms ``[BLOCK_N, BLOCK_M]`` projections with ``tl.dot`` and accumulates their
-absolute values in fp32. On the GPU, fp16/bf16 operands of one dtype go to the tensor cores as
-they are (products exact, fp32 accumulation); otherwise (fp32, mixed dtypes, the interpreter,
-whose bf16 ``tl.dot`` is wrong) both are cast to fp32 and multiplied in IEEE fp32 (no TF32).
+One launch covers every (batch row, KV head) as a tiled GEMM per KV head, ``[N, d] x [d, G·D_model]``
+with K = d, on a grid (token tiles, rows): a program loads its tile of values ``[BLOCK_N, d]`` once and
+walks all G·⌈D_model/BLOCK_M⌉ column tiles of its group's W_O in one loop, each a ``[BLOCK_N, d] x
+[d, BLOCK_M]`` ``tl.dot`` (the whole head dimension in one product) whose absolute values it sums over
+the columns in fp32; the W_O tiles stream in through the software pipeline (cp.async, a few tiles
+ahead). Rows run KV head by KV head (batch rows inner), so the programs running together share a
+KV head and hit the same W_O tiles in L2: W_O is fetched from HBM about once, and each tile a
+program fetches from L2 serves 2·BLOCK_N flops per byte. On the GPU, fp16/bf16 operands of one
+dtype go to the tensor cores as they are (products exact, fp32 accumulation); otherwise (fp32,
+mixed dtypes, the interpreter, whose bf16 ``tl.dot`` is wrong) both are cast to fp32 and multiplied
+in IEEE fp32 (no TF32). Work: 2·B·H_q·N·d·D_model flops (1.1 TFLOP at B = 1, H_q = 32, N = 32K,
+d = 128, D_model = 4096), so the floor is the tensor cores' peak, not memory.
 
 On the CPU (outside the interpreter) the op runs ``_value_norms_torch``: the same projections as
 batched fp32 matmuls over token chunks.
@@ -46,47 +52,66 @@ from ._common import FLOAT_DTYPES, INTERPRET, check_kv_tensor, launch, next_pow2
 
 
 @triton.jit
-def _value_norm_kernel(v_ptr, w_ptr, out_ptr, H, G, N, D, DM, svb, svh, svn, swm, swc,
+def _value_norm_kernel(v_ptr, w_ptr, out_ptr, B, H, G, N, D, DM, svb, svh, svn, swm, swc,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        NATIVE_DOT: tl.constexpr):
+    # rows in (KV head, batch row) order: the programs of the rows sharing a KV head, which read the
+    # same W_O columns, run one after another, so W_O^h is fetched from HBM once and then hit in L2
     c = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
-    h = r % H
+    r = tl.program_id(1)
+    h = r // B
+    b = r - h * B
     offs = c * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs < N
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    src = (r // H) * svb + h * svh + offs.to(tl.int64)[:, None] * svn + d[None, :]
+    src = b.to(tl.int64) * svb + h.to(tl.int64) * svh + offs.to(tl.int64)[:, None] * svn + d[None, :]
     v = tl.load(v_ptr + src, mask=nmask[:, None] & dmask[None, :], other=0.0)
     if not NATIVE_DOT:
         v = v.to(tl.float32)
     finite = tl.sum(tl.where(v * 0.0 == 0.0, 0, 1), 1) == 0  # per token, from the tile loaded (x·0 = 0 iff finite)
     m = tl.arange(0, BLOCK_M)
+    mt = tl.cdiv(DM, BLOCK_M)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for q in range(G):
+    # one flat loop over the group's G·⌈D_model/BLOCK_M⌉ column tiles of W_O (the pipeliner prefetches
+    # across query heads): p = v_tile · W_O^q[m0:m0+BLOCK_M]ᵀ, one [BLOCK_N, BLOCK_D] x [BLOCK_D, BLOCK_M]
+    # product, then |p| summed over its columns; rows of W_O past D_model load as 0 and add |0|
+    for t in range(0, G * mt):
+        q = t // mt
+        rows = (t - q * mt) * BLOCK_M + m
         col = (h * G + q) * D + d  # columns of query head q in W_O
-        for m0 in range(0, DM, BLOCK_M):
-            rows = m0 + m
-            # w[c, m] = W_O[m0 + m, q·d + c]: a [BLOCK_D, BLOCK_M] tile of W_O^q transposed
-            w = tl.load(w_ptr + rows.to(tl.int64)[None, :] * swm + col.to(tl.int64)[:, None] * swc,
-                        mask=dmask[:, None] & (rows < DM)[None, :], other=0.0)
-            if NATIVE_DOT:
-                p = tl.dot(v, w)
-            else:
-                p = tl.dot(v, w.to(tl.float32), input_precision="ieee")
-            acc += tl.sum(tl.where((rows < DM)[None, :], tl.abs(p), 0.0), 1)
-    tl.store(out_ptr + r * N + offs, tl.where(finite, acc / G, float("nan")), mask=nmask)
+        # w[c, m] = W_O[m0 + m, q·d + c]: a [BLOCK_D, BLOCK_M] tile of W_O^q transposed
+        w = tl.load(w_ptr + rows.to(tl.int64)[None, :] * swm + col.to(tl.int64)[:, None] * swc,
+                    mask=dmask[:, None] & (rows < DM)[None, :], other=0.0)
+        if NATIVE_DOT:
+            p = tl.dot(v, w)
+        else:
+            p = tl.dot(v, w.to(tl.float32), input_precision="ieee")
+        acc += tl.sum(tl.abs(p), 1)
+    tl.store(out_ptr + (b * H + h).to(tl.int64) * N + offs, tl.where(finite, acc / G, float("nan")), mask=nmask)
 
 
 def _blocks(n: int, d: int, dm: int, native: bool):
-    """(BLOCK_N, BLOCK_D, BLOCK_M, num_warps); tl.dot needs every block >= 16. Each program
-    re-reads its group's W_O (from L2), so the token tile is as tall as registers allow."""
+    """(BLOCK_N, BLOCK_D, BLOCK_M, num_warps, num_stages); tl.dot needs every block >= 16.
+
+    A program holds a tile of BLOCK_N tokens and streams its group's W_O^q column tiles from L2
+    (cp.async, num_stages deep): each W_O byte it fetches serves 2·BLOCK_N flops, so the token tile
+    is tall. Tensor cores (fp16/bf16), d <= 128: 256 tokens x 64 columns over 8 warps, the whole
+    head dimension in one product (on sm_90 each warpgroup issues m64n64k16 wgmma from shared
+    memory); at d = 128 (Triton 3.6 / 3.9) sm_90: 98 / 108 registers, 112 KB shared, no spill,
+    2 programs per SM (one's |p| row sums overlap the other's products); sm_80: 159 / 167
+    registers, 98 KB, 1 program. 128-column tiles took 172-184 registers on sm_90 (1 program per
+    SM) and 249 on sm_80. IEEE fp32 products (fp32 or mixed dtypes) run on the FMA units:
+    [32, 32] tiles over 4 warps (54-90 registers; [64, 64] spilled kilobytes)."""
     block_d = max(next_pow2(d), 16)
     if INTERPRET:  # ~0.5 ms per program: one program per row, whole W_O^q blocks
-        return max(min(next_pow2(n), 1024), 16), block_d, max(min(next_pow2(dm), 1024), 16), 4
-    block_m = max(min(next_pow2(dm), 8192 // block_d), 16)
-    block_n = 128 if native and block_d <= 128 else 64
-    return block_n, block_d, block_m, 4 if block_d <= 64 else 8
+        return max(min(next_pow2(n), 1024), 16), block_d, max(min(next_pow2(dm), 1024), 16), 4, 1
+    block_m = max(min(next_pow2(dm), 64 if native else 32), 16)
+    if not native:
+        return 32, block_d, block_m, 4, 2
+    if block_d <= 128:
+        return 256, block_d, block_m, 8, 3
+    return 64, block_d, block_m, 8, 2
 
 
 #: elements of the fp32 ``[B, H, G, chunk, D_model]`` projection block of ``_value_norms_torch``
@@ -126,10 +151,11 @@ def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
     out = torch.empty((B, H, N), dtype=torch.float32, device=values.device)
     if B * H * N > 0:
         native = (not INTERPRET) and values.dtype == o_proj.dtype and values.dtype != torch.float32
-        BLOCK_N, BLOCK_D, BLOCK_M, warps = _blocks(N, D, DM, native)
-        launch(_value_norm_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, o_proj, out, H, G, N, D, DM,
+        BLOCK_N, BLOCK_D, BLOCK_M, warps, stages = _blocks(N, D, DM, native)
+        launch(_value_norm_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, o_proj, out, B, H, G, N, D, DM,
                values.stride(0), values.stride(1), values.stride(2), o_proj.stride(0), o_proj.stride(1),
-               BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, NATIVE_DOT=native, num_warps=warps)
+               BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, NATIVE_DOT=native, num_warps=warps,
+               num_stages=stages)
     return out
 
 

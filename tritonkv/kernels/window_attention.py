@@ -20,8 +20,10 @@ softmax (P = 0) and its u is NaN, a hole in its neighbours' pool; a query row wi
 non-finite given LSE) is left out: the row mean divides by the rows left in of its head, the group
 mean by the heads with a row left in. The kernels flag a key from the logits they compute anyway: with
 a finite query, q·k is finite exactly when k is (x·0 = 0 only for finite x), so no reduction over a key
-tile is needed. The row weights, with the means folded in, come from the query block in registers
-when one block holds a head's rows (else ``row_weights``, ``[B, H_q, W]``: small torch ops), and
+tile is needed. Given ``values`` (a policy that reads them: CriticalKV's base), the same kernels
+load each key tile's values too and treat a token with a non-finite value as a non-finite key.
+The row weights, with the means folded in, come from the query block in registers when one block
+holds a head's rows (else ``row_weights``, ``[B, H_q, W]``: small torch ops), and
 P·w = exp(τ·q·k − (lse − ln w)), so the reductions cost nothing per key.
 
 Kernels, each on a grid (key chunks, B·H_kv) so a long row splits over many programs; one program
@@ -88,6 +90,20 @@ def _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32: tl.constexpr):
 
 
 @triton.jit
+def _values_ok(v_ptr, vbase, svn, j, N, DV, BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr):
+    """Per key j: False where the token's value has a non-finite element (``HAS_V``: the values are
+    read with the keys), else True."""
+    if HAS_V:
+        dv = tl.arange(0, BLOCK_DV)
+        v = tl.load(v_ptr + vbase + j.to(tl.int64)[:, None] * svn + dv[None, :],
+                    mask=(j < N)[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
+        ok = tl.sum(tl.where(v * 0.0 == 0.0, 0, 1), 1) == 0
+    else:
+        ok = j >= 0
+    return ok
+
+
+@triton.jit
 def _load_w(w_ptr, wbase, W, g, i, valid):
     """Per query row: its weight in the reduction (0 for a row left out) and ln of it."""
     w = tl.load(w_ptr + wbase + g.to(tl.int64) * W + i, mask=valid, other=0.0)
@@ -126,13 +142,16 @@ def _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid):
 
 
 @triton.jit(do_not_specialize=["C", "CHUNK"])
-def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw, C, scale,
+def _window_lse_kernel(k_ptr, q_ptr, v_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw,
+                       DV, svb, svh, svn, C, scale,
                        CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
-                       BLOCK_D: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr):
+                       BLOCK_D: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr):
     scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     kbase = (r // H) * skb + (r % H) * skh
+    vbase = (r // H) * svb + (r % H) * svh
     qbase = (r // H) * sqb + (r % H) * G * sqh
     d = tl.arange(0, BLOCK_D)
     n_chunk = tl.minimum(CHUNK, N - c * CHUNK)  # keys of this chunk
@@ -145,9 +164,11 @@ def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb
             for t0 in range(0, n_chunk, BLOCK_N):
                 j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
                 kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
+                vok = _values_ok(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
                 s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
                 # a non-finite key makes s non-finite in every row whose query is finite: masked out
-                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & (s * 0.0 == 0.0)
+                # (a token with a non-finite value too, when the values are read)
+                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & (s * 0.0 == 0.0) & vok[None, :]
                 s = tl.where(vis, s, float("-inf"))
                 new = tl.maximum(mx, tl.max(s, 1))
                 safe = tl.where(new == float("-inf"), 0.0, new)
@@ -160,16 +181,18 @@ def _window_lse_kernel(k_ptr, q_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb
 
 
 @triton.jit(do_not_specialize=["slb", "slh", "slc", "NC", "CHUNK"])
-def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw,
-                         slb, slh, slc, slg, slw, NC, w_ptr, scale,
+def _window_score_kernel(k_ptr, q_ptr, v_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw,
+                         DV, svb, svh, svn, slb, slh, slc, slg, slw, NC, w_ptr, scale,
                          CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                          BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
                          CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr, HAS_LSE: tl.constexpr,
-                         ROW_MEAN: tl.constexpr, HEAD_MEAN: tl.constexpr):
+                         ROW_MEAN: tl.constexpr, HEAD_MEAN: tl.constexpr, BLOCK_DV: tl.constexpr,
+                         HAS_V: tl.constexpr):
     scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     kbase = (r // H) * skb + (r % H) * skh
+    vbase = (r // H) * svb + (r % H) * svh
     qbase = (r // H) * sqb + (r % H) * G * sqh
     lbase = (r // H) * slb + (r % H) * slh
     wbase = r * G * W  # row weights [B, H_q, W], contiguous
@@ -185,6 +208,7 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
     for t0 in range(0, n_chunk, BLOCK_N):
         j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
         kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
+        vok = _values_ok(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
         acc = tl.zeros([BLOCK_N], tl.float32)
         for g0 in range(0, G, GB):
             hs = tl.zeros([GB, BLOCK_N], tl.float32)  # per-head sums over the window rows
@@ -198,7 +222,8 @@ def _window_score_kernel(k_ptr, q_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, 
                     valid = valid & (w > 0)
                     lse = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid) - lw
                 s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
-                fin = s * 0.0 == 0.0  # in a row with a finite query, s is not finite exactly for a non-finite key
+                # in a row with a finite query, s is not finite exactly for a non-finite key (vok: value)
+                fin = (s * 0.0 == 0.0) & vok[None, :]
                 vis = valid[:, None] & (j[None, :] <= pos[:, None]) & fin
                 p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))
                 p = tl.where(valid[:, None] & ~fin, float("nan"), p)  # ... whose u is NaN: no column reduction
@@ -332,7 +357,7 @@ def _combine_lse(parts: torch.Tensor) -> torch.Tensor:
     return _lse_from(mx, torch.exp(parts - torch.where(mx == float("-inf"), 0.0, mx)).sum(0))
 
 
-def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: int, pool: str,
+def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kernel_size: int, pool: str,
                             row_reduce: str, head_reduce: str) -> torch.Tensor:
     """The op's CPU body, in fp32.
 
@@ -363,6 +388,8 @@ def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: 
     left_in = w > 0
     q = torch.where(left_in, queries.float().reshape(B, H, G * W, D), 0.0) * scale  # rows of KV head h
     kfin = torch.isfinite(keys).all(-1)  # [B, H, N]
+    if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
+        kfin &= torch.isfinite(values).all(-1)
     pos = (N - W + torch.arange(W, device=dev)).repeat(G)[:, None]  # [G·W, 1] position of each row
     first = max(N - W + 1, 0)  # keys before this one are visible to every row
     chunk = max(1, TORCH_BLOCK // (B * H * G * W))
@@ -418,13 +445,16 @@ def _window_attention_torch(keys, queries, attn_lse, scale: float, kernel_size: 
 
 
 @triton_op("tritonkv::window_attention_score", mutates_args=())
-def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: torch.Tensor, scale: float,
-                        kernel_size: int, pool: str, row_reduce: str, head_reduce: str, chunk: int) -> torch.Tensor:
+def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: torch.Tensor, values: torch.Tensor,
+                        scale: float, kernel_size: int, pool: str, row_reduce: str, head_reduce: str,
+                        chunk: int) -> torch.Tensor:
     """The raw op: keys ``[B, H, N, D]``, queries ``[B, G·H, W, D]`` (last dims unit-stride),
-    ``attn_lse`` ``[B, G·H, W]`` or empty (computed here) -> fp32 ``[B, H, N]``. ``chunk``: keys per
-    program (0 = automatic); it changes the grid, not the result beyond rounding."""
+    ``attn_lse`` ``[B, G·H, W]`` or empty (computed here), ``values`` ``[B, H, N, D_v]`` (last dim
+    unit-stride) or empty (not read) -> fp32 ``[B, H, N]``. ``chunk``: keys per program (0 =
+    automatic); it changes the grid, not the result beyond rounding."""
     if not use_triton(keys):
-        return _window_attention_torch(keys, queries, attn_lse, scale, kernel_size, pool, row_reduce, head_reduce)
+        return _window_attention_torch(keys, queries, attn_lse, values, scale, kernel_size, pool, row_reduce,
+                                       head_reduce)
     B, H, N, D = keys.shape
     Hq, W = queries.shape[1], queries.shape[2]
     G = Hq // H
@@ -436,21 +466,24 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
     cfg = _config(N, G, W, D, chunk)
     C = triton.cdiv(N, cfg["CHUNK"])
     cast = INTERPRET or keys.dtype == torch.float32 or queries.dtype != keys.dtype
-    common = dict(CAST_FP32=cast, DOT_PREC="ieee", **cfg)
+    has_v = values.numel() > 0
+    vt = values if has_v else keys  # not read without values
+    common = dict(CAST_FP32=cast, DOT_PREC="ieee", BLOCK_DV=max(16, next_pow2(vt.shape[3])), HAS_V=has_v, **cfg)
     kq = (H, G, N, W, D, keys.stride(0), keys.stride(1), keys.stride(2),
-          queries.stride(0), queries.stride(1), queries.stride(2))
+          queries.stride(0), queries.stride(1), queries.stride(2),
+          vt.shape[3], vt.stride(0), vt.stride(1), vt.stride(2))
     if attn_lse.numel() > 0:
         lse, NC = attn_lse, 1
         lstr = (attn_lse.stride(0), G * attn_lse.stride(1), 0, attn_lse.stride(1), attn_lse.stride(2))
     else:
         lse, NC = torch.empty((B, H, C, G, W), dtype=torch.float32, device=dev), C
         lstr = (H * C * G * W, C * G * W, G * W, W, 1)
-        launch(_window_lse_kernel, (C, R), keys, queries, lse, *kq, C, scale, **common)
+        launch(_window_lse_kernel, (C, R), keys, queries, vt, lse, *kq, C, scale, **common)
     pooled = kernel_size > 1 or head_reduce == "layer"
     u = torch.empty_like(out) if pooled else out
     hoist = G <= cfg["GB"] and W <= cfg["BW"]  # one row block: the kernel derives the row weights itself
     w = out if hoist else row_weights(queries, attn_lse, N, H, row_reduce, head_reduce)
-    launch(_window_score_kernel, (C, R), keys, queries, lse, u, *kq, *lstr, NC, w, scale,
+    launch(_window_score_kernel, (C, R), keys, queries, vt, lse, u, *kq, *lstr, NC, w, scale,
            GROUP_MAX=head_reduce == "max", HOIST=hoist, HAS_LSE=attn_lse.numel() > 0,
            ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max", **common)
     if pooled:
@@ -468,7 +501,8 @@ def _choice(name: str, value, options) -> str:
 
 def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_lse: Optional[torch.Tensor] = None,
                             scale: Optional[float] = None, kernel_size: int = 1, pool: str = "max",
-                            row_reduce: str = "mean", head_reduce: str = "mean", chunk: int = 0) -> torch.Tensor:
+                            row_reduce: str = "mean", head_reduce: str = "mean", chunk: int = 0,
+                            values: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Window-attention scores, fp32 ``[B, H_kv, N]`` (higher = keep).
 
     Args:
@@ -484,6 +518,9 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
         head_reduce: over the G query heads of each KV head, ``"mean"`` or ``"max"``; ``"layer"`` is
             the mean over all H_q heads, the same scores for every KV head (TOVA).
         chunk: keys per program (0 = automatic); changes the grid only.
+        values: optional ``[B, H_kv, N, D_v]``, for a policy that also reads values (CriticalKV's
+            base): a token whose value has a non-finite element is treated as one whose key has
+            (masked out of every softmax, NaN score). The kernels read them with the keys.
     """
     check_kv_tensor("keys", keys)
     check_kv_tensor("queries", queries)
@@ -494,6 +531,14 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
                          f"got {tuple(queries.shape)}")
     if queries.device != keys.device:
         raise ValueError(f"queries must be on the device of keys ({keys.device}), got {queries.device}")
+    if values is None:
+        values = torch.empty(0, dtype=keys.dtype, device=keys.device)
+    else:
+        check_kv_tensor("values", values)
+        if values.shape[:3] != keys.shape[:3] or values.device != keys.device:
+            raise ValueError(f"values must be [B={B}, H_kv={H}, N={N}, D_v] on {keys.device} like the keys, "
+                             f"got {tuple(values.shape)} on {values.device}")
+        values = row_major(values)
     if attn_lse is None:
         attn_lse = torch.empty(0, dtype=torch.float32, device=keys.device)
     else:
@@ -511,6 +556,6 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
         raise ValueError(f"scale must be a positive finite float (the attention scale), got {scale!r}")
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
         raise ValueError(f"kernel_size must be a positive int, got {kernel_size!r}")
-    return window_attention_op(row_major(keys), row_major(queries), attn_lse, float(scale), kernel_size,
+    return window_attention_op(row_major(keys), row_major(queries), attn_lse, values, float(scale), kernel_size,
                                _choice("pool", pool, POOLS), _choice("row_reduce", row_reduce, ROW_REDUCE),
                                _choice("head_reduce", head_reduce, HEAD_REDUCE), int(chunk))

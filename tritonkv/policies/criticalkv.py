@@ -44,6 +44,7 @@ import torch
 from ..kernels import select as _select
 from ..kernels.critical import NORMS, value_norms
 from .base import Policy, register_policy
+from .snapkv import WindowAttentionPolicy
 
 
 def _default_base() -> Policy:
@@ -89,8 +90,10 @@ class CriticalKV(Policy):
 
     Non-finite inputs (``docs/contracts.md``): a token whose key or value has a NaN or ±inf element
     ranks lowest in both stages (score NaN, norm NaN), and the others are scored as if it were
-    absent: ``score`` hands the base keys with such a token's key made NaN, which every base treats
-    as absent (one elementwise pass over K and V, small beside the ‖v W_O‖ projections).
+    absent: a window-attention base (SnapKV, TOVA, H2O, SurfaceLogicKV) reads the values in the
+    kernels that read the keys and treats a token with a non-finite value as one with a non-finite
+    key (no pass of its own over K or V); the norm kernel flags the value from the tile it loads.
+    Another base gets the keys with such a token's key made NaN (one elementwise pass over K and V).
     """
 
     name: ClassVar[str] = "criticalkv"
@@ -124,6 +127,8 @@ class CriticalKV(Policy):
     def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
         """The base scores s (what allocators such as AdaKV see; NaN where the value is not finite);
         the transform is in ``select``."""
+        if isinstance(self.base, WindowAttentionPolicy):  # its kernels read the values with the keys
+            return self.base.score(keys, values, read_values=True, **inputs)
         if isinstance(values, torch.Tensor) and values.shape[:3] == keys.shape[:3]:
             keys = torch.where(torch.isfinite(values).all(-1, keepdim=True), keys, float("nan"))
         return self.base.score(keys, values, **inputs)

@@ -84,8 +84,10 @@ class WindowAttentionPolicy(Policy):
         return sink, window
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, queries: Optional[torch.Tensor] = None,
-              attn_lse: Optional[torch.Tensor] = None, **inputs) -> torch.Tensor:
-        """fp32 ``[B, H_kv, N]`` window attention (≥ 0); the window positions keep unpooled values."""
+              attn_lse: Optional[torch.Tensor] = None, *, read_values: bool = False, **inputs) -> torch.Tensor:
+        """fp32 ``[B, H_kv, N]`` window attention (≥ 0); the window positions keep unpooled values.
+        ``read_values`` (for a wrapper that reads values, CriticalKV): a token whose value has a
+        non-finite element is scored like one whose key has (the kernels read the values with the keys)."""
         if queries is None:
             raise ValueError(f"policy {self.name!r} needs queries: the last window of queries [B, H_q, W, D]")
         check_kv_tensor("queries", queries)
@@ -101,10 +103,10 @@ class WindowAttentionPolicy(Policy):
             if tp is not None:  # the mean over every rank's heads: one collective
                 return window_scores_layer_mean(keys, queries, tp, attn_lse=attn_lse, scale=self.scale,
                                                 kernel_size=self.kernel_size, pool=self.pool,
-                                                row_reduce=self.row_reduce)
+                                                row_reduce=self.row_reduce, values=values if read_values else None)
         return window_attention_scores(keys, queries, attn_lse=attn_lse, scale=self.scale,
                                        kernel_size=self.kernel_size, pool=self.pool, row_reduce=self.row_reduce,
-                                       head_reduce=self.head_reduce)
+                                       head_reduce=self.head_reduce, values=values if read_values else None)
 
 
 @register_policy
