@@ -68,6 +68,7 @@ import torch
 
 import tritonkv
 from benchmarks.common import RESULTS, append_jsonl, git, jsonl_files, now, read_jsonl
+from tritonkv.integrations.needle import FILLER, NEEDLE_FOR, QUESTION_FOR, _encode as _enc, _keys
 from tritonkv.integrations.transformers import cache_kwarg, output_cache
 from tritonkv.policies import POLICIES, KeyDiff, Policy, get_policy
 
@@ -81,9 +82,6 @@ N_KEYS = {"needle": 1, "mk_needle": 4}  # facts per needle case (one asked, the 
 
 # ------------------------------------------------------------------------------------------------
 # text sources
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-
 
 @functools.lru_cache(maxsize=None)
 def source_text(name: str) -> str:
@@ -164,10 +162,6 @@ class Case:
         return (self.task, self.seed, self.source, self.context)
 
 
-def _enc(tok, text: str) -> List[int]:
-    return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
 def _hay(tok, source: str, n: int, rng: random.Random) -> List[int]:
     """``n`` tokens of ``source`` from a seeded offset (starting at a word boundary)."""
     text = source_text(source)
@@ -181,15 +175,6 @@ def _hay(tok, source: str, n: int, rng: random.Random) -> List[int]:
     while len(ids) < n:
         ids = ids + ids
     return ids[:n]
-
-
-def _numbers(rng: random.Random, k: int) -> List[str]:
-    out: List[str] = []
-    while len(out) < k:
-        x = str(rng.randint(10000, 99999))
-        if x not in out:
-            out.append(x)
-    return out
 
 
 def _insert(hay: List[int], pieces: List[List[int]], depths: List[float]) -> Tuple[List[int], List[int]]:
@@ -222,11 +207,10 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
     if task in N_KEYS:
         n_keys = N_KEYS[task]
         words = rng.sample(WORDS, n_keys)
-        keys = _numbers(rng, 10)
-        facts = [_enc(tok, f" The pass key for the {w} is {k}. Remember it. {k} is the pass key for the {w}.")
-                 for w, k in zip(words, keys[:n_keys])]
+        keys = _keys(rng, 10)
+        facts = [_enc(tok, " " + NEEDLE_FOR.format(s=w, k=k)) for w, k in zip(words, keys[:n_keys])]
         ask = rng.randrange(n_keys)
-        q = _enc(tok, f"\nWhat is the pass key for the {words[ask]}? The pass key for the {words[ask]} is")
+        q = _enc(tok, "\n" + QUESTION_FOR.format(s=words[ask]))
         n_hay = context - len(q) - sum(map(len, facts))
         depths = [rng.uniform(0.05, 0.95) for _ in facts]
         order = list(range(n_keys))
@@ -242,7 +226,7 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
             nm = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
             if nm not in names:
                 names.append(nm)
-        vals = _numbers(rng, 10)
+        vals = _keys(rng, 10)
         chains = [names[c * (hops + 1):(c + 1) * (hops + 1)] for c in range(3)]
         stmts = []
         for c, ch in enumerate(chains):
