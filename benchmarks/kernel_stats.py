@@ -766,7 +766,7 @@ def _access(fn) -> dict:
             for kw in node.keywords:
                 if kw.arg in sub:
                     mark(kw.value, sub[kw.arg])
-    return {p: k for p, k in acc.items() if p in params}
+    return {p: acc[p] for p in params if p in acc}  # in parameter order: the same on every run
 
 
 def pointer_access(kernel) -> dict:

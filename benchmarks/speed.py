@@ -232,13 +232,8 @@ def kvpress_case(kvpress, name, keys, values, queries, keep, W):
     q, _ = apply_rotary_pos_emb(q, q, cos[:, -W:], sin[:, -W:])
     queries.copy_(q)
 
-    def press_fn():
-        return press.compress(attn, hidden, keys, values, None, kwargs)
-
-    def scores_fn():
-        return press.score(attn, hidden, keys, values, None, kwargs)
-
-    return press_fn, scores_fn, attn
+    return (lambda: press.compress(attn, hidden, keys, values, None, kwargs),
+            lambda: press.score(attn, hidden, keys, values, None, kwargs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,7 +318,7 @@ def run_compress(ctx: Ctx, rows: list) -> None:
             t, timing = measure_graph(fn, ctx.cuda, f"compress {name} N={N}") if ctx.cuda else (eager, "eager")
             kv_us = kv_graph = same = None
             if kv_ref is not None:
-                press_fn, scores_fn, _ = kv_ref
+                press_fn, scores_fn = kv_ref
                 press_fn()
                 kv_us = gpu_time(press_fn, ctx.cuda)["us"]
                 if ctx.cuda:  # kvpress under a CUDA graph where it allows one (a host sync inside does not)
