@@ -6,27 +6,22 @@
 """
 from __future__ import annotations
 
-import ctypes
 import gc
-import os
 import sys
 
 import torch
 
-from benchmarks.memory import build_model
+from benchmarks.common import LLAMA_256, malloc_trim, random_llama, rss_kb
 from tritonkv.integrations import transformers as tt
-
-LIBC = ctypes.CDLL("libc.so.6")
 
 
 def rss_mib() -> float:
-    LIBC.malloc_trim(0)  # freed heap memory back to the system first
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    malloc_trim()  # freed heap memory back to the system first
+    return rss_kb() / 1024
 
 
 def main(mode: str = "after_prefill", n: int = 8192) -> None:
-    model = build_model("tiny", "cpu")
+    model = random_llama(**LLAMA_256, attn_implementation="sdpa")
     ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(1))
 
     def run():

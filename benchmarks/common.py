@@ -93,17 +93,62 @@ def describe(info: dict) -> str:
             f"; {info['date']}")
 
 
-def random_llama(max_positions: int = 4096, pad_token_id=None, seed: int = 0):
+# the random Llama of memory.py and cache_release.py (fp32, no download)
+LLAMA_256 = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=32768 + 64)
+
+
+def random_llama(max_positions: int = 4096, pad_token_id=None, seed: int = 0, **config):
     """The seeded random Llama of the CPU programs (2 layers, hidden 64, 4 query / 2 KV heads, vocab 1000; fp32,
-    no download). ``pad_token_id`` also zeroes that token's embedding."""
+    no download; ``config`` overrides any of it, e.g. ``**LLAMA_256``). ``pad_token_id`` also zeroes that token's
+    embedding."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=pad_token_id,
-                      max_position_embeddings=max_positions)
-    return LlamaForCausalLM(cfg).eval()
+    cfg = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, pad_token_id=pad_token_id, max_position_embeddings=max_positions)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **config})).eval()
+
+
+def policy_inputs(pol, pool: dict) -> dict:
+    """What a model hands ``pol``: its needs found in ``pool``, plus ``attn_lse`` where its scoring takes one (the
+    prefill attention's log-sum-exp, which saves window policies a pass over K)."""
+    import inspect
+
+    inputs = {n: pool[n] for n in pol.needs if n in pool}
+    if "attn_lse" in inspect.signature(getattr(pol, "base", pol).score).parameters:
+        inputs["attn_lse"] = pool["attn_lse"]
+    return inputs
+
+
+def rss_kb() -> int:
+    """The resident set size of this process, KiB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def malloc_trim() -> bool:
+    """Give the C heap's free memory back to the system (glibc ``malloc_trim(0)``); False where there is none."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,26 +3,19 @@
     python -m benchmarks.cpu_speed              # N = 4096 and 32768: benchmarks/results/cpu_speed.{json,md}
     python -m benchmarks.cpu_speed --smoke      # tiny N, one timed run: checks the program (writes only with --out)
 
-For every registered policy, ``tritonkv.compress`` of fp32 K/V ``[1, 8, N, 128]`` keeping 25 % on the CPU
-(the ops' vectorised PyTorch bodies; no Triton interpreter: the block runs under ``cpu_kernels("torch")``)
-is timed against the policy's plain PyTorch pipeline (``benchmarks/baselines.py``: scores, ``torch.topk``,
-sort, gather) timed in the same run (``plain_*`` below).
-Policies that read queries get the last W = 32 queries with H_q = 4·H_kv = 32; CriticalKV a random W_O
-``[D_model, H_q·128] = [1024, 4096]``; SCORE random head distinctness. CriticalKV's ‖v W_O^q‖₁ costs
-N·H_q·128·D_model multiply-adds (0.27 TFLOP at 32K: ~20 s a call on 2 cores), in tritonkv and in the plain
-pipeline alike; a Llama-3-8B layer (``--d-model 4096``) takes 4x as long and the whole run ~15 minutes.
+Every registered policy: ``tritonkv.compress`` of fp32 K/V ``[1, 8, N, 128]`` keeping 25 % through the ops'
+PyTorch bodies (``cpu_kernels("torch")``, no interpreter) against the policy's plain PyTorch pipeline
+(``benchmarks/baselines.py``: scores, ``torch.topk``, sort, gather; the ``plain_*`` columns). Window policies
+read the last W = 32 queries, H_q = 32; CriticalKV a random W_O ``[1024, 4096]`` (its ‖v W_O^q‖₁ costs
+N·H_q·128·D_model multiply-adds on both sides: ~20 s a call at 32K on 2 cores; ``--d-model 4096``, a
+Llama-3-8B layer, takes 4x as long); SCORE random head distinctness.
 
-Timing: wall clock (``time.perf_counter``), one warm-up call of each side (their kept sets are compared),
-then ``--runs`` (default 5; 3 where a warm-up call took over 2 s, 1 over 10 s: CriticalKV at 32K)
-alternating runs (tritonkv, plain, tritonkv, ...) so both see the same machine load; the median is reported
-with the min and max, and the ratio of the minima beside the ratio of the medians (on a machine shared
-with other processes the minimum is the less disturbed estimate); the load average before and after. ``ratio`` = tritonkv / plain (target ≤ 1.5). ``same_kept`` is the fraction of (batch, head)
-rows whose kept index sets agree between the two, ``overlap`` the mean fraction of a row's kept tokens
-kept by both: ties (max pooling repeats a value over up to κ positions; LagKV's ranks) go to the lower
-index in tritonkv and anywhere in ``torch.topk``, and fp32 near-ties may fall either way.
-
-Output: JSON (machine: ``benchmarks.common.run_info`` and the load average; one row per policy and N) and a
-Markdown table, ``<out>/cpu_speed.{json,md}``.
+Timing: wall clock, one warm-up call per side (their kept sets compared), then ``--runs`` (5; 3 where a warm-up
+call took over 2 s, 1 over 10 s) alternating runs so both sides see the same load: median, min and max, the
+ratio of the medians (``ratio`` = tritonkv / plain, target ≤ 1.5) and of the minima (less disturbed on a shared
+machine), the load average before and after. ``same_kept``: the fraction of (batch, head) rows with the same
+kept set; ``overlap``: the mean fraction of a row's kept tokens kept by both (ties go to the lower index in
+tritonkv, anywhere in ``torch.topk``; fp32 near-ties either way).
 """
 from __future__ import annotations
 

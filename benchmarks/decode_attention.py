@@ -1,28 +1,23 @@
 """Decode-attention benchmark: split-K GQA attention over a RaggedKV, and the memory it frees.
 
-Each case holds an AdaKV-like allocation: per (batch row, KV head) budgets with one head keeping
-``min(4, (H+1)/2)`` x the mean and the others sharing the rest (max/mean = 4 at H_kv = 8), built
-with ``RaggedKV.from_selection`` from a cache of ``N = max budget`` tokens. For one decode query
-per head (bf16, D = 128, G = 4 query heads per KV head unless stated):
-
-- ``ragged_us``: ``decode_attention(q, ragged)`` replayed from a CUDA graph (eager: ``ragged_eager_us``);
-- ``padded_us``: the same kernel on the padded alternative ``[B, H, max, D]`` + lengths;
-- ``dense_us`` / ``sdpa_us``: the kernel and ``torch.nn.functional.scaled_dot_product_attention``
-  (``enable_gqa``) on a dense cache ``[B, H, mean, D]`` holding the same total tokens;
-- ``floor_us``: bytes that must move (kept K+V, q, out) over the copy bandwidth of a large
-  ``clone()`` measured in the same run; ``pct_copy_bw``, ``x_floor``, ``x_sdpa`` follow;
-- ``append_us`` vs ``recopy_us``: one in-place append per head vs the whole-cache copy an
-  AdaKV-style flat cache pays per decoded token;
-- ``mem_*_MB``: ``torch.cuda.memory_allocated`` deltas of building the RaggedKV vs the padded
-  ``select_kv`` output (and the uncompressed cache);
-- ``rel_err_*``: ``||out - ref|| / ||ref||`` against fp32 attention over the same tokens.
-
-Writes ``benchmarks/results/<device>-decode_attention.json`` (device, versions, commit, date) and a
-Markdown table. ``--smoke`` runs a tiny case on the CPU (Triton interpreter) to check the program.
-``benchmarks/speed.py`` runs the same cases as its ``decode_attention`` part.
-
     python -m benchmarks.decode_attention
     TRITON_INTERPRET=1 python -m benchmarks.decode_attention --smoke --out /tmp/bench
+
+Each case holds an AdaKV-like allocation (per (batch row, KV head) budgets, one head keeping ``min(4, (H+1)/2)``
+x the mean, the others sharing the rest), built with ``RaggedKV.from_selection`` from a cache of N = max budget
+tokens; one decode query per head (bf16, D = 128, G = 4 unless stated):
+
+- ``ragged_us``: ``decode_attention(q, ragged)`` replayed from a CUDA graph (eager: ``ragged_eager_us``);
+  ``padded_us``: the same kernel on the padded ``[B, H, max, D]`` + lengths; ``dense_us`` / ``sdpa_us``: the
+  kernel and ``scaled_dot_product_attention`` (``enable_gqa``) on a dense ``[B, H, mean, D]`` of the same total;
+- ``floor_us``: the bytes that must move (kept K+V, q, out) over the copy bandwidth of a large ``clone()``;
+  ``pct_copy_bw``, ``x_floor``, ``x_sdpa`` follow;
+- ``append_us`` vs ``recopy_us``: one in-place append per head vs the whole-cache copy a flat AdaKV cache pays
+  per token; ``mem_*_MB``: ``torch.cuda.memory_allocated`` of the RaggedKV vs the padded ``select_kv`` output;
+- ``rel_err_*``: ``||out - ref|| / ||ref||`` against fp32 attention over the same tokens.
+
+Writes ``<out>/<device>-decode_attention.{json,md}``. ``--smoke``: a tiny case on the CPU (Triton interpreter).
+``benchmarks/speed.py`` runs the same cases as its ``decode_attention`` part.
 """
 from __future__ import annotations
 

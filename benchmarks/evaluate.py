@@ -1,65 +1,53 @@
 """The seeds' claims tested with their own metrics, at their budgets, paired over cases.
 
-SmolLM2-135M-Instruct on the CPU. Every case is generated locally from a seed; every configuration of a claim is
-scored on the same cases, and each (case, configuration, metric) is one line of JSON under
-``benchmarks/results/quality/`` (``<task>-<context>.jsonl.gz``, appended as it is measured; a rerun skips what is
-there). ``evaluate_report.py``
-turns the lines into intervals, paired tests and verdicts.
-
-Tasks (``build_case``; the prompt is ``context`` tokens long, question included):
-
-- ``needle``: one "The pass key for the <word> is <5 digits>. Remember it. <digits> is the pass key for the
-  <word>." fact at a random depth of a haystack, 9 random distractor keys (``tritonkv.integrations.needle``);
-- ``mk_needle``: four such facts for four words at random depths; the question asks for one of them; the other
-  three keys are among the 10 candidates (RULER's NIAH multikey, with distractors in the context);
-- ``vt1`` / ``vt2``: variable tracking, three chains "VAR A = 12345. … VAR B = VAR A." of 1 or 2 hops; the
-  question asks for the value of the last variable of one chain (the other chains' values are candidates);
-- ``cwe``: a numbered list of words (no haystack), one word repeated far more than the others; "What is the
-  most common word?" with 9 listed words as distractors;
-- ``lm``: ``context`` tokens of real text and the next 64 tokens as a held-out continuation.
-
-Choice tasks are scored by likelihood (the true answer's summed log-probability ranks first among the
-candidates: ``acc_ll``) and by greedy decoding (``acc_greedy``: the greedy answer starts with the true one), and
-``kl_answer`` (KL(full ‖ compressed) along the true answer's tokens, teacher-forced). ``lm`` gives ``kl`` and
-``dll`` (mean Δ log-likelihood per token of the continuation, compressed − full). Haystacks: ``synthetic`` (the
-pass-key filler), ``licenses`` (/usr/share/common-licenses, real English prose), ``pydoc`` (Python's own
-reference text, ``pydoc_data.topics``), ``kjv`` when Debian's ``bible`` CLI is installed.
-
-Settings (how the question meets the compression):
-
-- ``aware``: the whole prompt (context + question) is compressed after prefill (SnapKV, SCORE, SurfaceLogicKV,
-  LagKV: the observation window is the question's end);
-- ``agnostic``: the context is compressed before the question is seen (CriticalKV §4.1, kvpress): the question
-  is then fed through the compressed cache;
-- ``blockwise``: the prompt is fed in blocks of 128 and evicted after each (KeyDiff Eq. 6).
-
-Cost. One full forward of the prompt per case serves every after-prefill configuration: a layer's compression
-after prefill depends only on that layer's keys, values and window queries (the forward's own attention saw the
-whole prompt), so each configuration's ``TritonKVCache`` is rebuilt from the captured tensors through the
-cache's own code (``TritonKVLayer.update`` + ``after_attention``, which compresses), exactly as in a forward.
-LagKV's recursive state is fed the same way (``LagKVLayer``). Only block-wise configurations run their own
-prefill. Candidates and the greedy answer are scored together in one batched decode loop (one row per
-candidate, one greedy row) on the compressed cache — no copy per candidate (LagKV's recursive state cannot be
-batch-expanded: it is copied once per candidate).
-
-CriticalKV's own metric (``wo_err``): at the first answer token (the query of the prompt's last token), per
-query head, ‖(A − A′)·V·W_Oʰ‖₁ with A′ the attention over the context compressed before the question plus the
-question, in every layer, from the full forward's tensors (an isolated-layer measurement). Per-head values are
-kept (``per_head``), so the head-wise claim ("lower in 92% of heads") is computed over cases. Its layer-wise
-analysis (``layer_err``) is measured inside the compressed run instead: hooks on every layer's ``o_proj`` and on
-the final norm record, at the same token, each layer's attention output and the last hidden state; ``value`` is
-the final hidden state's ‖Δ‖₁ against the full cache, ``per_layer`` every layer's attention-output ‖Δ‖₁ (errors
-propagate and may accumulate through the layers, as in the paper's Fig. 5).
-
-SurfaceLogicKV's allocation reads an INF profile: ``surfacelogic`` the shipped default (4 lengths × 5 depths,
-1 answer step), ``surfacelogic_paper`` the profile on the paper's grid (6 lengths × 33 depths, 5 steps; the
-``profile`` group, paired with the default in the same cells).
-
-LagKV runs at L = 128 (``lagkv``), 512 and 1024 (``lagkv_l512``, ``lagkv_l1024``); a partition is compressed only
-once S + 2L tokens are held, so L = 1024 compresses nothing below 2064 tokens.
-
     OMP_NUM_THREADS=2 python -m benchmarks.evaluate --tasks mk_needle --contexts 2048 --seeds 0-49 --groups criticalkv keydiff
     python -m benchmarks.evaluate_report       # summaries, claims, plots
+
+SmolLM2-135M-Instruct on the CPU. Every case is generated locally from a seed; every configuration of a claim is
+scored on the same cases, and each (case, configuration, metric) is one line of JSON in
+``benchmarks/results/quality/<task>-<context>.jsonl.gz``, appended as measured (a rerun skips what is there).
+``evaluate_report.py`` turns the lines into intervals, paired tests and verdicts.
+
+Tasks (``build_case``; the prompt, question included, is exactly ``context`` tokens):
+
+- ``needle``: "The pass key for the <word> is <5 digits>. Remember it. <digits> is the pass key for the <word>."
+  at a random depth of a haystack, 9 random distractor keys (``tritonkv.integrations.needle``); ``mk_needle``:
+  four such facts for four words, one asked, the other three keys among the 10 candidates (RULER's NIAH multikey);
+- ``vt1`` / ``vt2``: variable tracking, three chains "VAR A = 12345. … VAR B = VAR A." of 1 or 2 hops; the
+  question asks for the last variable of one chain (the other chains' values are candidates);
+- ``cwe``: a numbered list of words (no haystack), one repeated far more than the others; "What is the most
+  common word?" with 9 listed words as distractors;
+- ``lm``: ``context`` tokens of real text and the next 64 tokens as a held-out continuation.
+
+Choice tasks are scored by likelihood (``acc_ll``: the true answer's summed log-probability ranks first), greedy
+decoding (``acc_greedy``: the greedy answer starts with the true one) and ``kl_answer`` (KL(full ‖ compressed)
+along the true answer's tokens, teacher-forced); ``lm`` by ``kl`` and ``dll`` (mean Δ log-likelihood per token,
+compressed − full). Haystacks: ``synthetic`` (the pass-key filler), ``licenses`` (/usr/share/common-licenses),
+``pydoc`` (``pydoc_data.topics``), ``kjv`` when Debian's ``bible`` CLI is installed.
+
+Settings: ``aware``, the whole prompt is compressed after prefill (the observation window is the question's
+end); ``agnostic``, the context is compressed before the question is seen (CriticalKV §4.1, kvpress), then the
+question is fed through the compressed cache; ``blockwise``, the prompt is fed in blocks of 128, evicting after
+each (KeyDiff Eq. 6).
+
+Cost. One full forward per case serves every after-prefill configuration: a layer's compression after prefill
+depends only on its keys, values and window queries, so each ``TritonKVCache`` is rebuilt from the captured
+tensors through the cache's own code (``TritonKVLayer.update`` + ``after_attention``), exactly as in a forward;
+LagKV's recursive state likewise (``LagKVLayer``). Only block-wise configurations run their own prefill.
+Candidates and the greedy answer are scored in one batched decode loop on the compressed cache (LagKV's state
+cannot be batch-expanded: copied once per candidate).
+
+CriticalKV's metric (``wo_err``): at the first answer token, per query head, ‖(A − A′)·V·W_Oʰ‖₁ with A′ the
+attention over the context compressed before the question plus the question, in every layer, from the full
+forward's tensors; per-head values are kept (``per_head``) for the head-wise claim ("lower in 92 % of heads").
+Its layer-wise analysis (``layer_err``) is measured inside the compressed run: hooks on every ``o_proj`` and the
+final norm record, at the same token, each layer's attention output and the last hidden state; ``value`` is the
+final hidden state's ‖Δ‖₁ against the full cache, ``per_layer`` every layer's (errors propagate, Fig. 5).
+
+SurfaceLogicKV: ``surfacelogic`` reads the shipped INF profile (4 lengths × 5 depths, 1 answer step),
+``surfacelogic_paper`` the one on the paper's grid (6 × 33, 5 steps; the ``profile`` group). LagKV runs at
+L = 128, 512 and 1024 (``lagkv``, ``lagkv_l512``, ``lagkv_l1024``); a partition is compressed only once S + 2L
+tokens are held, so L = 1024 compresses nothing below 2064 tokens.
 """
 from __future__ import annotations
 
@@ -80,6 +68,7 @@ import torch
 
 import tritonkv
 from benchmarks.common import RESULTS, append_jsonl, git, jsonl_files, now, read_jsonl
+from tritonkv.integrations.needle import FILLER, NEEDLE_FOR, QUESTION_FOR, _encode as _enc, _keys
 from tritonkv.integrations.transformers import cache_kwarg, output_cache
 from tritonkv.policies import POLICIES, KeyDiff, Policy, get_policy
 
@@ -93,9 +82,6 @@ N_KEYS = {"needle": 1, "mk_needle": 4}  # facts per needle case (one asked, the 
 
 # ------------------------------------------------------------------------------------------------
 # text sources
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-
 
 @functools.lru_cache(maxsize=None)
 def source_text(name: str) -> str:
@@ -176,10 +162,6 @@ class Case:
         return (self.task, self.seed, self.source, self.context)
 
 
-def _enc(tok, text: str) -> List[int]:
-    return list(tok(text, add_special_tokens=False)["input_ids"])
-
-
 def _hay(tok, source: str, n: int, rng: random.Random) -> List[int]:
     """``n`` tokens of ``source`` from a seeded offset (starting at a word boundary)."""
     text = source_text(source)
@@ -193,15 +175,6 @@ def _hay(tok, source: str, n: int, rng: random.Random) -> List[int]:
     while len(ids) < n:
         ids = ids + ids
     return ids[:n]
-
-
-def _numbers(rng: random.Random, k: int) -> List[str]:
-    out: List[str] = []
-    while len(out) < k:
-        x = str(rng.randint(10000, 99999))
-        if x not in out:
-            out.append(x)
-    return out
 
 
 def _insert(hay: List[int], pieces: List[List[int]], depths: List[float]) -> Tuple[List[int], List[int]]:
@@ -234,11 +207,10 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
     if task in N_KEYS:
         n_keys = N_KEYS[task]
         words = rng.sample(WORDS, n_keys)
-        keys = _numbers(rng, 10)
-        facts = [_enc(tok, f" The pass key for the {w} is {k}. Remember it. {k} is the pass key for the {w}.")
-                 for w, k in zip(words, keys[:n_keys])]
+        keys = _keys(rng, 10)
+        facts = [_enc(tok, " " + NEEDLE_FOR.format(s=w, k=k)) for w, k in zip(words, keys[:n_keys])]
         ask = rng.randrange(n_keys)
-        q = _enc(tok, f"\nWhat is the pass key for the {words[ask]}? The pass key for the {words[ask]} is")
+        q = _enc(tok, "\n" + QUESTION_FOR.format(s=words[ask]))
         n_hay = context - len(q) - sum(map(len, facts))
         depths = [rng.uniform(0.05, 0.95) for _ in facts]
         order = list(range(n_keys))
@@ -254,7 +226,7 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
             nm = "".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5))
             if nm not in names:
                 names.append(nm)
-        vals = _numbers(rng, 10)
+        vals = _keys(rng, 10)
         chains = [names[c * (hops + 1):(c + 1) * (hops + 1)] for c in range(3)]
         stmts = []
         for c, ch in enumerate(chains):

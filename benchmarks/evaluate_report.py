@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from benchmarks import evaluate_stats as S
-from benchmarks.common import RESULTS, ROOT, jsonl_files, read_jsonl
+from benchmarks.common import RESULTS, ROOT, jsonl_files, pyplot, read_jsonl
 
 OUT = os.path.join(RESULTS, "quality")
 MIN_CASES = 10
@@ -459,11 +459,8 @@ def markdown(recs, summary) -> str:
 
 
 def plots(recs, out_dir: str) -> List[str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     idx = index(recs)
     panels = [  # (title, metric, [(label, config template with {b})], budgets)

@@ -6,60 +6,44 @@ Every measurement runs in a fresh process (forked from a forkserver, or this mod
     python -m benchmarks.memory --smollm2           # ... plus SmolLM2-135M-Instruct (a subset, N = 2K..8K)
     python -m benchmarks.memory --smoke --out DIR   # N = 512, 1024, one policy per mode (the test's check)
 
-What is compared, at each prompt length N (budget 0.1 = a tenth of the prompt per KV head, 64 new tokens,
-greedy, ``min_new_tokens=64`` so that every run generates exactly 64):
+At each prompt length N (seeded random ids; budget 0.1 of the prompt per KV head; greedy, ``min_new_tokens=64``
+so that every run generates exactly 64): ``stock`` = ``model.generate`` with a ``DynamicCache``, sdpa; against
+``tritonkv.integrations.transformers.generate(..., budget=0.1, mode, allocation, block_size=512,
+return_cache=True)`` per mode (``after_prefill``, ``blockwise``, ``decoding``) x {keydiff, snapkv, snapkv +
+adakv, lagkv}. Models: a seeded random Llama (``common.LLAMA_256``: 2 layers, hidden 256, 8 query / 2 KV heads,
+head_dim 32, vocab 1024, fp32) at N = 4K..32K; with ``--smollm2`` SmolLM2-135M-Instruct (30 layers, 9 / 3
+heads, head_dim 64; context 8192) at N = 2048, 4096, 8000 - 64 for keydiff and snapkv + adakv in after_prefill
+and blockwise.
 
-- ``stock``: ``model.generate`` with a ``DynamicCache`` and ``attn_implementation="sdpa"``;
-- ``tritonkv.integrations.transformers.generate(model, ids, policy, budget=0.1, mode, allocation,
-  block_size=512, max_new_tokens=64, return_cache=True)`` for each mode (``after_prefill``, ``blockwise``,
-  ``decoding``) x {keydiff, snapkv, snapkv + allocation="adakv", lagkv}.
+Per measurement (the model built and the prompt made, then one warm-up call of the same path, 1024 tokens,
+budget 0.5, 2 new, so that lazy imports and one-time set-up are not counted):
 
-Models: a seeded random Llama (2 layers, hidden 256, intermediate 512, 8 query / 2 KV heads, head_dim 32,
-vocab 1024, fp32) at N = 4096, 8192, 16384, 32768; with ``--smollm2`` also SmolLM2-135M-Instruct (30
-layers, 9 query / 3 KV heads, head_dim 64, fp32; context limit 8192) at N = 2048, 4096, 8000 - 64 for keydiff and
-snapkv + adakv in after_prefill and blockwise, plus stock. Prompts are seeded random token ids.
+- CPU peak: ``ru_maxrss`` after ``generate`` minus the RSS right before it, the high-water mark reset to the
+  current RSS just before (``echo 5 > /proc/self/clear_refs``; ``peak_reset`` says whether it worked) and the
+  C heap's free memory handed back first (``malloc_trim(0)``). RSS counters are approximate to ~64 pages per
+  thread: increases under ~1 MiB are noise. glibc runs with a fixed mmap threshold
+  (``MALLOC_MMAP_THRESHOLD_=131072``; ``--default-malloc`` leaves it dynamic): every tensor over 128 KiB is its
+  own mapping, returned when freed, so the RSS peak is the peak of live memory (with the dynamic threshold runs
+  varied by up to ~40 %; with the fixed one by < 1 MiB, matching the live tensor bytes of the profiler's
+  allocation log that ``--tensor-peak`` records by running the call again under ``torch.profiler``);
+- CUDA peak (when present): ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the
+  bytes allocated before;
+- resident cache: after the prompt from ``tt.make_cache`` + ``tt.prefill`` (a prefill-only run after the
+  measured call, up to ``--prefill-run-max-n``; above it, and as a cross-check below it, the cache inside
+  ``generate`` when a streamer sees the first token: ``after_prompt_source``) and after 64 tokens (the returned
+  cache): ``cache.nbytes`` (stock: the DynamicCache's K/V), and ``held_bytes``, every distinct tensor storage
+  reachable from the cache's layers (an independent check);
+- kept K/V: ``sum(cache.kept_tokens())`` x 2 x head_dim x element size, plus their positions (int32 dense,
+  int64 ragged / LagKV), so ``resident / kept`` is the storage's overhead; the wall time of ``generate``.
 
-Per measurement (one process each; the model is built and the prompt made, then one small warm-up call of the
-same path (1024 tokens, budget 0.5, 2 new) so that lazy imports and one-time set-up are not counted, then):
+Targets (in the Markdown, not asserted; the CUDA peak on a GPU, the RSS on the CPU): peak increase <= 1.2x stock
+at every N in after_prefill; blockwise below stock as N grows; resident <= 1.1x kept K/V bytes + positions.
 
-- CPU: ``peak_rss`` = ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after ``generate``, and ``peak_increase``
-  = that minus the RSS right before ``generate`` (``/proc/self/statm``). The high-water mark is reset to the
-  current RSS just before ``generate`` (``echo 5 > /proc/self/clear_refs``), so the model's load and the
-  warm-up do not mask the call's own peak (``peak_reset`` says whether the kernel allowed it), and the C heap's
-  free memory is handed back first (glibc ``malloc_trim(0)``), so the call cannot hide in what the warm-up freed.
-  The kernel's RSS counters are approximate to ~64 pages per thread: increases under ~1 MiB are noise.
-  glibc runs with a fixed mmap threshold (``MALLOC_MMAP_THRESHOLD_=131072``; ``--default-malloc`` leaves its
-  dynamic threshold on): every tensor over 128 KiB is its own mapping, returned when freed, so the RSS peak is
-  the peak of live memory. With the dynamic threshold the same measurement varied by up to ~40 % between runs
-  (freed blocks kept in the heap); with the fixed one it was reproducible to < 1 MiB and matched the peak of
-  live tensor bytes from the profiler's allocation log (``--tensor-peak`` records it: the call run a second
-  time under ``torch.profiler`` with ``profile_memory``);
-- CUDA (when present): ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the bytes
-  allocated before the call;
-- resident cache bytes after the prompt, from ``tt.make_cache`` + ``tt.prefill`` (prefill only, run after
-  the measured ``generate`` in the same process; up to ``--prefill-run-max-n``, 16384 by default, to keep the
-  full run near 20 minutes on 2 cores: above it ``after_prompt`` is the state inside ``generate`` below, and
-  ``after_prompt_source`` says which), and after 64 generated tokens (the cache ``generate``
-  returns): ``cache.nbytes`` (for stock: the bytes of the ``DynamicCache``'s key/value tensors). Also
-  ``held_bytes``: the bytes of every distinct tensor storage reachable from the cache's layers, found by
-  walking them (an independent check of ``nbytes``). The state right after the prompt *inside* ``generate``
-  is recorded too (a streamer reads the cache when the first token comes out), as a cross-check of the
-  prefill-only run;
-- kept K/V: ``sum(cache.kept_tokens())`` x 2 x head_dim x element size, and the positions the store keeps for
-  them (``kept tokens x`` the element size of its position tensor: int32 dense, int64 ragged / LagKV), so
-  ``resident / kept`` is the storage's overhead; stock keeps every token and no positions;
-- wall time of ``generate`` (and of the prefill-only run).
-
-Targets (printed in the Markdown, not asserted; the peak is the CUDA peak allocated on a GPU, the RSS on the CPU): peak increase <= 1.2x stock at every N in after_prefill;
-blockwise below stock as N grows; resident <= 1.1x (kept K/V bytes + positions).
-
-Outputs (``--out``, default ``benchmarks/results``): ``memory.json`` (machine: CPU model, cores, torch and
-transformers versions, git commit, date, the exact command; then one row per measurement), ``memory.md``
-(tables and targets), ``memory.png`` (peak increase and resident bytes after 64 tokens against N, one line
-per configuration, stock included). ``--smoke`` writes only when ``--out`` is given. Results are rewritten
-after every measurement, so a run cut short (``--time-budget``) keeps what it measured; configurations not
-started are listed as skipped. ``benchmarks/report.py`` puts a summary in ``benchmarks/results/README.md``
-(``readme_section``).
+Outputs (``--out``, default ``benchmarks/results``; ``--smoke`` writes only with ``--out``): ``memory.json``
+(machine, command, one row per measurement), ``memory.md`` (tables, targets) and ``memory.png`` (peak increase
+and resident bytes against N), rewritten after every measurement, so a run cut short (``--time-budget``) keeps
+what it measured; configurations not started are listed as skipped. ``readme_section`` is the summary of
+``benchmarks/results/README.md``.
 """
 from __future__ import annotations
 
@@ -72,7 +56,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.common import RESULTS, ROOT, run_info, table, write_results
+from benchmarks.common import (LLAMA_256, RESULTS, ROOT, malloc_trim, pyplot, random_llama, rss_kb, run_info, table,
+                               write_results)
 
 MODES = ("after_prefill", "blockwise", "decoding")
 POLICIES = (("keydiff", None), ("snapkv", None), ("snapkv", "adakv"), ("lagkv", None))
@@ -84,8 +69,7 @@ SMOLLM2_CONFIGS = (("after_prefill", "keydiff", None), ("after_prefill", "snapkv
                    ("blockwise", "keydiff", None), ("blockwise", "snapkv", "adakv"))
 SMOKE_NS = (512, 1024)
 SMOKE_CONFIGS = (("after_prefill", "keydiff", None), ("blockwise", "snapkv", "adakv"), ("decoding", "lagkv", None))
-TINY = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=32768 + 64)
+TINY = LLAMA_256
 TARGET_PEAK, TARGET_RESIDENT = 1.2, 1.1
 MMAP_THRESHOLD = 128 * 1024  # glibc: a fixed threshold (no dynamic raise), so freed tensors leave the RSS
 MODEL_NAMES = {"tiny": "random Llama (2 layers, 8/2 heads, head_dim 32, fp32)",
@@ -129,11 +113,6 @@ def plan(smoke: bool, which=("tiny",), ns=None, modes=None, policies=None) -> li
 # the worker: one measurement in this (fresh) process
 
 
-def _rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
 def _maxrss_kb() -> int:
     import resource
 
@@ -147,7 +126,7 @@ def _reset_peak_rss() -> bool:
             f.write("5")
     except OSError:
         return False
-    return _maxrss_kb() <= _rss_kb() + 1024
+    return _maxrss_kb() <= rss_kb() + 1024
 
 
 def tensor_peak(prof) -> int:
@@ -160,18 +139,6 @@ def tensor_peak(prof) -> int:
         live += b
         peak = max(peak, live)
     return peak
-
-
-def _malloc_trim() -> bool:
-    """Give the C heap's free memory back to the system (glibc ``malloc_trim(0)``), so that the call measured
-    next grows the RSS by what it allocates instead of reusing what the warm-up left free."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
 
 
 def held_bytes(cache) -> int:
@@ -225,12 +192,7 @@ def cache_stats(cache) -> dict:
         kept = [int(k.sum()) for k in cache.kept_tokens()]
         kv = pos = 0
         for layer, k in zip(cache.layers, kept):
-            es = layer.dtype.itemsize
-            if hasattr(layer, "_shape"):  # (B, H_kv, D), set at the layer's first update
-                D = layer._shape[2]
-            else:  # older layers: read it from the store
-                D = layer.store.kv.head_dim if layer.store.ragged else layer.keys.shape[-1]
-            kv += k * 2 * D * es
+            kv += k * 2 * layer._shape[2] * layer.dtype.itemsize  # _shape: (B, H_kv, D)
             pos += k * _pos_size(layer)
         heads = [c.numel() for c in cache.kept_tokens()]
         out.update(resident_bytes=int(cache.nbytes), kept_tokens=sum(kept), kept_kv_bytes=kv, kept_pos_bytes=pos,
@@ -272,14 +234,8 @@ class AfterPrompt:
 
 
 def build_model(name: str, device: str):
-    import torch
-
     if name == "tiny":
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        cfg = LlamaConfig(**TINY, attn_implementation="sdpa")
-        return LlamaForCausalLM(cfg).to(device).eval()
+        return random_llama(**TINY, attn_implementation="sdpa").to(device)
     from tritonkv.integrations.model import load_smollm2
 
     return load_smollm2(attn_implementation="sdpa", device=device)[0]
@@ -323,7 +279,7 @@ def worker(spec: dict) -> dict:
         _generate(model, warm, dict(spec, budget=WARMUP_BUDGET), 2)  # lazy imports, one-time set-up of this path
     warmup_s = time.perf_counter() - t
     gc.collect()
-    trimmed = _malloc_trim()
+    trimmed = malloc_trim()
     res = dict(spec, pid=os.getpid(), device=torch.cuda.get_device_name() if cuda else "cpu",
                threads=torch.get_num_threads(),
                import_s=round(t_import, 2), load_s=round(load_s, 2), warmup_s=round(warmup_s, 2),
@@ -334,7 +290,7 @@ def worker(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         cuda_base = torch.cuda.memory_allocated()
     res["peak_reset"] = _reset_peak_rss()
-    base = _rss_kb()
+    base = rss_kb()
     probe = AfterPrompt(model)
     t = time.perf_counter()
     with torch.no_grad():
@@ -532,27 +488,19 @@ def _grid(rows, model):
     return {k: grid[k] for k in keys}, sorted({n for g in grid.values() for n in g})
 
 
-def _stock(grid, model):
-    return grid.get(f"{model}/stock/dynamic", {})
-
-
 def _name(key):
     _, mode, pol = key.split("/")
     return "stock (DynamicCache, sdpa)" if mode == "stock" else f"{mode} · {pol}"
-
-
-def stock_key(model):
-    return (f"{model}/stock/dynamic",)
 
 
 def grid_table(rows, model, cell) -> str:
     """One line per configuration of ``model``, one column per N: ``cell(row, stock_row, is_stock)`` (the stock row
     None where stock was not measured at that N) gives the text, or None for "—"."""
     grid, ns = _grid(rows, model)
-    stock = _stock(grid, model)
+    stock = grid.get(f"{model}/stock/dynamic", {})
     lines = []
     for key, g in grid.items():
-        cells = [cell(g[n], stock.get(n), key in stock_key(model)) if n in g else None for n in ns]
+        cells = [cell(g[n], stock.get(n), key.endswith("/stock/dynamic")) if n in g else None for n in ns]
         lines.append([_name(key)] + ["—" if c is None else c for c in cells])
     return "\n".join(table(lines, None, ["configuration"] + [f"N={n}" for n in ns], right=True))
 
@@ -574,15 +522,6 @@ def _bytes_table(rows, model, field) -> str:
         return ""
     return grid_table(rows, model, lambda r, s, st: None if field not in r else
                       f"{r[field] / 2**20:.1f}" + _ratio(r, s, st, field))
-
-
-def tensor_table(rows, model) -> str:
-    """Peak bytes of live CPU tensors during the call (profiler memory events), MiB with the ratio to stock."""
-    return _bytes_table(rows, model, "tensor_peak_bytes")
-
-
-def cuda_table(rows, model) -> str:
-    return _bytes_table(rows, model, "cuda_peak_increase_bytes")
 
 
 def resident_table(rows, model, when) -> str:
@@ -619,7 +558,7 @@ def targets(data) -> list:
     rows = data["rows"]
     for model in sorted({r["model"] for r in _ok(rows)}):
         grid, ns = _grid(rows, model)
-        stock = _stock(grid, model)
+        stock = grid.get(f"{model}/stock/dynamic", {})
         for key, g in grid.items():
             mode = key.split("/")[1]
             ratios = {n: peak_kb(g[n]) / peak_kb(stock[n]) for n in ns if n in g and n in stock}
@@ -692,11 +631,11 @@ def markdown(data) -> str:
                 "**Peak RSS increase during `generate` (MiB, × stock)**", "", peak_table(rows, model), "",
                 "**Absolute peak RSS (MiB; the model and the libraries included)**", "",
                 peak_table(rows, model, absolute=True), ""]
-        tt_ = tensor_table(rows, model)
+        tt_ = _bytes_table(rows, model, "tensor_peak_bytes")  # the profiler's live CPU tensors
         if tt_:
             out += ["**Peak of live tensor bytes during `generate` (MiB, × stock; the profiler's allocation log, "
                     "independent of the C heap)**", "", tt_, ""]
-        ct = cuda_table(rows, model)
+        ct = _bytes_table(rows, model, "cuda_peak_increase_bytes")
         if ct:
             out += ["**CUDA peak allocated increase (MiB, × stock; on a GPU the targets read this table)**", "", ct,
                     ""]
@@ -745,11 +684,7 @@ def cross_checks(data) -> list:
 
 def plot(data, path) -> None:
     nt = data["settings"]["new_tokens"]
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(data["rows"]))]
     if not models:
         return
@@ -798,12 +733,12 @@ def readme_section(data, results_dir=RESULTS, rel="") -> str:
            f"and plot: [memory.md]({os.path.join(rel, 'memory.md')}).", ""]
     for model in [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(data["rows"]))]:
         grid, ns = _grid(data["rows"], model)
-        stock = _stock(grid, model)
+        stock = grid.get(f"{model}/stock/dynamic", {})
         out += [f"**{MODEL_NAMES[model]}**", "",
                 "| configuration | " + " | ".join(f"N={n}" for n in ns) + " | resident / kept |",
                 "|---|" + "---:|" * (len(ns) + 1)]
         for key, g in grid.items():
-            if key in stock_key(model):
+            if key.endswith("/stock/dynamic"):
                 cells = [f"{_mib(g[n]['peak_increase_kb'])} MiB" if n in g else "—" for n in ns]
                 out.append("| stock (peak increase) | " + " | ".join(cells) + " | 1 |")
                 continue

@@ -22,7 +22,6 @@ Writes ``benchmarks/results/soak.json`` and ``soak.md``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -34,18 +33,14 @@ import traceback
 import torch
 
 import tritonkv
-from benchmarks.common import RESULTS, random_llama, run_info, table, write_results
+from benchmarks.common import RESULTS, malloc_trim, random_llama, rss_kb, run_info, table, write_results
 from tritonkv.integrations import transformers as tt
-
-LIBC = ctypes.CDLL("libc.so.6")
-
 
 def rss_mib() -> float:
     """Resident memory of this process, MiB, after returning freed heap pages to the system."""
     gc.collect()
-    LIBC.malloc_trim(0)
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    malloc_trim()
+    return rss_kb() / 1024
 
 
 def growth(values: list[float], warm: int) -> float:

@@ -1,63 +1,48 @@
 """Kernel-level speed benchmark on a GPU: every policy, every allocator, decode attention, and scaling in N.
 
-One command measures everything (about 2 minutes on an H200; see "Duration" below)::
+One command measures everything (about 2 minutes on an H200)::
 
     python -m benchmarks.speed --out $OUT                   # on the GPU machine: all four parts
     python -m benchmarks.speed --scaling                    # one part only (also --compress/--allocation/--decode)
     TRITON_INTERPRET=1 python -m benchmarks.speed --smoke   # CPU check of the program (writes nothing)
 
-Shapes: B=1, H_kv=8 (H_q=32), D=128, bf16, keep 25%, random K/V/queries drawn on the device. Every row
-has a ``kind``:
+Shapes: B=1, H_kv=8 (H_q=32), D=128, bf16, keep 25%, random K/V/queries drawn on the device. Row ``kind``s:
 
-- ``compress``: ``tritonkv.compress`` of each registered policy at N in {4K, 32K, 128K}.
-  ``tritonkv_us`` is replayed from a CUDA graph when capture works (``timing``), the eager time is
-  ``tritonkv_eager_us``; ``kvpress_us`` is kvpress 0.5.5's matching press on copies of the same tensors,
-  eager (``pip install --no-deps kvpress==0.5.5``; null where it has none or it is absent), and
-  ``kvpress_graph_us`` under a CUDA graph where the press allows capture (null where a host sync inside
-  breaks it). Ratios are taken in one mode: ``x_kvpress_eager`` = kvpress eager / tritonkv eager,
-  ``x_kvpress_graph`` = kvpress graph / tritonkv graph. Window policies get the window queries' ``attn_lse``
-  as a model's prefill attention provides it (``window_lse``, outside the timed call). ``same_kept``
-  (``SAME_SETTINGS`` only: where tritonkv's defaults are the press's exactly) whether tritonkv keeps the
-  tokens that kvpress's scores select under tritonkv's rule; ``torch_compile_us`` the policy's plain PyTorch
-  pipeline (``benchmarks/baselines.py``: score, topk, sort, gather) under ``torch.compile`` (measured last).
-- ``allocation``: ``compress(..., "snapkv", 0.25, allocation=a)`` for every allocator ``a`` at the same
-  N, as layer 15 of 30 (SmolLM2-135M's depth). Inputs a user would pass: the shipped SmolLM2 INF profile
-  with its 3 KV heads tiled to 8 (headkv, surfacelogic, and fixed's precomputed HeadKV budgets), random
-  unit ``head_means [30, 1, 32, N]`` (score), a random ``layer_preference [30]`` (cake). The result is a
-  ``RaggedKV`` whose storage is sized by one host read-back of (total, max): eager time by design.
-- ``decode_attention``: ``benchmarks/decode_attention.py``'s cases (split-K GQA attention over a
-  ``RaggedKV`` vs padded, dense and SDPA; ``tritonkv_us`` = ``ragged_us``), its columns kept.
-- ``scaling``: knorm, keydiff, snapkv and lagkv at N = 4K, 8K, ..., 512K: time, ``ns_per_token`` and the
-  floor; ``scaling_fit`` holds per policy the least-squares line time = intercept + slope·N (slope in ns
-  per token, R²) and the log-log exponent over N >= 64K (1 = linear).
+- ``compress``: ``tritonkv.compress`` of each registered policy at N in {4K, 32K, 128K}: ``tritonkv_us`` replayed
+  from a CUDA graph when capture works (``timing``), eager ``tritonkv_eager_us``; ``kvpress_us`` kvpress 0.5.5's
+  matching press on copies of the same tensors, eager (``pip install --no-deps kvpress==0.5.5``; null without
+  one), ``kvpress_graph_us`` under a CUDA graph where the press allows capture. Ratios in one mode:
+  ``x_kvpress_eager``, ``x_kvpress_graph`` (kvpress / tritonkv). Window policies get the window queries'
+  ``attn_lse`` as a prefill's attention gives it (``window_lse``, untimed). ``same_kept`` (``SAME_SETTINGS``
+  only) whether tritonkv keeps what kvpress's scores select under tritonkv's rule; ``torch_compile_us`` the
+  policy's plain PyTorch pipeline (``benchmarks/baselines.py``) under ``torch.compile`` (measured last).
+- ``allocation``: ``compress(..., "snapkv", 0.25, allocation=a)`` for every allocator at the same N, as layer 15
+  of 30, with what a user would pass: the shipped SmolLM2 INF profile, its 3 KV heads tiled to 8 (headkv,
+  surfacelogic, fixed's HeadKV budgets), random unit ``head_means [30, 1, 32, N]`` (score), a random
+  ``layer_preference [30]`` (cake). The ``RaggedKV`` storage is sized by one host read-back: eager by design.
+- ``decode_attention``: ``benchmarks/decode_attention.py``'s cases and columns (``tritonkv_us`` = ``ragged_us``).
+- ``scaling``: knorm, keydiff, snapkv and lagkv at N = 4K .. 512K: time, ``ns_per_token``, the floor;
+  ``scaling_fit`` per policy: the least-squares line time = intercept + slope·N (R²) and the log-log exponent
+  over N >= 64K (1 = linear).
 
-Floors (``floor_us``): the bytes that must move — read what scoring reads (K; K and V for lagkv and
-criticalkv; nothing for streaming_llm; plus the ``head_means`` for the score allocator), then read and
-write the kept K+V — over the bandwidth of one 1 GiB ``clone()`` in the same run (``copy_GBps``; a copy
-of the case's own keys, 8 MiB at 4K, does not reach the bandwidth). ``x_floor`` = time / floor,
-``pct_copy_bw`` = floor / time.
+Floors (``floor_us``): the bytes that must move — what scoring reads (K; K and V for lagkv and criticalkv;
+nothing for streaming_llm; plus score's ``head_means``), then the kept K+V read and written — over the bandwidth
+of one 1 GiB ``clone()`` in the same run (``copy_GBps``). ``x_floor`` = time / floor, ``pct_copy_bw`` = floor /
+time. Timing: ``common.gpu_time`` (``triton.testing.do_bench``: L2 flushed, ~100 ms and >= 20 repeats) after a
+warm-up, the median with ``p20_us``/``p80_us``; every timed result is checked first (``ok``: kept indices
+ascending and in range, kept K/V equal to the input there).
 
-Timing: ``benchmarks.common.gpu_time`` (``triton.testing.do_bench``: CUDA events, L2 flushed before every run,
-~100 ms of repeats, at least 20) after a warm-up call; the median is reported with the 20th/80th percentiles
-(``p20_us``/``p80_us``) and the repeat count. Every timed result is checked first:
-kept indices ascending and in range, kept K/V equal to the input at those positions (``ok``).
+Duration: the committed H200 run took 102 s (``phase_s``). ``torch.compile`` runs last, and no case starts once
+``--time-budget`` (500 s) has passed, so the run fits a 10-minute command; skipped cases are listed (``skipped``).
 
-Duration: the committed H200 run took 102 s (``phase_s``: compress 37 s, allocation 8 s, decode attention 19 s,
-scaling 8 s, ``torch.compile`` of 7 pipelines x 3 N 30 s; it now compiles the 10 baselines). The ``torch.compile``
-part runs last, and no part starts a new case once ``--time-budget`` (default 500 s) has passed, so the run fits a
-10-minute command; skipped cases are listed (``skipped``, and under the Markdown tables).
-
-Output: ``<out>/<device>-speed.json`` (device, torch, triton, commit, date, copy_GBps, phase_s,
-scaling_fit, rows), ``.md`` (the tables ``benchmarks/report.py`` puts in the README), ``.png`` (time /
-floor vs N) and ``-scaling.png`` (log-log time vs N with the floors). ``--out`` defaults to
-``benchmarks/results``; a run of some parts only writes ``<device>-speed-only-<parts>.*``; results are
-rewritten after every part, so a run cut short keeps what it measured. ``--smoke`` runs tiny shapes on
-the CPU (Triton interpreter) through every path and writes only when ``--out`` is given.
+Output (``--out``, default ``benchmarks/results``): ``<device>-speed.json`` (device, versions, commit, date,
+copy_GBps, phase_s, scaling_fit, rows), ``.md`` (the tables of ``benchmarks/report.py``), ``.png`` (time / floor
+vs N) and ``-scaling.png``; a run of some parts writes ``<device>-speed-only-<parts>.*``; rewritten after every
+part. ``--smoke``: tiny shapes on the CPU through every path, written only with ``--out``.
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -75,7 +60,8 @@ import tritonkv  # noqa: E402
 from tritonkv import POLICIES  # noqa: E402
 
 from benchmarks import baselines, decode_attention as da  # noqa: E402
-from benchmarks.common import RESULTS, copy_bandwidth, gpu_time, run_info, table, write_results  # noqa: E402
+from benchmarks.common import (RESULTS, copy_bandwidth, gpu_time, policy_inputs, pyplot, run_info,  # noqa: E402
+                               table, write_results)
 
 KV_POLICIES = {"lagkv", "criticalkv"}  # scores read V too
 PARTS = ("compress", "allocation", "decode", "scaling")
@@ -138,16 +124,6 @@ def make_case(N, B, H, G, D, W, dtype, device, seed=0):
     o_proj = (rnd(H * G * D, H * G * D) / math.sqrt(H * G * D)).to(dtype)
     hd = torch.rand(H, generator=g, device=device) + 0.1
     return keys, values, {"queries": queries, "o_proj": o_proj, "hd": hd, "attn_lse": window_lse(keys, queries)}
-
-
-def policy_inputs(pol, pool):
-    """What a model hands ``pol``: its needs, plus ``attn_lse`` where its scoring takes one (the prefill
-    attention's log-sum-exp, which a model's attention returns and which saves window policies a pass over K)."""
-    inputs = {n: pool[n] for n in pol.needs}
-    base = getattr(pol, "base", pol)
-    if "attn_lse" in inspect.signature(base.score).parameters:
-        inputs["attn_lse"] = pool["attn_lse"]
-    return inputs
 
 
 def window_lse(keys, queries) -> torch.Tensor:
@@ -256,13 +232,8 @@ def kvpress_case(kvpress, name, keys, values, queries, keep, W):
     q, _ = apply_rotary_pos_emb(q, q, cos[:, -W:], sin[:, -W:])
     queries.copy_(q)
 
-    def press_fn():
-        return press.compress(attn, hidden, keys, values, None, kwargs)
-
-    def scores_fn():
-        return press.score(attn, hidden, keys, values, None, kwargs)
-
-    return press_fn, scores_fn, attn
+    return (lambda: press.compress(attn, hidden, keys, values, None, kwargs),
+            lambda: press.score(attn, hidden, keys, values, None, kwargs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,7 +318,7 @@ def run_compress(ctx: Ctx, rows: list) -> None:
             t, timing = measure_graph(fn, ctx.cuda, f"compress {name} N={N}") if ctx.cuda else (eager, "eager")
             kv_us = kv_graph = same = None
             if kv_ref is not None:
-                press_fn, scores_fn, _ = kv_ref
+                press_fn, scores_fn = kv_ref
                 press_fn()
                 kv_us = gpu_time(press_fn, ctx.cuda)["us"]
                 if ctx.cuda:  # kvpress under a CUDA graph where it allows one (a host sync inside does not)
@@ -643,12 +614,8 @@ def base_name(result) -> str:
 def write(result, out_dir):
     """JSON, Markdown and the two plots; returns the path stem."""
     base = write_results(os.path.join(out_dir, base_name(result)), result, markdown(result))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return base
     rows = [r for r in result["rows"] if "error" not in r]
     comp = [r for r in rows if r.get("kind") == "compress"]

@@ -4,29 +4,25 @@
     python -m benchmarks.tp_memory --quick         # smaller prompt, fewer configurations (a smoke run)
     python -m benchmarks.tp_memory --part llama    # only the random Llama (or --part smollm2)
 
-Every rank is a process of this module (``--worker``), gloo on the CPU, the native CPU op bodies.
+Every rank is a process of this module (``--worker``), gloo on the CPU, the native CPU op bodies. Per
+configuration: SnapKV scoring (W = 32, κ = 7); one budget per head, AdaKV exact, AdaKV ``balance_ranks`` 1.5 /
+1.25 / True; budget 10 % and 25 % of N.
 
-Part ``llama``: a seeded random Llama (4 layers, hidden 256, 16 query / 8 KV heads, head_dim 32, vocab 1024, fp32)
-loaded by transformers with ``tp_plan="auto"`` in 2 processes (4 KV heads each), a prompt of N seeded random ids.
-Per configuration (SnapKV W = 32 κ = 7 scoring; one budget per head, AdaKV exact, AdaKV ``balance_ranks`` 1.5 /
-1.25 / True; budget 10 % and 25 % of N):
-
-- ``cache_bytes``: ``TritonKVCache.nbytes`` on each rank after ``prefill`` of the prompt in ``after_prefill`` mode
-  (everything the cache holds: kept K/V, positions, slack, bookkeeping);
-- ``kept``: tokens kept per rank (summed over layers, heads);
-- ``attn_err``: the attention-output error against the full cache, ``mean |o − ô|₁ / |o|₁`` over the Q = 64
-  queries that follow the prompt, every query head and every layer, where ``o`` attends over the prompt's keys
-  (all of them) and ``ô`` over the kept ones. Q/K/V come from one uncompressed TP forward over prompt + Q tokens
-  (captured per layer by a recording attention function; RoPE applied), each rank compressing its own heads with
-  ``compress(..., process_group=)`` — the same tokens its cache keeps.
+Part ``llama``: a seeded random Llama (4 layers, hidden 256, 16 query / 8 KV heads, head_dim 32, vocab 1024,
+fp32) loaded with ``tp_plan="auto"`` in 2 processes (4 KV heads each), a prompt of N seeded random ids:
+``cache_bytes`` = ``TritonKVCache.nbytes`` per rank after ``prefill`` in ``after_prefill`` mode (kept K/V,
+positions, slack, bookkeeping); ``kept`` = tokens kept per rank; ``attn_err`` = ``mean |o − ô|₁ / |o|₁`` over the
+Q = 64 queries after the prompt, every query head and layer, ``o`` over all the prompt's keys and ``ô`` over the
+kept ones (Q/K/V from one uncompressed TP forward over prompt + Q, captured per layer with RoPE applied, each
+rank compressing its own heads with ``compress(..., process_group=)``: the tokens its cache keeps).
 
 Part ``smollm2``: SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads) on real text (the needle haystack), its
 Q/K/V captured in one process and split by heads over 3 ranks (one KV head each, as a TP plan of 3 would):
-per-rank kept bytes (``RaggedKV.nbytes`` summed over layers) and ``attn_err`` as above. With one head per rank,
-``balance_ranks=True`` is the uniform allocation: every head keeps the same budget.
+kept bytes per rank (``RaggedKV.nbytes`` over layers) and ``attn_err``. With one head per rank,
+``balance_ranks=True`` is the uniform allocation.
 
-``imbalance`` = max over ranks / mean over ranks of the bytes. ``err_vs_exact`` = the configuration's error
-minus exact AdaKV's (what balancing costs; negative = better).
+``imbalance`` = max / mean of the bytes over ranks; ``err_vs_exact`` = the error minus exact AdaKV's (negative =
+better).
 """
 from __future__ import annotations
 
@@ -43,7 +39,8 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, ROOT, run_info
+from benchmarks.common import RESULTS, ROOT, random_llama, run_info, write_results
+
 LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=8, head_dim=32, max_position_embeddings=8192)
 ALLOCS = [("uniform", None), ("adakv", {}), ("adakv balance 1.5", dict(balance_ranks=1.5)),
@@ -98,24 +95,11 @@ def attn_error(q, k, v, kept) -> float:
     return float(err.mean())
 
 
-def kept_bytes(kept) -> int:
-    from tritonkv.api import Compressed
-
-    if isinstance(kept, Compressed):
-        return sum(t.numel() * t.element_size() for t in kept)
-    return kept.nbytes
-
-
-def kept_count(kept) -> int:
-    from tritonkv.api import Compressed
-
-    return int(kept.indices.numel()) if isinstance(kept, Compressed) else int(kept.length.sum())
-
-
 def compress_layers(layers, N, W, budget, alloc, pg, policy):
     """Compress each layer's prompt prefix on this rank; (bytes, kept, mean error, seconds)."""
     import tritonkv
     from tritonkv.allocation import AdaKV
+    from tritonkv.api import Compressed
 
     allocation = None if alloc is None else AdaKV(**alloc)
     tot_b = tot_k = 0
@@ -127,8 +111,9 @@ def compress_layers(layers, N, W, budget, alloc, pg, policy):
         kept = tritonkv.compress((kp, vp), policy, budget, allocation=allocation, queries=q[:, :, N - W:N],
                                  process_group=pg, layer=li, num_layers=len(layers))
         t += time.perf_counter() - t0
-        tot_b += kept_bytes(kept)
-        tot_k += kept_count(kept)
+        dense = isinstance(kept, Compressed)
+        tot_b += sum(t.numel() * t.element_size() for t in kept) if dense else kept.nbytes
+        tot_k += int(kept.indices.numel()) if dense else int(kept.length.sum())
         errs.append(attn_error(q[:, :, N:], kp, vp, kept))
     return tot_b, tot_k, sum(errs) / len(errs), t
 
@@ -136,6 +121,7 @@ def compress_layers(layers, N, W, budget, alloc, pg, policy):
 def worker_llama(args, pg, rank):
     from transformers import AutoModelForCausalLM
 
+    from tritonkv.allocation import AdaKV
     from tritonkv.integrations import transformers as tt
     from tritonkv.policies import SnapKV
 
@@ -154,8 +140,6 @@ def worker_llama(args, pg, rank):
     rows = []
     for frac in args.budgets:
         for name, alloc in ALLOCS:
-            from tritonkv.allocation import AdaKV
-
             cache = tt.make_cache(model, policy, frac, mode="after_prefill", prompt_length=N,
                                   allocation=None if alloc is None else AdaKV(**alloc), process_group=pg)
             t0 = time.perf_counter()
@@ -326,11 +310,8 @@ def main():
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("llama", "both"):
-            import transformers
-
-            torch.manual_seed(0)
             d = os.path.join(tmp, "llama")
-            transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).save_pretrained(d)
+            random_llama(**LLAMA).save_pretrained(d)
             rows += launch(2, ["--part", "llama", "--model-dir", d, *common], timeout=900)
             print(f"llama done ({time.time() - t0:.0f} s)", flush=True)
         if args.part in ("smollm2", "both"):
@@ -342,12 +323,8 @@ def main():
     info = run_info()
     meta = dict(machine=dict(info, backend="gloo (CPU)"), command=info["command"],
                 llama_n=n, smollm2_n=n, seconds=round(time.time() - t0, 1))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tp_memory.json"), "w") as f:
-        json.dump(dict(meta=meta, summary=summary, rows=rows), f, indent=1)
     md = markdown(summary, meta)
-    with open(os.path.join(args.out, "tp_memory.md"), "w") as f:
-        f.write(md)
+    write_results(os.path.join(args.out, "tp_memory"), dict(meta=meta, summary=summary, rows=rows), md)
     print(md)
 
 

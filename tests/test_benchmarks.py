@@ -31,7 +31,7 @@ def test_results_page_is_current():
 
 def test_results_page(tmp_path):
     """The page from a results folder: its sections say what is missing; --check fails on a stale page and passes on
-    a fresh one; writing twice changes nothing."""
+    a fresh one; writing twice changes nothing; every other result file is linked."""
     res = tmp_path / "results"
     (res / "quality").mkdir(parents=True)
     assert report.main(["--check"], results_dir=str(res)) == 1  # no page yet
@@ -43,6 +43,13 @@ def test_results_page(tmp_path):
     assert report.main(["--check"], results_dir=str(res)) == 1
     report.main([], results_dir=str(res))
     assert (res / "README.md").read_text() == page
+    # every other result file is linked: the described ones, and any Markdown found
+    (res / "soak.md").write_text("x")
+    (res / "sub").mkdir()
+    (res / "sub" / "new.md").write_text("x")
+    report.main([], results_dir=str(res))
+    page = (res / "README.md").read_text()
+    assert "- [soak.md](soak.md): memory over" in page and "- [sub/new.md](sub/new.md)\n" in page
 
 
 def test_records_compressed_and_plain(tmp_path):

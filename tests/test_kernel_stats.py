@@ -83,6 +83,7 @@ def _demo_kernel(a_ptr, b_ptr, c_ptr, h_ptr, n, BLOCK: tl.constexpr):
     _helper(b_ptr, c_ptr, n)
     tl.atomic_add(h_ptr + off, 1)
 out["access"] = ks.pointer_access(_demo_kernel)
+out["occupancy"] = [ks.occupancy(*case, 90) for case in ((255, 2048, 4), (32, 0, 4), (32, 100 * 1024, 4), (40, 0, 8))]
 print(json.dumps(out))
 '''
 
@@ -92,7 +93,7 @@ def test_sass_loops_trip_counts_and_pointer_access(tmp_path):
     with own counts excluding the inner loop; trip counts come from the ``for`` on the branch's line (the
     middle program of the grid, locals evaluated, ``None`` when the bound is loaded); pointer parameters are
     classified as loaded/stored through assignments and helper calls (an offset loaded from a pointer does
-    not make that pointer written)."""
+    not make that pointer written); the occupancy arithmetic on cases worked by hand."""
     res = _python(_UNITS, tmp_path)
     assert res["n"] == 11
     outer, inner = res["loops"]
@@ -105,6 +106,10 @@ def test_sass_loops_trip_counts_and_pointer_access(tmp_path):
     assert res["trips"] == [4, 2, None, None]
     access = {k: v for k, v in res["access"].items() if k.endswith("_ptr")}
     assert access == {"a_ptr": "r", "b_ptr": "r", "c_ptr": "w", "h_ptr": "rw"}
+    # occupancy on an H100, worked by hand: 255 regs -> 8192 per warp, 8 warps/SM; 32 regs -> the thread limit;
+    # 233472 // (102400 + 1024) = 2 CTAs; 40 regs -> 1280 per warp, 51 warps -> 6 CTAs of 8
+    assert [(o["ctas_per_sm"], o["occupancy"], o["limiter"]) for o in res["occupancy"]] == [
+        (2, 0.125, "registers"), (16, 1.0, "threads"), (2, 0.125, "shared memory"), (6, 0.75, "registers")]
 
 
 _SMOKE = r'''
