@@ -51,7 +51,12 @@ def use_triton(t: torch.Tensor) -> bool:
 
     CUDA: Triton. CPU (and meta): the PyTorch body, or the Triton kernels under the interpreter (see
     ``cpu_kernels``). Any other device: a ValueError naming it."""
-    kind = t.device.type
+    if type(t) is torch.Tensor:  # a plain tensor's flags are its device (``t.device`` builds an object)
+        if t.is_cuda:
+            return True
+        if t.is_cpu:
+            return _cpu[0] == "triton"
+    kind = t.device.type  # subclasses (fake tensors while tracing) say their device here
     if kind == "cuda":
         return True
     if kind in ("cpu", "meta"):
@@ -92,6 +97,7 @@ def cdiv(a: int, b: int) -> int:
 # Argument types of an op call that may skip the dispatcher (anything else, e.g. a tensor subclass, goes
 # through it).
 _PLAIN = frozenset({torch.Tensor, int, float, bool, str, type(None)})
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 def _eager(args, kwargs) -> bool:
@@ -119,12 +125,12 @@ def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
             # out= ops accept inputs that do, e.g. keys computed from a model's weights outside no_grad)
             prev, grad = getattr(wrap_triton_enabled, "value", True), torch.is_grad_enabled()
             wrap_triton_enabled.value = False
-            torch.set_grad_enabled(False)
+            _set_grad_enabled(False)  # torch.set_grad_enabled's C setter, without its context-manager object
             try:
                 return fn(*args, **kwargs)
             finally:
                 wrap_triton_enabled.value = prev
-                torch.set_grad_enabled(grad)
+                _set_grad_enabled(grad)
 
         call.op = op
         return call
@@ -406,7 +412,8 @@ def check_int(name: str, v, lo: int = 0) -> int:
 def check_device(name: str, t: torch.Tensor, device, of: str, *, cpu_ok: bool = False) -> None:
     """A ValueError naming ``name`` unless ``t`` is on ``device`` (the device of ``of``). With
     ``cpu_ok`` a CPU tensor is accepted too (the caller copies it over)."""
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if t.device != device and not (cpu_ok and t.device.type == "cpu"):
         raise ValueError(f"{name} must be on the device of {of} ({device}), got {t.device}")
 
