@@ -8,8 +8,10 @@
   and ``torch.export`` trace: one op per launcher) and returns a function that, in eager mode
   (not tracing, no dispatch mode, plain tensors), calls the launcher body directly: the
   ``torch.library`` dispatcher costs more host time than the kernels of a small compress.
-  ``launch`` then calls the ``@triton.jit`` kernel directly; while tracing it goes through
-  ``wrap_triton`` (``docs/architecture.md``, "Kernels").
+  ``launch`` then calls the ``@triton.jit`` kernel directly, through the launch cache
+  (``_cached_run``: the compiled kernel's launcher called with exactly what ``JITFunction.run`` would
+  pass it, without re-binding; ``TRITONKV_LAUNCH_CACHE=0`` turns it off); while tracing it goes
+  through ``wrap_triton`` (``docs/architecture.md``, "Kernels").
 * ``use_triton`` / ``cpu_kernels``: one op, two devices. Every op body starts with
   ``if not use_triton(x): return <vectorised PyTorch body>``: CUDA tensors run the Triton kernels,
   CPU tensors the PyTorch body — unless the Triton interpreter is on (``TRITON_INTERPRET=1``), where
