@@ -8,8 +8,10 @@
   and ``torch.export`` trace: one op per launcher) and returns a function that, in eager mode
   (not tracing, no dispatch mode, plain tensors), calls the launcher body directly: the
   ``torch.library`` dispatcher costs more host time than the kernels of a small compress.
-  ``launch`` then calls the ``@triton.jit`` kernel directly; while tracing it goes through
-  ``wrap_triton`` (``docs/architecture.md``, "Kernels").
+  ``launch`` then calls the ``@triton.jit`` kernel directly, through the launch cache
+  (``_cached_run``: the compiled kernel's launcher called with exactly what ``JITFunction.run`` would
+  pass it, without re-binding; ``TRITONKV_LAUNCH_CACHE=0`` turns it off); while tracing it goes
+  through ``wrap_triton`` (``docs/architecture.md``, "Kernels").
 * ``use_triton`` / ``cpu_kernels``: one op, two devices. Every op body starts with
   ``if not use_triton(x): return <vectorised PyTorch body>``: CUDA tensors run the Triton kernels,
   CPU tensors the PyTorch body — unless the Triton interpreter is on (``TRITON_INTERPRET=1``), where
@@ -27,7 +29,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import numbers
+import operator
 import os
 from typing import NamedTuple, Optional
 
@@ -49,7 +53,12 @@ def use_triton(t: torch.Tensor) -> bool:
 
     CUDA: Triton. CPU (and meta): the PyTorch body, or the Triton kernels under the interpreter (see
     ``cpu_kernels``). Any other device: a ValueError naming it."""
-    kind = t.device.type
+    if type(t) is torch.Tensor:  # a plain tensor's flags are its device (``t.device`` builds an object)
+        if t.is_cuda:
+            return True
+        if t.is_cpu:
+            return _cpu[0] == "triton"
+    kind = t.device.type  # subclasses (fake tensors while tracing) say their device here
     if kind == "cuda":
         return True
     if kind in ("cpu", "meta"):
@@ -90,6 +99,7 @@ def cdiv(a: int, b: int) -> int:
 # Argument types of an op call that may skip the dispatcher (anything else, e.g. a tensor subclass, goes
 # through it).
 _PLAIN = frozenset({torch.Tensor, int, float, bool, str, type(None)})
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 def _eager(args, kwargs) -> bool:
@@ -117,12 +127,12 @@ def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
             # out= ops accept inputs that do, e.g. keys computed from a model's weights outside no_grad)
             prev, grad = getattr(wrap_triton_enabled, "value", True), torch.is_grad_enabled()
             wrap_triton_enabled.value = False
-            torch.set_grad_enabled(False)
+            _set_grad_enabled(False)  # torch.set_grad_enabled's C setter, without its context-manager object
             try:
                 return fn(*args, **kwargs)
             finally:
                 wrap_triton_enabled.value = prev
-                torch.set_grad_enabled(grad)
+                _set_grad_enabled(grad)
 
         call.op = op
         return call
@@ -130,11 +140,173 @@ def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """Launch a ``@triton.jit`` kernel: directly in eager mode, through ``wrap_triton`` (traceable by
-    torch.compile/export) otherwise."""
+    """Launch a ``@triton.jit`` kernel: directly in eager mode (through the launch cache, see
+    ``_cached_run``), through ``wrap_triton`` (traceable by torch.compile/export) otherwise."""
     if is_wrap_triton_enabled() and not _eager(args, kwargs):
         return wrap_triton(kernel)[grid](*args, **kwargs)
+    if _launch_cache[0]:
+        return _cached_run(kernel, grid, args, kwargs)
     return kernel.run(*args, grid=grid, warmup=False, **kwargs)  # what kernel[grid](...) calls
+
+
+# ------------------------------------------------------------------------------------------------
+# The launch cache: Triton's own launch path without its per-launch binder.
+#
+# ``JITFunction.run`` binds the arguments, asks a C helper for each argument's specialisation (pointer
+# dtype and 16-byte alignment; an int's width, divisibility by 16 and == 1), builds the cache-key string
+# of the specialisation and the options, looks the compiled kernel up and calls its launcher: 8-35 µs of
+# host time per launch, more than the kernels of a small compress take on the GPU. ``_cached_run`` keys
+# a launch by a *finer* classification of the same arguments (every two arguments that Triton's
+# specialisation tells apart, it tells apart too: a tensor's dtype and address mod 16, an int's value
+# mod 16, == 1 and width, other types by type) plus the constexpr and option values with their types,
+# the device and the knobs ``run`` adds to the options. The first launch of a key goes through ``run``
+# itself, which compiles or finds the kernel; the cache remembers the compiled kernel under Triton's
+# own key string (found in Triton's cache by identity). Later launches of the key check that Triton's
+# cache still maps that string to that kernel and that the kernel's global values are unchanged (as
+# ``run`` does), then call the kernel's launcher with exactly the arguments ``run`` passes it: grid,
+# stream, function, packed metadata, launch metadata, hooks, every bound argument in signature order.
+# Anything else takes ``run``: other argument or constexpr types, keyword defaults, a callable grid,
+# pre-run hooks, a stage-inspection hook, a patched ``JITFunction.run`` (``record_launches``), a backend
+# without native tensor specialisation (AMD), another kernel class (the interpreter, autotuners), a
+# Triton version whose ``run`` was not audited (3.6 and 3.9 are; tests/test_launch_cache.py compares
+# both paths argument by argument). ``TRITONKV_LAUNCH_CACHE=0`` turns the cache off.
+
+_launch_cache = [os.environ.get("TRITONKV_LAUNCH_CACHE", "1") != "0"]
+_RECIPES: dict = {}  # (id(kernel), positional count, keyword names) -> _Recipe, or False: always ``run``
+_MAX_LAUNCHES = 1024  # cached launches per recipe before its cache starts over
+_CONST_TYPES = frozenset({int, bool, str, type(None)})  # constexpr/option values whose (type, value) fix their repr
+_ARG_TYPES = frozenset({torch.Tensor, int, bool, float, type(None)})  # other arguments the cache classifies
+_I32 = (-(1 << 31), (1 << 31) - 1)
+_15 = itertools.repeat(15)
+_IS_ONE = (1).__eq__
+_DTYPE = operator.attrgetter("dtype")
+_DATA_PTR = torch.Tensor.data_ptr
+_NOT_PRESENT = object()
+
+
+def _triton_run():
+    """``(JITFunction, its run, knobs, driver)`` when ``run`` is the audited one of Triton 3.6 or 3.9, else None."""
+    try:
+        import triton
+        from triton import knobs
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover
+        return None
+    if not triton.__version__.startswith(("3.6.", "3.9.")) or JITFunction.run.__module__ != "triton.runtime.jit":
+        return None
+    return JITFunction, JITFunction.run, knobs, driver
+
+
+_AUDITED = _triton_run()
+
+
+def _int_width(v: int) -> int:
+    """0, 1, 2: ``v`` fits int32, int64, neither (Triton's i32, i64, u64)."""
+    return 0 if _I32[0] <= v <= _I32[1] else 1 if -(1 << 63) <= v < (1 << 63) else 2
+
+
+def _getter(keys):
+    """A function returning the tuple of ``seq[k]`` for ``k`` in ``keys``."""
+    if len(keys) > 1:
+        return operator.itemgetter(*keys)
+    if keys:
+        k = keys[0]
+        return lambda seq: (seq[k],)
+    return lambda seq: ()
+
+
+class _Recipe(NamedTuple):
+    """How to read the launches of one kernel with a given positional count and keyword names."""
+
+    kernel: object  # held, so that the id in the recipe's key is never reused
+    tail: object  # keywords -> the keyword parameters, in signature order
+    consts: object  # all parameters -> the constexpr ones
+    variables: object  # all parameters -> the others
+    options: object  # keywords -> the launch options (num_warps, ...)
+    splits: dict  # types of the variables -> (tensor getter, int getter), or None: not classified
+    launches: dict  # our key -> (Triton's cache dict, Triton's key string, compiled kernel)
+
+
+def _recipe(kernel, nargs: int, kwnames: tuple):
+    """The ``_Recipe`` of these launches, or False when ``run`` must take them (another kernel class,
+    keyword defaults, missing or doubled arguments)."""
+    if _AUDITED is None or type(kernel) is not _AUDITED[0]:
+        return False
+    names = [p.name for p in kernel.params]
+    tail = names[nargs:]
+    if nargs > len(names) or not set(tail).issubset(kwnames) or set(names[:nargs]) & set(kwnames):
+        return False
+    const = [p.is_constexpr for p in kernel.params]
+    return _Recipe(kernel, _getter(tail), _getter([i for i, c in enumerate(const) if c]),
+                   _getter([i for i, c in enumerate(const) if not c]), _getter([k for k in kwnames if k not in names]),
+                   {}, {})
+
+
+def _split(types: tuple):
+    """Getters of the tensors and of the ints among arguments of these ``types``; None when a type is not
+    classified by the launch cache."""
+    if not _ARG_TYPES.issuperset(types):
+        return None
+    return (_getter([i for i, t in enumerate(types) if t is torch.Tensor]),
+            _getter([i for i, t in enumerate(types) if t is int]))
+
+
+def _cached_run(kernel, grid, args: tuple, kwargs: dict):
+    """``kernel.run(*args, grid=grid, warmup=False, **kwargs)`` through the launch cache (see above)."""
+    kwnames = tuple(kwargs)
+    rkey = (id(kernel), len(args), kwnames)
+    rec = _RECIPES.get(rkey)
+    if rec is None:
+        rec = _RECIPES[rkey] = _recipe(kernel, len(args), kwnames)
+    if not rec or _AUDITED[0].run is not _AUDITED[1] or kernel.pre_run_hooks or callable(grid):
+        return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+    knobs, driver = _AUDITED[2], _AUDITED[3]
+    if getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None:
+        return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+    values = args + rec.tail(kwargs)
+    comp = knobs.compilation
+    # the constexpr values, the options and what ``run`` adds to them enter Triton's key as they are
+    const = rec.consts(values) + rec.options(kwargs) + (
+        kwargs.get("debug", kernel.debug) or knobs.runtime.debug, comp.instrumentation_mode,
+        getattr(comp, "fpsan_homomorphic_casts", None))
+    ctypes = tuple(map(type, const))
+    var = rec.variables(values)
+    vtypes = tuple(map(type, var))
+    split = rec.splits.get(vtypes, _NOT_PRESENT)
+    if split is _NOT_PRESENT:
+        split = rec.splits[vtypes] = _split(vtypes)
+    if split is None or not _CONST_TYPES.issuperset(ctypes):
+        return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+    tensors, ints = split[0](var), split[1](var)
+    width = 0 if not ints or (_I32[0] <= min(ints) and max(ints) <= _I32[1]) else tuple(map(_int_width, ints))
+    device = driver.active.get_current_device()
+    key = (device, const, ctypes, vtypes, tuple(map(_DTYPE, tensors)),
+           tuple(map(operator.and_, map(_DATA_PTR, tensors), _15)), tuple(map(operator.and_, ints, _15)),
+           tuple(map(_IS_ONE, ints)) if 1 in ints else None, width)
+    hit = rec.launches.get(key)
+    if hit is not None:
+        cache, tkey, compiled = hit
+        if kernel.device_caches[device][0] is cache and cache.get(tkey) is compiled:
+            for (name, _), (val, globals_dict) in kernel.used_global_vals.items():  # as ``run`` checks them
+                if (new_val := globals_dict.get(name, _NOT_PRESENT)) != val:
+                    raise RuntimeError(f"Global variable {name} has changed since we compiled this kernel, "
+                                       f"from {val} to {new_val}")
+            stream = driver.active.get_current_stream(device)
+            n = len(grid)
+            launch_metadata = compiled.launch_metadata(grid, stream, *values)
+            compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                         compiled.packed_metadata, launch_metadata, knobs.runtime.launch_enter_hook,
+                         knobs.runtime.launch_exit_hook, *values)
+            return compiled
+    compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)
+    cache, _, _, backend, _ = kernel.device_caches[device]
+    tkey = next((k for k, v in cache.items() if v is compiled), None) if compiled is not None else None
+    if tkey is not None and getattr(backend, "supports_native_tensor_specialization", False) is True:
+        if len(rec.launches) >= _MAX_LAUNCHES:
+            rec.launches.clear()
+        rec.launches[key] = (cache, tkey, compiled)
+    return compiled
 
 
 class Launch(NamedTuple):
@@ -242,7 +414,8 @@ def check_int(name: str, v, lo: int = 0) -> int:
 def check_device(name: str, t: torch.Tensor, device, of: str, *, cpu_ok: bool = False) -> None:
     """A ValueError naming ``name`` unless ``t`` is on ``device`` (the device of ``of``). With
     ``cpu_ok`` a CPU tensor is accepted too (the caller copies it over)."""
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if t.device != device and not (cpu_ok and t.device.type == "cpu"):
         raise ValueError(f"{name} must be on the device of {of} ({device}), got {t.device}")
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import launch, row_major, triton_op, use_triton
+from ._common import cdiv, launch, row_major, triton_op, use_triton
 from .knorm import _check_keys, _load_keys, hist_tile, nonfinite, score_hist0, token_blocks
 from .select import NB, hist0_of_chunk
 
@@ -125,7 +125,7 @@ def keydiff_score_op(keys: torch.Tensor, normalize: bool, chunk: int, hist0: Opt
     out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)
     if N > 0 and R > 0:
         cfg = token_blocks(N, R, D, chunk)
-        C = triton.cdiv(N, cfg["CHUNK"])
+        C = cdiv(N, cfg["CHUNK"])
         part = torch.empty((R, C, D + 1), dtype=torch.float32, device=keys.device)
         strides = (keys.stride(0), keys.stride(1), keys.stride(2))
         launch(_keydiff_anchor_kernel, (C, R), keys, part, H, *strides, N, D, C, NORMALIZE=normalize, **cfg)

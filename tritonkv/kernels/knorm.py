@@ -18,13 +18,15 @@ same formula in PyTorch.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from typing import Optional
 
-from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+from ._common import INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 
@@ -62,6 +64,7 @@ def _knorm_kernel(k_ptr, out_ptr, h0_ptr, H, skb, skh, skn, N, D, CHUNK, C0, sin
         hist0_of_chunk(out_ptr + r * N, out_ptr, h0_ptr, r, c, C0, N, CHUNK, sink, window, HIST_TILE, NB, False)
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
 def token_blocks(n: int, rows: int, d: int, chunk: int = 0) -> dict:
     """Launch configuration of a token-streaming kernel: ``CHUNK`` tokens per program (a power of
     two; a runtime argument of the kernels), ``TILE`` tokens per loop step, ``BLOCK_D`` = next_pow2(d), ``num_warps``.
@@ -127,7 +130,7 @@ def knorm_score_op(keys: torch.Tensor, chunk: int, hist0: Optional[torch.Tensor]
     out = torch.empty((B, H, N), dtype=torch.float32, device=keys.device)
     if N > 0 and B * H > 0:
         cfg = token_blocks(N, B * H, D, chunk)
-        C = triton.cdiv(N, cfg["CHUNK"])
+        C = cdiv(N, cfg["CHUNK"])
         launch(_knorm_kernel, (C, B * H), keys, out, out if hist0 is None else hist0, H,
                keys.stride(0), keys.stride(1), keys.stride(2), N, D, C0=C, sink=sink, window=window,
                HIST=hist0 is not None, NB=NB, HIST_TILE=hist_tile(cfg["num_warps"]), **cfg)

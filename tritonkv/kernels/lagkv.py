@@ -36,13 +36,14 @@ at once.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_int, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+from ._common import INTERPRET, cdiv, check_int, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
 
 # the kernel's MODE: raw scores, ranks ρ/L, or the kept tokens
 RAW, RANK, SELECT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -239,6 +240,7 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
                                   vo_ptr, dd, D, MODE)
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
 def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: int):
     """(parts per program, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, num_warps). The blocks depend on
     (lag, d, dtype) only, so a partition's result does not depend on where it sits, how long the row
@@ -258,7 +260,7 @@ def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: in
     # runs of consecutive partitions, so that each partition is read about once (a run re-reads only
     # its last partition's reference): ~2 programs per SM of a 132-SM GPU at one 16-warp program per SM
     # (32K tokens x 8 rows: 8 partitions per run, 264 programs); not tuned on a GPU yet
-    parts = parts or max(1, min(16, triton.cdiv(n_scored * rows, 264)))
+    parts = parts or max(1, min(16, cdiv(n_scored * rows, 264)))
     return parts, block_l, block_t, block_d, block_j, warps
 
 
@@ -274,7 +276,7 @@ def _run(keys, values, out, ko, vo, mode: int, sink: int, lag: int, eps: float, 
     R = B * H
     n_scored = max(num_partitions(N, sink, lag) - 1, 0)
     parts, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, warps = _blocks(lag, D, keys.element_size(), n_scored, R, parts)
-    n_runs = triton.cdiv(n_scored, parts)
+    n_runs = cdiv(n_scored, parts)
     chunked = BLOCK_T < BLOCK_L and n_scored > 0
     tmp = torch.empty((R, 2, N) if chunked else (1,), dtype=torch.float32, device=keys.device)
     n_out = ko.shape[2] if mode == SELECT.value else 0

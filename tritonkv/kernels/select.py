@@ -41,6 +41,7 @@ static shapes only (torch.compile and torch.export trace it).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -48,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, triton_op, use_triton
+from ._common import INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch, next_pow2, triton_op, use_triton
 
 NB = 256  # bins per radix pass: four 8-bit digits of the 32-bit keys
 
@@ -308,6 +309,7 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, cnt_ptr, N, sink, window, k
                 _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, m, D, BLOCK_D)
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
 def _blocks(n: int, rows: int, chunk: Optional[int]):
     """(CHUNK, TILE): tokens per program of the select and per loop step of its kernels.
 
@@ -391,15 +393,14 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
                              out_idx, out_lengths, _or(out_mask, e, torch.int8), _or(out_keys, e),
                              _or(out_values, e), sink, window, k_max, full_rows)
     CHUNK, TILE = _blocks(N, R, chunk if chunk > 0 else None)
-    C = triton.cdiv(N, CHUNK)
+    C = cdiv(N, CHUNK)
     has_kv = keys is not None
     write_mask = out_mask is not None
     uniform = budgets is None
     kb = min(budget, k_max) if uniform else k_max  # the kernels' k_max: the uniform budget folded in
     if has_kv:
         H, D = keys.shape[1], keys.shape[3]
-        kstr = (keys.stride(0), keys.stride(1), keys.stride(2))
-        vstr = (values.stride(0), values.stride(1), values.stride(2))
+        kstr, vstr = keys.stride()[:3], values.stride()[:3]
     else:
         H, D, kstr, vstr = 1, 1, (0, 0, 0), (0, 0, 0)
     # absent tensors are passed as ``scores`` (never read: the constexpr flags switch them off)
@@ -410,7 +411,7 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     tail = (_or(out_start, scores), k_max, out_idx, out_lengths, _or(out_mask, scores), _or(keys, scores),
             _or(values, scores), _or(out_keys, scores), _or(out_values, scores), H, *kstr, *vstr, D)
     if _protected_only(N, sink, window, k_max, full_rows, forced is not None, write_mask):
-        launch(_select_compact_kernel, (max(triton.cdiv(k_max, compact["BATCH"]), 1), R), scores, f, b, scores,
+        launch(_select_compact_kernel, (max(cdiv(k_max, compact["BATCH"]), 1), R), scores, f, b, scores,
                N, sink, window, kb, 1, CHUNK, *tail, TILE=TILE, PROTECTED_ONLY=True, **compact)
         return
     if hist0 is None:

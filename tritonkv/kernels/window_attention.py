@@ -45,6 +45,7 @@ On the CPU (outside the interpreter) the op runs ``_window_attention_torch``: th
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -52,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+from ._common import INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
 
 POOLS = ("max", "avg")
 ROW_REDUCE = ("mean", "sum")
@@ -277,6 +278,7 @@ def _window_pool_kernel(u_ptr, out_ptr, H, N, n_pool, KSIZE: tl.constexpr, POOL_
     tl.store(out_ptr + r * N + j, res, mask=j < N)
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
 def _config(N: int, G: int, W: int, D: int, chunk: int) -> dict:
     """Block sizes. Rows: GB heads × BW window rows per block (≥ 16 rows for ``tl.dot``)."""
     block_d = max(16, next_pow2(D))
@@ -464,7 +466,7 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
     if R == 0 or N == 0:
         return out
     cfg = _config(N, G, W, D, chunk)
-    C = triton.cdiv(N, cfg["CHUNK"])
+    C = cdiv(N, cfg["CHUNK"])
     cast = INTERPRET or keys.dtype == torch.float32 or queries.dtype != keys.dtype
     has_v = values.numel() > 0
     vt = values if has_v else keys  # not read without values
@@ -488,7 +490,7 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
            ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max", **common)
     if pooled:
         block = min(next_pow2(N), 4096 if INTERPRET else 1024)
-        launch(_window_pool_kernel, (triton.cdiv(N, block), R), u, out, H, N, max(N - W, 0),
+        launch(_window_pool_kernel, (cdiv(N, block), R), u, out, H, N, max(N - W, 0),
                KSIZE=kernel_size, POOL_MAX=pool == "max", LAYER=head_reduce == "layer", BLOCK=block)
     return out
 
