@@ -70,16 +70,21 @@ def test_flash_layout_gather_scatter(layout):
     assert not phys.is_contiguous() or kv.is_contiguous() or layout.layer_view_order != (0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("layout", _layouts()[:2], ids=lambda x: x.name)
-def test_flash_layout_compaction(layout):
+@pytest.mark.parametrize("layout,dtype", [(x, t) for x in _layouts()[:2]
+                                          for t in (torch.float32, torch.float16, torch.bfloat16)],
+                         ids=lambda x: getattr(x, "name", str(x)))
+def test_flash_layout_compaction(layout, dtype):
     """Tokens written at their logical slots into scattered blocks; ``compact`` keeps, per head, what
     ``tritonkv.compress`` keeps of the region, in the trailing slots, and leaves every other block alone."""
     h, bs, d, n, s0, s1 = 2, 16, 32, 150, 32, 96  # region [32, 150): 8 blocks, keep 54 in [96, 150)
     table = torch.tensor([11, 2, 9, 4, 0, 5, 13, 1, 8, 3])
     g = torch.Generator().manual_seed(0)
     kv, _ = flash_cache(layout, 14, h, bs, 2 * d, g)
-    k = torch.randn(n, h, d, generator=g)
-    v = torch.randn(n, h, d, generator=g)
+    strides = kv.stride()
+    kv = kv.to(dtype)
+    assert kv.stride() == strides  # the physical order survives the cast
+    k = torch.randn(n, h, d, generator=g).to(dtype)
+    v = torch.randn(n, h, d, generator=g).to(dtype)
     for t in range(n):
         kv[table[t // bs], :, t % bs, :d] = k[t]
         kv[table[t // bs], :, t % bs, d:] = v[t]
@@ -153,9 +158,11 @@ def test_with_plan_keeps_the_stock_metadata():
                                  seq_lens=t, block_table=t, slot_mapping=t, seq_threshold_3D=4,
                                  num_par_softmax_segments=16, softmax_segm_output=t, softmax_segm_max=t,
                                  softmax_segm_expsum=t, causal=True)
+    md.extra = "set by a builder after construction"
     out = common.with_plan(md, ["x"])
     assert isinstance(out, TritonAttentionMetadata) and out.compactions == ["x"] and out.max_seq_len == 3
-    assert type(common.with_plan(md, [])) is type(out)
+    assert out.extra == "set by a builder after construction" and out.block_table is t
+    assert type(common.with_plan(out, [])) is type(out) and out.compactions == []
 
 
 def _vllm_config(cudagraph="NONE", tritonkv=True, **over):

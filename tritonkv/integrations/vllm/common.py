@@ -132,7 +132,8 @@ _WITH_PLAN: dict = {}
 
 
 def with_plan(md, compactions: list):
-    """The stock metadata ``md`` as an instance of a subclass of its dataclass with a ``compactions`` field."""
+    """The stock metadata ``md``, its class swapped in place for a subclass of its dataclass with a
+    ``compactions`` field (every attribute the stock builder set is kept; nothing is copied)."""
     cls = type(md)
     sub = _WITH_PLAN.get(cls)
     if sub is None:
@@ -140,7 +141,10 @@ def with_plan(md, compactions: list):
                                          [("compactions", list, dataclasses.field(default_factory=list))],
                                          bases=(cls,), namespace={"__module__": __name__})
         _WITH_PLAN[cls] = sub
-    return sub(**{f.name: getattr(md, f.name) for f in dataclasses.fields(md) if f.init}, compactions=compactions)
+        _WITH_PLAN[sub] = sub
+    md.__class__ = sub
+    md.compactions = compactions
+    return md
 
 
 # ---- the paged cache: gather, scatter, compact (device side, in the impl) ---------------------------------------
