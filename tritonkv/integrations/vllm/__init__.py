@@ -5,7 +5,10 @@ the second and later calls do nothing. ``register()`` only fills vLLM's registri
 
 * the KV-cache spec ``TritonKVSpec`` and its manager ``TritonKVManager`` (``KVCacheSpecRegistry``), which free the
   blocks of a running request that hold no kept token;
-* the attention backend ``TritonKVCPUBackend`` over ``CPU_ATTN`` (vLLM's CPU platform always picks that one).
+* the attention backends, each a subclass of vLLM's stock one registered over it: ``TritonKVCPUBackend`` over
+  ``CPU_ATTN`` (vLLM's CPU platform always picks that one), ``TritonKVTritonBackend`` over ``TRITON_ATTN`` and
+  ``TritonKVFlashBackend`` over ``FLASH_ATTN`` (GPUs). vLLM imports a backend's module only when it selects it, so
+  the GPU ones are never imported by the CPU build.
 
 It changes nothing until ``additional_config`` has a ``"tritonkv"`` entry (``config.py``). Usage and limits:
 ``docs/vllm.md``.
@@ -20,6 +23,10 @@ logger = logging.getLogger("vllm.tritonkv")  # under vLLM's logger: printed with
 
 #: vLLM releases the plugin is tested with (``>=`` the first, ``<`` the second)
 VLLM_TESTED = ("0.32", "0.34")
+
+#: vLLM's attention backends the plugin wraps: enum member -> the wrapper's path inside this package
+BACKENDS = {"CPU_ATTN": "backend.TritonKVCPUBackend", "TRITON_ATTN": "triton_attn.TritonKVTritonBackend",
+            "FLASH_ATTN": "flash_attn.TritonKVFlashBackend"}
 
 _REGISTERED = [0]  # how many times register() did its work in this process (0 or 1)
 
@@ -37,7 +44,8 @@ def register() -> None:
     # the built-in specs first: the registry registers them only while it is empty
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(TritonKVSpec, TritonKVManager, uniform_type_base_spec=FullAttentionSpec)
-    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.backend.TritonKVCPUBackend")
+    for member, path in BACKENDS.items():
+        register_backend(getattr(AttentionBackendEnum, member), f"{__name__}.{path}")
     _REGISTERED[0] = 1
     import os
 
@@ -45,4 +53,4 @@ def register() -> None:
 
 
 __all__ = ["register", "CONFIG_KEY", "TritonKVConfig", "TritonKVConfigError", "kept_start", "parse_config",
-           "VLLM_TESTED"]
+           "VLLM_TESTED", "BACKENDS"]
