@@ -24,7 +24,7 @@ OUTSIDE = [re.compile(r"(?:\.\./)?\bshared/(?:notes|DESIGN|seeds)|\.\./shared"),
 
 def files(root):
     for dirpath, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".venv")]  # .venv-vllm, .venv-tf-min
         for n in names:
             if n.endswith(SUFFIXES) or n == "Makefile":
                 path = os.path.join(dirpath, n)
