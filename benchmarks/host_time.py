@@ -57,6 +57,10 @@ CASES = [
     ("score", "score", ("queries", "hd"), None),
     ("knorm+pyramid", "knorm", ("layer", "num_layers"), "pyramid"),
     ("snapkv+adakv", "snapkv", ("queries", "attn_lse"), "adakv"),
+    ("knorm+headkv", "knorm", ("layer", "profile"), "headkv"),
+    ("knorm+surfacelogic", "knorm", ("layer", "profile"), "surfacelogic"),
+    ("knorm+cake", "knorm", ("layer", "layer_preference"), "cake"),
+    ("knorm+score", "knorm", ("layer", "head_means"), "score"),
 ]
 
 
@@ -120,7 +124,10 @@ def make_inputs():
     pool = dict(queries=torch.randn(B, H * G, W, D, generator=g).to(torch.bfloat16),
                 attn_lse=torch.randn(B, H * G, W, generator=g),
                 o_proj=torch.randn(H * G * D, H * G * D, generator=g).to(torch.bfloat16),
-                hd=torch.rand(H, generator=g) + 0.1, layer=3, num_layers=8)
+                hd=torch.rand(H, generator=g) + 0.1, layer=3, num_layers=8,
+                profile=torch.rand(8, H, generator=g), layer_preference=torch.rand(8, generator=g) + 0.1)
+    m = torch.rand(8, B, H * G, N, generator=g)  # every layer's head means (normalised mean attention rows)
+    pool["head_means"] = m / torch.linalg.vector_norm(m, dim=-1, keepdim=True)
     return keys, values, pool
 
 

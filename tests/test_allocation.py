@@ -16,6 +16,7 @@ from tritonkv.allocation import (ALLOCATORS, AdaKV, Cake, Fixed, HeadKV, Pyramid
                                  largest_remainder, pyramid_budgets, redundancy, sample_positions, score_budgets,
                                  score_head_budgets, score_layer_budgets, surfacelogic_budgets)
 from tritonkv.allocation.base import floor_eps
+from helpers import both_backends, on_backend  # noqa: E402
 
 SLOW = settings(max_examples=8)
 
@@ -551,3 +552,49 @@ def test_compress_with_allocation():
     assert out.lengths.tolist() == [[int(pyramid_budgets(4, 12, 40)[0])] * 3]
     out = tritonkv.compress((k, v), "knorm", 12, allocation="adakv")
     assert out.lengths.sum() == 36 and torch.equal(out.lengths, adakv_budgets(tritonkv.get_policy("knorm").score(k, v), 12))
+
+
+class _Given(tritonkv.policies.Policy):
+    """A plain top-k policy whose scores are given (``compress`` sees them as its own)."""
+
+    name = ""
+
+    def __init__(self, scores, sink, window):
+        super().__init__(sink=sink, window=window)
+        self.scores = scores
+
+    def score(self, keys, values, **inputs):
+        return self.scores
+
+
+@both_backends
+@SLOW
+@given(data=st.data())
+def test_compress_with_adakv_keeps_the_oracles_selection(backend, data):
+    """``compress(..., allocation="adakv")`` (exact mode: the global winners copied into rows, no per-head select)
+    against the NumPy oracles: each head keeps ``ref.adakv``'s budget of its selectable tokens plus the protected
+    ones, and its kept tokens are ``reference.select``'s top-k of that budget — ties, NaN scores and edge budgets
+    included; also with a paper-mode allocator (a per-head select of its budgets, sized by a static bound)."""
+    from reference.select import select as ref_select
+
+    s, b, alpha = adakv_case(data)
+    B, H, M = s.shape
+    sink, window = data.draw(st.integers(0, 2)), data.draw(st.integers(0, 3))
+    b = max(b, 1 - sink - window)  # compress keeps at least one token
+    N = M + sink + window
+    scores = np.concatenate([np.zeros((B, H, sink), np.float32), s, np.zeros((B, H, window), np.float32)], 2)
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(B, H, N, 16, generator=g), torch.randn(B, H, N, 16, generator=g)
+    pol = _Given(torch.from_numpy(scores), sink, window)
+    for mode in ("exact", "paper"):
+        with on_backend(backend):
+            out = tritonkv.compress((keys, values), pol, b + sink + window, allocation=AdaKV(alpha=alpha, mode=mode))
+        want = ref.adakv(s, b, alpha, mode) + sink + window
+        assert out.lengths.tolist() == want.tolist(), mode
+        K, V, L, P = out.to_padded(with_positions=True)
+        for r in range(B * H):
+            kept = ref_select(scores[r // H, r % H], want.flat[r], sink, window)
+            assert P[r // H, r % H, :len(kept)].tolist() == kept.tolist(), (mode, r)
+            assert torch.equal(K[r // H, r % H, :len(kept)], keys[r // H, r % H, kept])
+        if mode == "exact" and 0 < b < M:  # the static size: H·(b + sink + window) per batch row + 16 per row
+            assert out.keys.shape[0] == B * H * (b + sink + window + 16)

@@ -334,3 +334,104 @@ def test_append_kernel_compiles_ahead_of_time():
            "skh": "i64", "svb": "i64", "svh": "i64", "sko": "i64", "svo": "i64", "BLOCK_D": "constexpr"}
     assert_compiles({"module": "tritonkv.cache", "kernel": "_ragged_append_kernel", "signature": sig,
                      "constexprs": {"BLOCK_D": 128}})
+
+
+# -- RaggedKV.from_kept: rows from tokens already chosen (AdaKV's winners), no selection ---------------------------
+@st.composite
+def kept_case(draw, max_n=90):
+    """Each batch row keeps K flat tokens h·N + j, the same K in every row; heads may keep none, few or all."""
+    B, H = draw(st.integers(1, 2)), draw(st.integers(1, 4))
+    N, D = draw(st.integers(1, max_n)), draw(st.sampled_from([16, 24, 64]))
+    K = draw(st.integers(1, H * N))
+    kind = draw(st.sampled_from(["random", "one head", "edges"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 31 - 1)))
+    rows = []
+    for _ in range(B):
+        if kind == "one head" and K <= N:  # a head takes every kept token, the others none
+            h = int(rng.integers(0, H))
+            rows.append(h * N + np.sort(rng.choice(N, K, replace=False)))
+        elif kind == "edges":  # whole heads first, then the start of the next
+            rows.append(np.arange(K))
+        else:
+            rows.append(np.sort(rng.choice(H * N, K, replace=False)))
+    slack = draw(st.sampled_from([0, 1, 5, 16]))
+    return B, H, N, D, np.stack(rows).astype(np.int64), slack, int(rng.integers(0, 2 ** 31 - 1))
+
+
+def _check_from_kept(c, keys, values, flat, slack):
+    """The rows hold exactly each head's kept tokens (the oracle), capacity = length + slack, -1 in the slack."""
+    B, H, N, _ = keys.shape
+    kept = [[int(i) - h * N for i in flat[b] if h * N <= i < (h + 1) * N] for b in range(B) for h in range(H)]
+    _layout_ok(c)
+    assert c.keys.shape[0] == B * flat.shape[1] + B * H * slack  # static: B·K + R·slack
+    assert (c.capacity.flatten() == c.length.to(torch.int64) + slack).all() and int(c.row_start[-1]) == c.keys.shape[0]
+    assert c.lengths.flatten().tolist() == [len(k) for k in kept] and (c.next_position == N).all()
+    for r, idx in enumerate(kept):
+        s, n = int(c.row_start[r]), len(idx)
+        assert c.positions[s:s + n].tolist() == idx and (c.positions[s + n:s + n + slack] == -1).all()
+    _same_as_model(c, _rows(keys, values, kept))
+
+
+@both_backends
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=12)
+@given(case=kept_case())
+def test_from_kept_equals_the_rows_of_the_kept_tokens(backend, dtype, case):
+    B, H, N, D, flat, slack, seed = case
+    keys, values, _, _ = _inputs(B, H, N, D, dtype, seed)
+    longest = int(max(sum(h * N <= i < (h + 1) * N for i in flat[b]) for b in range(B) for h in range(H)))
+    with on_backend(backend):
+        c = RaggedKV.from_kept(torch.from_numpy(flat).to(DEVICE), keys, values, longest=longest, slack=slack)
+    _check_from_kept(c, keys, values, flat, slack)
+
+
+@both_backends
+def test_from_kept_searches_in_several_steps(backend, monkeypatch):
+    """Rows of more kept tokens than probes: the kernel's search takes several steps (here 4 probes each), a
+    strided (non-contiguous) cache is read through its strides, and appends follow in the slack."""
+    from tritonkv import cache
+
+    monkeypatch.setattr(cache, "KEPT_PROBES", 4)
+    rng = np.random.default_rng(3)
+    B, H, N, D = 2, 3, 70, 16
+    flat = np.stack([np.sort(rng.choice(H * N, 100, replace=False)) for _ in range(B)]).astype(np.int64)
+    big = torch.randn(B, H, N + 9, D, generator=torch.Generator().manual_seed(1))
+    keys, values = big[:, :, 3:N + 3], big[:, :, 5:N + 5].clone()
+    with on_backend(backend):
+        c = RaggedKV.from_kept(torch.from_numpy(flat), keys, values, longest=N, slack=4)
+        _check_from_kept(c, keys, values, flat, 4)
+        model = _rows(keys, values, [[int(i) - h * N for i in flat[b] if h * N <= i < (h + 1) * N]
+                                      for b in range(B) for h in range(H)])
+        g = torch.Generator().manual_seed(2)
+        for _ in range(6):  # 4 in place, then a re-pack
+            k, v = _new(B, H, D, g)
+            c.append(k, v)
+            model.append(k[:, :, 0].double().cpu().numpy(), v[:, :, 0].double().cpu().numpy())
+            _layout_ok(c)
+    _same_as_model(c, model)
+
+
+def test_from_kept_kernel_compiles_ahead_of_time():
+    sig = {"idx_ptr": "*i64", "k_ptr": "*bf16", "v_ptr": "*bf16", "ko_ptr": "*bf16", "vo_ptr": "*bf16",
+           "pos_ptr": "*i64", "start_ptr": "*i64", "len_ptr": "*i32", "next_ptr": "*i64", "H": "i32", "N": "i32",
+           "K": "i32", "slack": "i32", "SPAN": "i32", "skb": "i64", "skh": "i64", "skn": "i64", "svb": "i64",
+           "svh": "i64", "svn": "i64", "D": "i32", "BATCH": "constexpr", "BLOCK_D": "constexpr", "P": "constexpr"}
+    assert_compiles({"module": "tritonkv.cache", "kernel": "_ragged_from_kept_kernel", "signature": sig,
+                     "constexprs": {"BATCH": 64, "BLOCK_D": 128, "P": 1024}})
+
+
+KEPT_BAD = [
+    ("kept dtype", lambda: RaggedKV.from_kept(torch.zeros(1, 4, dtype=torch.int32), K0, V0, longest=4), ValueError,
+     ["kept", "int64"]),
+    ("kept rows", lambda: RaggedKV.from_kept(torch.zeros(2, 4, dtype=torch.int64), K0, V0, longest=4), ValueError,
+     ["kept", "[B = 1, K]"]),
+    ("kept empty", lambda: RaggedKV.from_kept(torch.zeros(1, 0, dtype=torch.int64), K0, V0, longest=4), ValueError,
+     ["kept"]),
+    ("longest", lambda: RaggedKV.from_kept(torch.zeros(1, 4, dtype=torch.int64), K0, V0, longest=-1), ValueError,
+     ["longest"]),
+]
+
+
+@pytest.mark.parametrize("what,call,exc,words", KEPT_BAD, ids=[b[0] for b in KEPT_BAD])
+def test_from_kept_bad_input(what, call, exc, words):
+    assert_raises_naming(call, exc, words, what)

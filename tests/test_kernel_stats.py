@@ -146,8 +146,8 @@ def test_smoke_run(tmp_path):
     """``--smoke --only knorm streaming_llm``: per-version result files; every compiled kernel has registers,
     occupancy and its SASS parsed into loops (a radix histogram's loop holds shared atomics); the Triton
     launches of each workload are those of an independent ``record_launches`` replay, in order, interleaved
-    with the torch-side ops; bytes and modelled times are positive; no host sync in these policies, while
-    SnapKV + AdaKV's ``tolist`` read-back is found (dry run); the comparison Markdown renders."""
+    with the torch-side ops; bytes and modelled times are positive; no host sync in these policies nor in
+    SnapKV + AdaKV (dry run); the comparison Markdown renders."""
     res_run = _python(_SMOKE, tmp_path)
     assert res_run["rc"] == 0
     ver = res_run["triton"]
@@ -177,9 +177,8 @@ def test_smoke_run(tmp_path):
             if x["type"] == "triton":
                 assert x["read"] + x["write"] > 0 and x["model"]["H200"]["us"] > 0 and x["grid"], (name, x)
     assert work["knorm"]["host_syncs"] == 0 and work["streaming_llm"]["host_syncs"] == 0
-    ada = res_run["ada"]
-    assert ada["error"] is None and ada["launches"] > 0 and ada["readback"]
-    assert "Tensor.tolist" in ada["syncs"] and all(w and w.startswith("tritonkv") for w in ada["where"]), ada
+    ada = res_run["ada"]  # sized from host ints (H·b per batch row): nothing read back
+    assert ada["error"] is None and ada["launches"] > 0 and not ada["syncs"] and not ada["readback"], ada
     # knorm's first kernel scores the keys: K counted as read, not written; its loops have trip counts
     kn = next(x for x in work["knorm"]["sequence"] if x["type"] == "triton")
     kbytes = res["shape"]["N"] * 8 * 128 * 2

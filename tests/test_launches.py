@@ -76,3 +76,79 @@ def test_rows_over_two_to_the_31_elements_index_in_int64():
             _common._cpu[0] = old
     assert [x.name for x in log] == ["_select_hist0_kernel", "_select_finish_kernel", "_select_compact_kernel"]
     assert all(x.grid[1] == R and x.args["N"] == n for x in log)
+
+
+def _allocated_cases():
+    keys, values, pool = _inputs()
+    g = torch.Generator().manual_seed(1)
+    from tritonkv.allocation import AdaKV, head_means
+
+    snap = dict(queries=pool["queries"], attn_lse=pool["attn_lse"])
+    return keys, values, {
+        "snapkv+adakv": ("snapkv", "adakv", snap),
+        "knorm+adakv": ("knorm", "adakv", {}),
+        "knorm+adakv paper": ("knorm", AdaKV(mode="paper"), {}),
+        "knorm+uniform": ("knorm", "uniform", {}),
+        "knorm+pyramid": ("knorm", "pyramid", dict(layer=3, num_layers=6)),
+        "knorm+cake": ("knorm", "cake", dict(layer=3, layer_preference=torch.rand(6, generator=g))),
+        "knorm+headkv": ("knorm", "headkv", dict(layer=3, profile=torch.rand(6, H, generator=g))),
+        "knorm+surfacelogic": ("knorm", "surfacelogic", dict(layer=3, profile=torch.rand(6, H, generator=g))),
+        "knorm+score": ("knorm", "score", dict(layer=3, head_means=head_means(torch.rand(6, B, H * G, 5, N,
+                                                                                          generator=g)))),
+    }
+
+
+SELECT = ["_select_hist0_kernel", "_select_finish_kernel", "_select_compact_kernel"]
+# the Triton launches and torch-side device ops of an allocated compress, after a first call (which computes the
+# model-level tables on the host and, for inputs on the device, reads them back once)
+ALLOCATED = {
+    # AdaKV: the per-head top-⌊α·b⌋ select (its mask), the global top-H·(b + sink + window) select, whose winners
+    # are copied into ragged rows: 9 launches, no torch op (the dense SnapKV: 5 launches)
+    "snapkv+adakv": (["_window_score_kernel", "_window_pool_kernel", *SELECT, *SELECT, "_ragged_from_kept_kernel"], []),
+    "knorm+adakv": (["_knorm_kernel", *SELECT, *SELECT, "_ragged_from_kept_kernel"], []),
+    # one budget for every head: the dense launches, rows at r·cap (positions -1, row starts, next positions)
+    "knorm+uniform": (["_knorm_kernel", *SELECT[1:]], ["full", "arange", "full"]),
+    "knorm+pyramid": (["_knorm_kernel", *SELECT[1:]], ["full", "arange", "full"]),
+    "knorm+cake": (["_knorm_kernel", *SELECT[1:]], ["full", "arange", "full"]),
+    # per-head host tables: the budgets and row starts copied from cached device tensors
+    "knorm+headkv": (["_knorm_kernel", *SELECT[1:]], ["clone", "full", "clone", "full"]),
+    "knorm+surfacelogic": (["_knorm_kernel", *SELECT[1:]], ["clone", "full", "clone", "full"]),
+}
+
+
+def test_allocated_compress_never_syncs():
+    """``compress`` with an allocator reads no device value back once its model-level tables are computed: the
+    RaggedKV is sized from host ints (AdaKV: ``H·(b + sink + window)`` per batch row; host tables: their values;
+    SCORE: its layer totals, read back once per ``head_means`` tensor; AdaKV's paper mode: a static bound), so the
+    call can be captured in a CUDA graph. The launches are those of ``ALLOCATED`` (SnapKV + AdaKV: 9 Triton
+    launches and no torch op; the dense SnapKV: 5)."""
+    keys, values, cases = _allocated_cases()
+    dense, ops, _ = dry(lambda: tritonkv.compress((keys, values), "snapkv", 0.25, **cases["snapkv+adakv"][2]))
+    assert len(ALLOCATED["snapkv+adakv"][0]) <= 2 * (len(dense) + len(ops))  # 9 <= 2 x 5
+    for name, (pol, alloc, inputs) in cases.items():
+        tritonkv.compress((keys, values), pol, 0.25, allocation=alloc, **inputs)  # the tables, once
+        names, ops, syncs = dry(lambda: tritonkv.compress((keys, values), pol, 0.25, allocation=alloc, **inputs))
+        assert not syncs, (name, syncs)
+        if name in ALLOCATED:
+            assert (names, ops) == ALLOCATED[name], (name, names, ops)
+
+
+def test_allocated_compress_is_the_selection_of_its_budgets():
+    """The fast paths keep what the general one keeps (a select per head with the allocator's budgets): AdaKV's
+    winners, host-table budgets and one budget for every head give the same rows, lengths and kept tokens."""
+    from tritonkv.cache import RaggedKV
+    from tritonkv.api import layer_budgets
+
+    keys, values, cases = _allocated_cases()
+    for name, (pol, alloc, inputs) in cases.items():
+        pol = tritonkv.get_policy(pol)
+        got = tritonkv.compress((keys, values), pol, 0.25, allocation=alloc, **inputs)
+        scores = pol.score(keys, values, **inputs)
+        sink, window = pol.protected(N, int(0.25 * N))
+        rest = {k: v for k, v in inputs.items() if k not in ("queries", "attn_lse")}
+        budgets = layer_budgets(alloc, scores, int(0.25 * N), sink=sink, window=window, **rest)
+        want = RaggedKV.from_selection(scores, budgets.flatten(), keys, values, sink, window)
+        assert torch.equal(got.lengths, want.lengths), name
+        K, V, L, P = got.to_padded(with_positions=True)
+        K2, V2, L2, P2 = want.to_padded(with_positions=True)
+        assert torch.equal(P, P2) and torch.equal(K, K2) and torch.equal(V, V2), name

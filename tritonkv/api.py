@@ -141,8 +141,7 @@ def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
         kout, vout, idx, _ = pol.select(scores, kk, keys, values, sink=sink, window=window, k_max=kk,
                                         budget=kk, **inputs, **({} if hist0 is None else {"hist0": hist0}))
         return Compressed(kout, vout, idx)
-    scores = pol.score(keys, values, budget=kk, **inputs)
-    return _compress_allocated(pol, allocation, scores, keys, values, kk, sink, window, inputs)
+    return _compress_allocated(pol, allocation, keys, values, kk, sink, window, inputs)
 
 
 def resolve_budget(budget, n: int) -> int:
@@ -307,35 +306,101 @@ def layer_budgets(allocation, scores, budget: int, *, sink: int, window: int, **
 
 def _budgets(allocation, scores, budget: int, *, sink: int, window: int, **inputs):
     """``(this rank's budgets, every head's budgets)`` (the same tensor without a process group)."""
-    from .allocation import get_allocator
-
-    alloc = get_allocator(allocation)
-    missing = [n for n in getattr(alloc, "needs", ()) if inputs.get(n) is None]
-    if missing:
-        raise ValueError(f"allocation {getattr(alloc, 'name', alloc)!r} needs the input(s) {missing}")
+    alloc = _allocator(allocation, inputs)
     local, every = alloc.split(scores=scores, budget=budget - sink - window, sink=sink, window=window, **inputs)
     same = every is local
     local = local.to(torch.int32) + (sink + window)
     return local, (local if same else every.to(torch.int32) + (sink + window))
 
 
-def _compress_allocated(pol, allocation, scores, keys, values, k, sink, window, inputs):
+def _allocator(allocation, inputs: dict):
+    from .allocation import get_allocator
+
+    alloc = get_allocator(allocation)
+    missing = [n for n in getattr(alloc, "needs", ()) if inputs.get(n) is None]
+    if missing:
+        raise ValueError(f"allocation {getattr(alloc, 'name', alloc)!r} needs the input(s) {missing}")
+    return alloc
+
+
+_CONTEXT = ("layer", "num_layers", "process_group", "seq_len")  # inputs that Allocator.context reads
+
+
+def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs):
+    """Per-head budgets into a ``RaggedKV`` sized from host ints: nothing is read back to the host when the
+    allocator knows its sizes statically, so the whole call can be captured in a CUDA graph.
+
+    * budgets from host values (``Allocator.host``: uniform, pyramid, HeadKV, SurfaceLogicKV, CAKE, fixed, and
+      any allocator when ``b`` keeps all or nothing): one budget for every head is a dense select into rows at
+      ``r·cap`` (with the scoring kernel's first radix pass); per-head budgets lay the rows out on the host;
+    * AdaKV (exact mode, a plain top-k policy, one process): its winners are the kept tokens, copied into rows
+      (``RaggedKV.from_kept``) with no further selection;
+    * budgets from the device: ``select`` with the budget tensor into storage of the allocator's static total
+      (``Allocator.bound``: AdaKV exactly, its paper mode a bound, SCORE from its layer totals read back once per
+      ``head_means`` tensor); without one (a custom allocator, SCORE's ``head_means`` as a list) the total and
+      the longest row are read back once.
+
+    Tensor parallel: each rank's rows, and the layer's longest row (``TPRaggedKV.extra``) so that a later padded
+    view spans the same N on every rank; from host tables, or read back once for AdaKV and SCORE."""
     from .cache import RaggedKV
+    from .policies.base import Policy
 
-    budgets, every = _budgets(allocation, scores, k, sink=sink, window=window, **inputs)
-    # The ragged storage is sized to what is actually kept: one read-back of two ints per
-    # compression (never per decode step), so that per-head budgets free memory for real.
-    # Tensor parallel: the rank's own total and longest row, and the layer's longest row (every rank computed
-    # every head's budget), so that a later padded view spans the same N on every rank.
-    if every is budgets:
-        total, k_max = torch.stack([budgets.sum(), budgets.max()]).tolist()
+    alloc = _allocator(allocation, inputs)
+    B, H, N, _ = keys.shape
+    p = sink + window
+    ctx = alloc.context((B, H, N), keys.device, k - p, sink, window, **{n: inputs[n] for n in _CONTEXT if n in inputs})
+    rest = {n: v for n, v in inputs.items() if n not in _CONTEXT}
+    plain = type(pol).select is Policy.select and inputs.get("forced") is None
+
+    def score(hist: bool):
+        """The policy's scores, and its selects' inputs (with the scoring kernel's first radix pass when the
+        select that follows is a plain top-k of these scores: ``hist``)."""
+        if not (hist and plain):
+            return pol.score(keys, values, budget=k, **inputs), inputs
+        scores, hist0 = pol.score_and_hist0(keys, values, sink=sink, window=window, budget=k, **inputs)
+        return scores, (inputs if hist0 is None else dict(inputs, hist0=hist0))
+
+    known = alloc.host(ctx, **rest)
+    tp = ctx["tp"]
+    cls = RaggedKV
+    if tp is not None:
+        from .distributed import TPRaggedKV as cls
+    if known is not None:  # host ints: the layout is static, nothing is read back
+        from .allocation.base import host_rows
+
+        every = host_rows(known, ctx)
+        longest = max(max(r) for r in every)
+        scores, sel = score(True)
+        if longest == min(min(r) for r in every):  # one budget for every head: rows at r·cap, as dense rows
+            return cls.from_policy(pol, scores, longest + p, keys, values, sink=sink, window=window,
+                                   k_max=longest + p, **sel)
+        mine = every if tp is None else [r[tp.heads(H)] for r in every]
+        budgets = tuple(v + p for r in mine for v in r)
+        out = cls.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window, **sel)
+        if tp is not None:
+            out.extra = max(min(longest + p, N) - min(max(budgets), N), 0)
+        return out
+    kept = getattr(alloc, "kept", None)
+    scores, sel = score(kept is None or not plain or tp is not None)
+    if plain and kept is not None and tp is None:
+        kept = kept(scores, ctx, **rest)
+        if kept is not None:
+            return RaggedKV.from_kept(kept.indices, keys, values, longest=kept.longest)
+    plan = alloc.plan(ctx, scores, **rest)
+    budgets = plan.local.to(torch.int32) + p
+    R = budgets.numel()
+    if tp is None:
+        if plan.total is None:  # only the device knows the sum: one read-back of two ints
+            total, k_max = torch.stack([budgets.sum(), budgets.max()]).tolist()
+        else:
+            total, k_max = plan.total + R * p, plan.longest + p
         return RaggedKV.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window,
-                                    total=int(total), k_max=int(k_max), **inputs)
-    from .distributed import TPRaggedKV
-
+                                    total=int(total), k_max=int(k_max), **sel)
+    # tensor parallel, budgets from the device (AdaKV, SCORE): this rank's total and longest row and the layer's
+    # longest row, read back once (a rank's share of the layer total depends on the scores)
+    every = plan.every.to(torch.int32) + p
     total, k_max, longest = torch.stack([budgets.sum(), budgets.max(), every.max()]).tolist()
-    n = keys.shape[2]
-    out = TPRaggedKV.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window, total=int(total),
-                                 k_max=int(k_max), **inputs)
-    out.extra = max(min(int(longest), n) - min(int(k_max), n), 0)
+    out = cls.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window, total=int(total),
+                          k_max=int(k_max), **sel)
+    out.extra = max(min(int(longest), N) - min(int(k_max), N), 0)
     return out

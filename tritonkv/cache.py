@@ -14,11 +14,16 @@ host: the flat capacity ``T_cap`` is a static int. ``from_selection`` takes it f
 static upper bound on the number of kept tokens of the layer (the allocator's total, e.g.
 ``B·H_kv·k``), and adds the worst-case slack and rounding, ``R·(slack + align - 1)``; without
 ``total`` it uses ``R·k_max`` (every row full), which is safe but frees no memory. A wrong (too
-small) ``total`` cannot write out of bounds: rows past ``T_cap`` keep fewer tokens. Host reads
-happen only in ``repack`` (when some row is full), ``to_padded()`` without ``cap``, and ``check()``.
+small) ``total`` cannot write out of bounds: rows past ``T_cap`` keep fewer tokens. Budgets given as
+host ints (a tuple) lay the rows out on the host, and one int budget puts row r at ``r·cap``: both
+exact, with nothing counted on the device. ``from_kept`` copies tokens already chosen (AdaKV's winners,
+the same count in every batch row) with ``T_cap = B·K + R·slack``, the starts and lengths computed on
+the device. Host reads happen only in ``repack`` (when some row is full), ``to_padded()`` without
+``cap``, and ``check()``.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Optional
 
 import torch
@@ -26,7 +31,8 @@ import triton
 import triton.language as tl
 
 from .kernels import select as _select
-from .kernels._common import FLOAT_DTYPES, check_device, check_kv_tensor, launch, next_pow2, triton_op, use_triton
+from .kernels._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_device, check_kv_tensor, launch, next_pow2,
+                              triton_op, use_triton)
 
 
 @triton.jit
@@ -90,6 +96,127 @@ def _ragged_append_torch(k, v, keys, values, positions, row_start, length, next_
         t[:1].copy_(torch.where(any_room, t[:1], s0))
     next_position.add_(room.to(next_position.dtype))
     length.add_(room.to(length.dtype))
+
+
+@triton.jit
+def _count_below(row_ptr, K, x, P: tl.constexpr):
+    """How many of the ``K`` ascending int64 entries at ``row_ptr`` are below ``x``: a P-ary search that
+    loads ``P`` probes per step (two or three dependent loads for any realistic ``K``)."""
+    lo = tl.full([], 0, tl.int64)  # every entry before lo is below x
+    width = tl.full([], 0, tl.int64) + K  # the count lies in [lo, lo + width]
+    p = tl.arange(0, P).to(tl.int64)
+    while width > 0:
+        step = (width + P - 1) // P
+        q = lo + (p + 1) * step - 1  # probe i closes the i-th of P slices of [lo, lo + width)
+        ok = q < lo + width
+        below = tl.sum((ok & (tl.load(row_ptr + q, mask=ok, other=0) < x)).to(tl.int64), 0)
+        lo += below * step
+        width = tl.minimum(step - 1, width - below * step)
+    return lo
+
+
+@triton.jit(do_not_specialize=["K", "slack", "SPAN"])
+def _ragged_from_kept_kernel(idx_ptr, k_ptr, v_ptr, ko_ptr, vo_ptr, pos_ptr, start_ptr, len_ptr, next_ptr,
+                             H, N, K, slack, SPAN, skb, skh, skn, svb, svh, svn, D,
+                             BATCH: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr):
+    """Row r = b·H + h of a ragged cache from batch row b's kept tokens ``idx[b, :K]`` (ascending flat
+    indices h·N + j): the row's tokens are the entries in ``[h·N, (h+1)·N)``, found by two searches; it
+    starts at ``b·K + (kept tokens of the heads before h) + r·slack`` (a closed form: no scan over rows).
+    Program c copies row slots ``[c·SPAN, (c+1)·SPAN)`` (K/V and positions; -1 in the slack); program 0
+    writes the row's start, length and next position (and the last row the end of the storage)."""
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    b = r // H
+    h = r % H
+    row = idx_ptr + b * K
+    lo = _count_below(row, K, h * N, P)
+    n = _count_below(row, K, (h + 1) * N, P) - lo
+    start = b * K + lo + r * slack
+    if c == 0:
+        tl.store(start_ptr + r, start)
+        tl.store(len_ptr + r, n.to(tl.int32))
+        tl.store(next_ptr + r, tl.full([], 0, tl.int64) + N)
+        if r == tl.num_programs(1) - 1:
+            tl.store(start_ptr + r + 1, start + n + slack)
+    bh_k = b * skb + h * skh
+    bh_v = b * svb + h * svh
+    for j0 in range(c * SPAN, tl.minimum((c + 1) * SPAN, n + slack), BATCH):
+        j = j0 + tl.arange(0, BATCH).to(tl.int64)
+        keep = j < n
+        src = tl.load(row + lo + j, mask=keep, other=0) - h * N
+        dst = start + j
+        tl.store(pos_ptr + dst, tl.where(keep, src, -1), mask=j < n + slack)
+        _select._copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, keep, D, BLOCK_D)
+
+
+KEPT_BATCH = 64  # rows copied per step of ``_ragged_from_kept_kernel``
+KEPT_PROBES = 1024  # probes per step of its searches
+
+
+@triton_op("tritonkv::ragged_from_kept",
+           mutates_args={"out_keys", "out_values", "positions", "row_start", "length", "next_position"})
+def ragged_from_kept(kept: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, out_keys: torch.Tensor,
+                     out_values: torch.Tensor, positions: torch.Tensor, row_start: torch.Tensor, length: torch.Tensor,
+                     next_position: torch.Tensor, slack: int, longest: int) -> None:
+    """The raw op: ragged rows ``[T = B·K + B·H·slack, D]`` from ``kept`` int64 ``[B, K]`` (each batch row's kept
+    tokens as ascending flat indices ``h·N + j`` into ``keys``/``values [B, H, N, D]``, unit-stride last dim);
+    ``longest`` (static) bounds every row's length. CPU tensors run ``_ragged_from_kept_torch`` (outside the
+    Triton interpreter)."""
+    if not use_triton(keys):
+        return _ragged_from_kept_torch(kept, keys, values, out_keys, out_values, positions, row_start, length,
+                                       next_position, slack)
+    B, H, N, D = keys.shape
+    span = max(next_pow2(longest + slack), KEPT_BATCH) if INTERPRET else 1024
+    launch(_ragged_from_kept_kernel, (max(cdiv(longest + slack, span), 1), B * H), kept, keys, values, out_keys,
+           out_values, positions, row_start, length, next_position, H, N, kept.shape[1], slack, span,
+           *keys.stride()[:3], *values.stride()[:3], D, BATCH=KEPT_BATCH, BLOCK_D=min(next_pow2(D), 128),
+           P=KEPT_PROBES)
+
+
+def _ragged_from_kept_torch(kept, keys, values, out_keys, out_values, positions, row_start, length, next_position,
+                            slack: int) -> None:
+    """``ragged_from_kept`` in PyTorch, with static shapes: every slot ``t`` of the storage finds its row (a
+    search in the row starts) and gathers its token, or holds -1 in the slack."""
+    B, H, N, D = keys.shape
+    R, K = B * H, kept.shape[1]
+    dev = keys.device
+    first = torch.searchsorted(kept, (torch.arange(H + 1, device=dev) * N).expand(B, H + 1).contiguous())
+    lo = first[:, :-1].reshape(R)
+    n = (first[:, 1:] - first[:, :-1]).reshape(R)
+    r = torch.arange(R, device=dev)
+    start = (r // H) * K + lo + r * slack
+    row_start.copy_(torch.cat([start, (start[-1:] + n[-1:] + slack)]))
+    length.copy_(n)
+    next_position.fill_(N)
+    t = torch.arange(positions.shape[0], device=dev)
+    row = torch.searchsorted(row_start[1:], t, right=True).clamp(max=R - 1)
+    j = t - row_start[row]
+    valid = j < n[row]
+    src = kept.reshape(-1)[((row // H) * K + lo[row] + j).clamp(0, max(B * K - 1, 0))] - (row % H) * N
+    src = torch.where(valid, src, 0)
+    positions.copy_(torch.where(valid, src, -1))
+    out_keys.copy_(keys[row // H, row % H, src])
+    out_values.copy_(values[row // H, row % H, src])
+
+
+_UPLOADS: dict = {}  # (device, values) -> (pinned host copy, device copy)
+
+
+def upload(values: tuple, device, dtype=torch.int32) -> torch.Tensor:
+    """A fresh 1-D ``device`` tensor of host ints ``values`` without a host sync: the first upload of given values
+    goes through pinned memory (``non_blocking``), later ones copy the cached device tensor on the device, so a
+    CUDA graph captured after one eager call records a device copy only (the CPU keeps a cached tensor too)."""
+    device = torch.device(device)
+    key = (str(device), dtype, values)
+    hit = _UPLOADS.get(key)
+    if hit is None:
+        if len(_UPLOADS) >= 512:
+            _UPLOADS.pop(next(iter(_UPLOADS)))
+        host = torch.tensor(values, dtype=dtype)
+        if device.type != "cpu":
+            host = host.pin_memory()
+        hit = _UPLOADS[key] = (host, host.to(device, non_blocking=True))
+    return hit[1].clone()
 
 
 def _round_up(x: torch.Tensor, align: int) -> torch.Tensor:
@@ -179,8 +306,9 @@ class RaggedKV:
                        align: int = 16) -> "RaggedKV":
         """Select with the shared kernel straight into ragged rows (no padded intermediate).
 
-        ``scores`` fp32 ``[B, H, N]``, ``budgets`` an int or int ``[B*H]`` device tensor (tokens kept
-        per row, protected ones included), ``keys``/``values`` ``[B, H, N, D]``. Static ints:
+        ``scores`` fp32 ``[B, H, N]``, ``budgets`` an int, an int ``[B*H]`` device tensor or a tuple of ``B*H``
+        host ints (tokens kept per row, protected ones included; host ints lay the rows out on the host: the
+        storage is exact and nothing is counted on the device), ``keys``/``values`` ``[B, H, N, D]``. Static ints:
         ``k_max`` bounds every row's budget (default N); ``total`` bounds the sum of the kept
         tokens (default ``B*H*k_max``); see the module docstring.
         """
@@ -205,6 +333,43 @@ class RaggedKV:
         return cls._build(select, budgets, keys, values, slack, total, k_max, align)
 
     @classmethod
+    def from_kept(cls, kept: torch.Tensor, keys, values, *, longest: int, slack: int = 16) -> "RaggedKV":
+        """The cache of tokens already chosen, with no selection: ``kept`` int64 ``[B, K]`` holds each batch row's
+        kept tokens as ascending flat indices ``h·N + j`` into ``keys``/``values [B, H, N, D]`` (the same count
+        ``K`` in every batch row, e.g. AdaKV's winners, ``allocation.adakv.adakv_kept``). Row ``h`` gets the
+        entries in ``[h·N, (h+1)·N)`` and ``slack`` free slots (capacity = length + slack, not rounded): its
+        start is the kept tokens before it plus ``r·slack``, so ``T_cap = B·K + B·H·slack`` is static and
+        lengths and starts are computed on the device. ``longest`` (static int) must bound every row's length
+        (rows longer are cut in the copy, not in ``length``: a caller's bound, e.g. ``Kept.longest``)."""
+        check_kv_tensor("keys", keys)
+        check_kv_tensor("values", values)
+        if values.shape != keys.shape or values.dtype != keys.dtype:
+            raise ValueError(f"values must have the shape and dtype of keys {tuple(keys.shape)} {keys.dtype}, "
+                             f"got {tuple(values.shape)} {values.dtype}")
+        B, H, N, D = keys.shape
+        if not isinstance(kept, torch.Tensor) or kept.dtype != torch.int64 or kept.dim() != 2 \
+                or kept.shape[0] != B or not 0 < kept.shape[1] <= H * N:
+            raise ValueError(f"kept must be an int64 [B = {B}, K] tensor of flat token indices (0 < K <= H·N = "
+                             f"{H * N}), got {getattr(kept, 'dtype', type(kept).__name__)} "
+                             f"{tuple(getattr(kept, 'shape', ()))}")
+        dev = keys.device
+        check_device("values", values, dev, "keys")
+        check_device("kept", kept, dev, "keys")
+        slack, longest = _check_int("slack", slack), min(_check_int("longest", longest), N)
+        R = B * H
+        T = B * kept.shape[1] + R * slack
+        keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+        values = values if values.stride(-1) == 1 else values.contiguous()
+        i64 = dict(dtype=torch.int64, device=dev)
+        out = cls(torch.empty((T, D), dtype=keys.dtype, device=dev),
+                  torch.empty((T, D), dtype=values.dtype, device=dev), torch.empty((T,), **i64), torch.empty((R + 1,), **i64),
+                  torch.empty((R,), dtype=torch.int32, device=dev), torch.empty((R,), **i64), batch=B, num_heads=H,
+                  max_capacity=max(longest + slack, 1), slack=slack, align=1, free=slack)
+        ragged_from_kept(kept.contiguous(), keys, values, out.keys, out.values, out._positions, out.row_start,
+                         out.length, out.next_position, slack, longest)
+        return out
+
+    @classmethod
     def _build(cls, select, budgets, keys, values, slack, total, k_max, align) -> "RaggedKV":
         check_kv_tensor("keys", keys)
         check_kv_tensor("values", values)
@@ -217,6 +382,36 @@ class RaggedKV:
         R = B * H
         dev = keys.device
         k_max = N if k_max is None else min(_check_int("k_max", k_max), N)
+        if total is not None:
+            _check_int("total", total)
+        if isinstance(budgets, tuple):  # host ints, one per row: the layout is computed on the host
+            if len(budgets) != R:
+                raise ValueError(f"budgets must have {R} entries (one per batch row and KV head), got {len(budgets)}")
+            want = tuple(min(max(int(v), 0), k_max) for v in budgets)
+            caps = [-(-(w + slack) // align) * align for w in want]
+            starts = (0, *itertools.accumulate(caps))
+            T = max(starts[-1], 1)
+            row_start = upload(starts, dev, torch.int64)
+            out = _select.Out(keys=torch.empty((T, D), dtype=keys.dtype, device=dev),
+                              values=torch.empty((T, D), dtype=values.dtype, device=dev),
+                              indices=torch.full((T,), -1, dtype=torch.int64, device=dev), start=row_start[:-1],
+                              lengths=torch.empty(R, dtype=torch.int32, device=dev))
+            select(upload(want, dev), max(want), out)
+            return cls(out.keys, out.values, out.indices, row_start, out.lengths,
+                       torch.full((R,), N, dtype=torch.int64, device=dev), batch=B, num_heads=H,
+                       max_capacity=max(max(caps), 1), slack=slack, align=align, free=slack)
+        if isinstance(budgets, int) and not isinstance(budgets, bool):
+            k = min(max(budgets, 0), k_max)
+            cap = -(-(k + slack) // align) * align
+            if cap <= N:  # one budget for every row: rows at r·cap, a static layout (nothing to count or scan)
+                out = _select.Out(keys=torch.empty((R * cap, D), dtype=keys.dtype, device=dev),
+                                  values=torch.empty((R * cap, D), dtype=values.dtype, device=dev),
+                                  indices=torch.full((R * cap,), -1, dtype=torch.int64, device=dev), start=None,
+                                  lengths=torch.empty(R, dtype=torch.int32, device=dev))
+                select(k, cap, out)
+                return cls(out.keys, out.values, out.indices, torch.arange(0, (R + 1) * cap, cap, device=dev),
+                           out.lengths, torch.full((R,), N, dtype=torch.int64, device=dev), batch=B, num_heads=H,
+                           max_capacity=max(cap, 1), slack=slack, align=align, free=cap - k)
         total = R * k_max if total is None else _check_int("total", total)
         T = max(total + R * (slack + align - 1), 1)  # static: worst-case slack + rounding on every row
         want = _select.budget_tensor(budgets, R, dev).to(torch.int64).clamp(0, k_max)

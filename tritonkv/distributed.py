@@ -36,7 +36,8 @@ the budgets agree across ranks and with one process, bit for bit where the per-h
 every policy on the CPU at the sizes the tests use; the window-attention CPU body and kernel choose their token
 chunks from B·H, so with fewer heads per rank a long row may be summed in other chunks and its scores differ from
 one process's in the last bits: the kept sets can then differ at near-ties only. The ranks always agree.) Each rank keeps
-its own heads' budgets; ``_compress_allocated`` reads back the rank's own total and the layer's longest row, and
+its own heads' budgets; ``_compress_allocated`` takes the rank's own total and the layer's longest row from
+the host tables of the replicated allocators, reads them back once for the others (AdaKV, SCORE), and
 returns a ``TPRaggedKV`` whose padded working view spans that longest row on every rank, so a later compression
 of the same layer again sees the same N everywhere.
 """

@@ -7,10 +7,16 @@ Exact mode (default, the kvpress construction), per batch row over scores ``[H, 
    the lower flat index ``h·avail + j``;
 3. ``b_h`` = the winners in head ``h`` (they are also that head's selection).
 
+So in exact mode the allocation and the selection are one: ``adakv_kept`` runs the two top-k steps over whole
+rows (each head's protected tokens forced with its top-``f``) and its winners *are* the kept tokens, from which
+``RaggedKV.from_kept`` builds the cache with no further selection (``compress`` does so for policies whose
+selection is the plain top-k). Its sizes are static: each batch row keeps exactly ``H·(b + sink + window)``.
+
 Paper mode (FFY0/AdaKV code): ``c_h`` = head ``h``'s winners in the *unforced* global top ``H·b``,
 ``b_h = round_half_even(c_h·(1 − α) + ⌊α·b⌋)``.
 
-Both top-k steps are the shared select kernel on the device; nothing is read back to the host.
+Both top-k steps are the shared select kernel on the device; nothing is read back to the host. Paper mode's
+totals depend on the rounding; ``AdaKV.bound`` gives a static bound (at most ``H/2`` tokens per batch row above).
 
 Tensor parallel (heads split over ranks): the global top ``H·b`` takes at most ``min(avail, H·b)`` tokens of one
 head, so each rank contributes its heads' top ``min(avail, H·b)`` scores (in index order) to one all-gather and
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -59,12 +65,34 @@ def _from_rows(s: torch.Tensor, b: int, avail: int, alpha: float, mode: str) -> 
     f = min(floor_eps(alpha * b), b)
     flat = s.view(B, H * M)
     if mode == "paper":
-        won = select_mask(flat, H * b).view(B, H, M)
+        won = select_indices(flat, H * b, H * b, with_mask=True)[2].view(B, H, M)
         c = won.sum(-1).to(torch.float64)
         return torch.round(c * (1 - alpha) + f).clamp(f, avail).to(torch.int32)
-    forced = select_mask(s.view(B * H, M), f) if f > 0 else None
-    won = select_mask(flat, H * b, forced=None if forced is None else forced.view(B, H * M))
+    forced = select_indices(s.view(B * H, M), f, f, with_mask=True)[2].view(torch.uint8) if f > 0 else None
+    won = select_indices(flat, H * b, H * b, forced=None if forced is None else forced.view(B, H * M),
+                         with_mask=True)[2]
     return won.view(B, H, M).sum(-1).to(torch.int32)
+
+
+def adakv_kept(scores: torch.Tensor, b: int, *, sink: int = 0, window: int = 0, alpha: float = 0.2) -> torch.Tensor:
+    """int64 ``[B, H·(b + sink + window)]``: each batch row's kept tokens in exact mode, as ascending flat indices
+    ``h·N + j`` into ``scores [B, H, N]``, for a selectable budget ``0 < b < avail = N − sink − window``.
+
+    One global top-``H·(b + sink + window)`` of the row's ``H·N`` scores with each head's protected tokens and
+    top-``⌊α·b⌋`` selectable ones forced (found by one per-head select): head ``h``'s entries are its protected
+    tokens and its ``adakv_budgets`` winners, in the same order (``RaggedKV.from_kept`` turns them into rows)."""
+    B, H, N = scores.shape
+    p = sink + window
+    if not 0 < b < N - p:
+        raise ValueError(f"b must lie in (0, avail = {N - p}) (a budget that keeps a part of every row), got {b}")
+    f = min(floor_eps(alpha * b), b)
+    s = scores.to(torch.float32).contiguous()
+    forced = None
+    if f + p > 0:  # each head's protected tokens and its top f
+        forced = select_indices(s, f + p, f + p, sink=sink, window=window, with_mask=True)[2]
+        forced = forced.view(torch.uint8).view(B, H * N)
+    k = H * (b + p)
+    return select_indices(s.view(B, H * N), k, k, forced=forced)[0]
 
 
 def candidates(scores: torch.Tensor, c: int) -> torch.Tensor:
@@ -130,6 +158,14 @@ def _capped(s: torch.Tensor, b: int, alpha: float, world: int, Hl: int, rank_cap
         .to(torch.int32)
 
 
+class Kept(NamedTuple):
+    """An allocation that is also the selection: each batch row's kept tokens (``adakv_kept``) and a static
+    bound on a row's length (protected tokens included)."""
+
+    indices: torch.Tensor
+    longest: int
+
+
 @register_allocator
 @dataclasses.dataclass
 class AdaKV(Allocator):
@@ -164,6 +200,31 @@ class AdaKV(Allocator):
     def rank_cap(self) -> Optional[float]:
         br = self.balance_ranks
         return None if br is False else (1.0 if br is True else float(br))
+
+    def host(self, ctx, **inputs):
+        """A budget that keeps every selectable token (or none) is the same for every head."""
+        b, avail = ctx["b"], ctx["avail"]
+        return max(min(b, avail), 0) if b >= avail or b <= 0 else None
+
+    def kept(self, scores, ctx, **inputs) -> Optional[Kept]:
+        """Exact mode in one process: the kept tokens themselves (``adakv_kept``), else None."""
+        b, avail, p = ctx["b"], ctx["avail"], ctx["sink"] + ctx["window"]
+        if self.mode != "exact" or ctx["tp"] is not None or not 0 < b < avail:
+            return None
+        f = min(floor_eps(self.alpha * b), b)
+        return Kept(adakv_kept(scores, b, sink=ctx["sink"], window=ctx["window"], alpha=self.alpha),
+                    p + min(avail, ctx["H"] * b - (ctx["H"] - 1) * f))
+
+    def bound(self, ctx, **inputs):
+        """Static sizes in one process: exact mode keeps ``H·b`` per batch row, a head at most
+        ``H·b − (H−1)·⌊α·b⌋``; paper mode at most ``H·b·(1−α) + H·⌊α·b⌋ + H/2`` (each head rounds once)."""
+        if ctx["tp"] is not None:
+            return None
+        B, H, b, avail = ctx["B"], ctx["H"], ctx["b"], ctx["avail"]
+        f = min(floor_eps(self.alpha * b), b)
+        if self.mode == "exact":
+            return B * H * b, min(avail, H * b - (H - 1) * f)
+        return B * min(H * avail, floor_eps(H * b * (1 - self.alpha) + H * f + H / 2)), avail
 
     def allocate(self, scores, ctx, **inputs):
         if scores is None:

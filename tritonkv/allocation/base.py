@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Optional
+import weakref
+from typing import ClassVar, NamedTuple, Optional
 
 import torch
 
@@ -121,6 +122,67 @@ def check_nonnegative(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class Plan(NamedTuple):
+    """An allocation and what the host knows of it without reading the device (``Allocator.plan``)."""
+
+    local: torch.Tensor  # int32 [B, H_l]: this rank's selectable budgets (every head's with no process group)
+    every: torch.Tensor  # int32 [B, H]: every head's (``local`` itself with no process group)
+    total: Optional[int]  # >= the sum of ``local`` (exact for host budgets), or None: unknown without a read-back
+    longest: Optional[int]  # >= the largest entry of ``local``, or None
+    layer_longest: Optional[int]  # the largest entry of ``every`` (exact), or None
+
+
+_MEMO: dict = {}  # (id of a tensor, its version, key) -> (weak reference to it, value)
+
+
+def memo(t, key, fn):
+    """``fn()``, cached per (the tensor object ``t`` as it is now, ``key``): a table computed from a model-level
+    input that every layer passes again (a profile, CAKE's preferences, SCORE's head means) is computed once. An
+    in-place change of ``t`` bumps its version and misses the cache; so does a new object. Not cached: anything
+    but a tensor, and inference-mode tensors (they have no version counter)."""
+    try:
+        k = (id(t), t._version, key)
+    except (AttributeError, RuntimeError):
+        return fn()
+    hit = _MEMO.get(k)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    value = fn()
+    if len(_MEMO) >= 64:
+        _MEMO.pop(next(iter(_MEMO)))
+    _MEMO[k] = (weakref.ref(t), value)
+    return value
+
+
+def host_row(alloc: "Allocator", ctx: dict, source, key, table):
+    """``Allocator.host`` of an allocator whose whole table (``[L, ...]``, one row per layer) follows from one
+    model-level input ``source`` (a profile, CAKE's preferences): the layer's row of ``table(ctx on the CPU,
+    source on the CPU)`` as nested lists of ints, the table computed once per ``source`` object and ``key``. A
+    ``source`` on the device is read back once for it (not once per layer). None while tracing (torch.compile)."""
+    if source is None or torch.compiler.is_compiling():
+        return None
+
+    def compute():
+        src = source.cpu() if isinstance(source, torch.Tensor) else source
+        return table(dict(ctx, device=torch.device("cpu")), src).tolist()
+    full = memo(source, key, compute)
+    return full[alloc.need_layer(ctx, len(full))]
+
+
+def host_rows(known, ctx: dict) -> list:
+    """``Allocator.host``'s answer (an int, or nested lists broadcastable to ``[B, H]``) as ``B`` lists of every
+    head's selectable budget, capped at the row's avail when the allocator's table was read at a longer sequence."""
+    B, H, avail = ctx["B"], ctx["H"], ctx["row_avail"]
+    cap = (lambda v: min(v, avail)) if ctx["avail"] != avail else (lambda v: v)
+    if isinstance(known, int):
+        return [[cap(known)] * H] * B
+    rows = known if isinstance(known[0], list) else [known]
+    rows = [[cap(int(v)) for v in (r * H if len(r) == 1 else r)] for r in rows]
+    if len(rows) != B and len(rows) != 1 or any(len(r) != H for r in rows):
+        raise ValueError(f"budgets of shape [{len(rows)}, {len(rows[0])}] do not fit [B, H_kv] = [{B}, {H}]")
+    return rows * B if len(rows) == 1 else rows
+
+
 @dataclasses.dataclass
 class Allocator:
     """Base class: subclasses set ``name``/``needs`` and implement ``allocate``.
@@ -162,13 +224,20 @@ class Allocator:
         if scores is not None:
             if not isinstance(scores, torch.Tensor) or scores.dim() != 3:
                 raise ValueError("scores must be a [B, H_kv, N] tensor")
-            B, H, N = scores.shape
-            device = scores.device
+            shape, device = scores.shape, scores.device
         elif shape is not None:
-            B, H, N = (int(s) for s in shape)
             device = torch.device(inputs.pop("device", "cpu"))
         else:
             raise ValueError(f"allocation {self.name!r}: pass scores [B, H_kv, N] (or shape=(B, H_kv, N))")
+        ctx = self.context(shape, device, budget, sink, window, layer=layer, num_layers=num_layers,
+                           process_group=process_group, seq_len=seq_len)
+        return self.plan(ctx, scores, **inputs)[:2]
+
+    def context(self, shape, device, budget, sink: int = 0, window: int = 0, *, layer=None, num_layers=None,
+                process_group=None, seq_len=None) -> dict:
+        """The checked settings of one call (``allocate``'s ``ctx``) for scores of ``shape`` ``(B, H_kv, N)`` on
+        ``device`` (see ``split`` for the arguments)."""
+        B, H, N = (int(x) for x in shape)
         b = check_int("budget", budget)
         sink, window = check_int("sink", sink), check_int("window", window)
         avail = N - sink - window
@@ -185,22 +254,53 @@ class Allocator:
             check_int("num_layers", num_layers, 1)
             if layer is not None and layer >= num_layers:
                 raise ValueError(f"layer must be < num_layers = {num_layers}, got {layer}")
-        from ..distributed import group_info
+        tp = None
+        if process_group is not None:
+            from ..distributed import group_info
 
-        tp = group_info(process_group)
+            tp = group_info(process_group)
         Hg = H if tp is None else H * tp.world
-        ctx = dict(B=B, H=Hg, H_local=H, N=N, avail=table, b=min(b, table), sink=sink, window=window,
-                   device=device, layer=layer, num_layers=num_layers, tp=tp)
+        return dict(B=B, H=Hg, H_local=H, N=N, avail=table, row_avail=avail, b=min(b, table), sink=sink,
+                    window=window, device=device, layer=layer, num_layers=num_layers, tp=tp)
+
+    def plan(self, ctx: dict, scores=None, **inputs) -> "Plan":
+        """The budgets of ``ctx`` (from ``context``) and what the host knows of them without reading the device
+        (``Plan``). Budgets that follow from host values (``host``) are built from host ints: nothing is read
+        back and their sizes are exact; otherwise ``allocate`` runs on the device and ``bound`` gives what static
+        sizes the allocator knows."""
+        B, Hg, H, avail, tp = ctx["B"], ctx["H"], ctx["H_local"], ctx["row_avail"], ctx["tp"]
+        known = self.host(ctx, **inputs)
+        if known is not None:
+            from ..cache import upload
+
+            every = host_rows(known, ctx)
+            mine = every if tp is None else [r[tp.heads(H)] for r in every]
+            flat = tuple(v for r in mine for v in r)
+            local = upload(flat, ctx["device"]).view(B, H)
+            out = local if tp is None else upload(tuple(v for r in every for v in r), ctx["device"]).view(B, Hg)
+            return Plan(local, out, sum(flat), max(flat, default=0), max((max(r) for r in every), default=0))
         if tp is not None and self.tp_mode == "gather":
             if scores is None:
                 raise ValueError(f"allocation {self.name!r} reads the scores of every head: pass scores")
             scores = tp.cat_heads(scores.to(torch.float32), 1)
         out = self.allocate(scores, ctx, **inputs)
-        out = out.to(device=device, dtype=torch.int32).expand(B, Hg)
-        out = (out.clamp(max=avail) if table != avail else out).contiguous()
-        if tp is None:
-            return out, out
-        return out[:, tp.heads(H)].contiguous(), out
+        out = out.to(device=ctx["device"], dtype=torch.int32).expand(B, Hg)
+        out = (out.clamp(max=avail) if ctx["avail"] != avail else out).contiguous()
+        local = out if tp is None else out[:, tp.heads(H)].contiguous()
+        total, longest = self.bound(ctx, **inputs) or (None, None)
+        return Plan(local, out, total, longest, None)
+
+    def host(self, ctx: dict, **inputs):
+        """Every head's selectable budgets when they follow from host values (shapes, settings, model-level
+        inputs read once): an int (the same for every head) or nested lists of ints broadcastable to ``[B, H]``;
+        None (the default) when they need the device (scores): then ``allocate`` runs there."""
+        return None
+
+    def bound(self, ctx: dict, **inputs):
+        """``(total, longest)``: static host ints bounding the sum of this rank's selectable budgets (all ``B``
+        rows) and any one of them, for budgets ``allocate`` computes on the device; None (the default) when only
+        a read-back can tell (the caller then reads the two numbers back once)."""
+        return None
 
     def allocate(self, scores, ctx: dict, **inputs) -> torch.Tensor:
         """Budgets broadcastable to ``[B, H]``; ``ctx`` holds B, H, N, avail, b (<= avail), sink,

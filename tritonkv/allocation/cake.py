@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from .base import Allocator, check_budget, check_mode, check_positive, check_tensor, register_allocator
+from .base import Allocator, check_budget, check_mode, check_positive, check_tensor, host_row, register_allocator
 from .rounding import adjust_budgets, largest_remainder
 
 MODES = ("exact", "paper")
@@ -79,7 +79,14 @@ class Cake(Allocator):
     def __post_init__(self):
         check_mode(self.mode, MODES)
 
-    def allocate(self, scores, ctx, layer_preference=None, **inputs):
+    def host(self, ctx, layer_preference=None, **inputs):
+        """The layer's budgets ``[B or 1][1]``, the table computed once per preference tensor and setting (on the
+        CPU; preferences on the device are read back once)."""
+        key = ("cake", ctx["B"], ctx["b"], ctx["avail"], self.mode)
+        return host_row(self, ctx, layer_preference, key,
+                        lambda c, src: self.allocate(None, c, layer_preference=src, table=True))
+
+    def allocate(self, scores, ctx, layer_preference=None, table=False, **inputs):
         if layer_preference is None:
             raise ValueError("layer_preference: cake needs every layer's preference P_l ([L] or [L, B])")
         try:
@@ -90,8 +97,8 @@ class Cake(Allocator):
         p = check_tensor("layer_preference", p, floating=False).to(ctx["device"])
         if p.dim() not in (1, 2) or (p.dim() == 2 and p.shape[1] not in (1, ctx["B"])):
             raise ValueError(f"layer_preference must be [L] or [L, B={ctx['B']}], got {tuple(p.shape)}")
-        layer = self.need_layer(ctx, p.shape[0])
-        return cake_budgets(p, ctx["b"], ctx["avail"], mode=self.mode)[:, layer, None]
+        out = cake_budgets(p, ctx["b"], ctx["avail"], mode=self.mode).transpose(0, 1)[:, :, None]  # [L, B, 1]
+        return out if table else out[self.need_layer(ctx, p.shape[0])]
 
 
 @dataclasses.dataclass
@@ -110,13 +117,20 @@ class Fixed(Allocator):
                 or self.budgets.dtype.is_floating_point or self.budgets.dtype == torch.bool:
             raise ValueError("budgets must be an int tensor [L, H] or [L, B, H] of selectable budgets")
 
+    def host(self, ctx, **inputs):
+        """The layer's row (a table on the device is read back once)."""
+        self._row(ctx)  # the checks
+        return host_row(self, ctx, self.budgets, ("fixed", ctx["avail"]), lambda c, src: src.clamp(0, c["avail"]))
+
     def allocate(self, scores, ctx, **inputs):
-        layer = self.need_layer(ctx, self.budgets.shape[0])
-        row = self.budgets[layer]
+        return self._row(ctx).to(ctx["device"]).clamp(0, ctx["avail"])
+
+    def _row(self, ctx):
+        row = self.budgets[self.need_layer(ctx, self.budgets.shape[0])]
         if tuple(row.shape) not in ((ctx["H"],), (ctx["B"], ctx["H"]), (1, ctx["H"])):
             raise ValueError(f"budgets must be [L, H_kv] or [L, B, H_kv] with H_kv = {ctx['H']} and B = {ctx['B']}, "
                              f"got {tuple(self.budgets.shape)}")
-        return row.to(ctx["device"]).clamp(0, ctx["avail"])
+        return row
 
 
 register_allocator(Fixed)

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels._common import on_host
 from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile, floor_eps,
-                   register_allocator)
+                   host_row, register_allocator)
 from .rounding import largest_remainder
 
 MODES = ("exact", "paper")
@@ -85,7 +85,14 @@ class HeadKV(Allocator):
     def needs(self):
         return ("layer",) if self.profile is not None else ("layer", "profile")
 
-    def allocate(self, scores, ctx, profile=None, **inputs):
+    def host(self, ctx, profile=None, **inputs):
+        """The layer's row, the table computed once per profile and setting (on the CPU; a profile on the device
+        is read back once)."""
+        profile = self.profile if profile is None else profile
+        key = ("headkv", ctx["H"], ctx["b"], ctx["avail"], self.beta, self.tau, self.mode)
+        return host_row(self, ctx, profile, key, lambda c, src: self.allocate(None, c, profile=src, table=True))
+
+    def allocate(self, scores, ctx, profile=None, table=False, **inputs):
         profile = self.profile if profile is None else profile
         if profile is None:
             raise ValueError("profile: headkv needs an offline head profile [L, H] (field or input profile=)")
@@ -93,5 +100,5 @@ class HeadKV(Allocator):
         if on_host(p):  # an input profile is checked where it already is (no device read)
             check_nonnegative("profile", p)
         p = p.to(ctx["device"])
-        layer = self.need_layer(ctx, p.shape[0])
-        return headkv_budgets(p, ctx["b"], ctx["avail"], beta=self.beta, tau=self.tau, mode=self.mode)[layer]
+        out = headkv_budgets(p, ctx["b"], ctx["avail"], beta=self.beta, tau=self.tau, mode=self.mode)
+        return out if table else out[self.need_layer(ctx, p.shape[0])]

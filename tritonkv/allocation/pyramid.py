@@ -16,6 +16,7 @@ on static ints, so they are built on the host and moved to the device (no device
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -71,10 +72,17 @@ class Pyramid(Allocator):
         check_positive("beta", self.beta)
         check_mode(self.mode, MODES)
 
-    def allocate(self, scores, ctx, **inputs):
+    def host(self, ctx, **inputs):
+        """The layer's budget, an int: the table depends on host ints only (computed once per setting)."""
         if ctx["num_layers"] is None:
             raise ValueError("num_layers: pyramid needs the model's layer count (pass num_layers=)")
         layer = self.need_layer(ctx, ctx["num_layers"])
-        per_layer = pyramid_budgets(ctx["num_layers"], ctx["b"], ctx["avail"], beta=self.beta, mode=self.mode,
-                                    device=ctx["device"])
-        return per_layer[layer]
+        return _table(ctx["num_layers"], ctx["b"], ctx["avail"], self.beta, self.mode)[layer]
+
+    def allocate(self, scores, ctx, **inputs):
+        return torch.tensor(self.host(ctx), dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _table(num_layers: int, b: int, avail: int, beta: float, mode: str) -> tuple:
+    return tuple(pyramid_budgets(num_layers, b, avail, beta=beta, mode=mode).tolist())

@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..kernels.select import select_mask
-from .base import Allocator, check_budget, check_int, check_mode, check_positive, check_tensor, register_allocator
+from .base import Allocator, check_budget, check_int, check_mode, check_positive, check_tensor, memo, register_allocator
 from .rounding import adjust_budgets, largest_remainder
 
 MODES = ("exact", "paper")
@@ -250,9 +250,34 @@ class Score(Allocator):
                              f"(H_q = {q.shape[1] * ctx['tp'].world}: {ctx['tp'].world} ranks x {q.shape[1]}), got "
                              f"{m.shape[2]}; gather them once with tritonkv.distributed.gather_heads(m, "
                              f"process_group, dim=2)")
-        B, H, b, avail = ctx["B"], ctx["H"], ctx["b"], ctx["avail"]
-        if b >= avail or b <= 0:
-            return torch.full((B, H), max(b, 0), dtype=torch.int32, device=ctx["device"])
-        lb, hd = _layer_totals(m, L, B, H, b, avail, self.gamma, self.lambda1, self.lambda2, self.mode,
-                               ctx["device"])
+        lb, _, hd = self._totals(head_means, m, ctx)
         return score_head_budgets(self.selectable(scores, ctx), lb[:, layer], hd[layer])
+
+    def host(self, ctx, **inputs):
+        """A budget that keeps every selectable token (or none) is the same for every head."""
+        b, avail = ctx["b"], ctx["avail"]
+        return max(b, 0) if b >= avail or b <= 0 else None
+
+    def _totals(self, head_means, m, ctx):
+        """``(B_l int32 [B, L], the same as host lists or None, KV-head HD [L, B, H])`` from every layer's head
+        means: computed once per ``head_means`` tensor (and its totals read back once), not once per layer."""
+        B, H, b, avail = ctx["B"], ctx["H"], ctx["b"], ctx["avail"]
+
+        def compute():
+            lb, hd = _layer_totals(m, m.shape[0], B, H, b, avail, self.gamma, self.lambda1, self.lambda2, self.mode,
+                                   ctx["device"])
+            return lb, (None if torch.compiler.is_compiling() else lb.tolist()), hd
+        key = ("score", B, H, b, avail, self.gamma, self.lambda1, self.lambda2, self.mode, str(ctx["device"]))
+        return memo(head_means, key, compute)
+
+    def bound(self, ctx, head_means=None, **inputs):
+        """The layer's totals as host ints (read back once per ``head_means`` tensor, ``_totals``): each batch row
+        keeps ``min(B_l, H·avail)``, a head at most ``min(B_l, avail)``."""
+        if not isinstance(head_means, torch.Tensor) or ctx["tp"] is not None:
+            return None
+        host = self._totals(head_means, _stack(head_means, "head_means", 4), ctx)[1]
+        if host is None:
+            return None
+        lb = [row[ctx["layer"]] for row in host]
+        avail = ctx["row_avail"]
+        return sum(min(v, ctx["H"] * avail) for v in lb), min(max(lb), avail)

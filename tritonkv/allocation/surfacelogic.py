@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..kernels._common import on_host
-from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile,
+from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile, host_row,
                    register_allocator)
 from .headkv import profile_budgets
 
@@ -96,7 +96,16 @@ class SurfaceLogic(Allocator):
         if self.profile is not None:
             self.profile = check_nonnegative("profile", check_profile("profile", self.profile))
 
-    def allocate(self, scores, ctx, profile=None, **inputs):
+    def host(self, ctx, profile=None, **inputs):
+        """The layer's row, the table computed once per profile and setting (on the CPU; a profile on the device
+        is read back once)."""
+        profile = self.profile if profile is None else profile
+        if profile is None:
+            profile = _shipped(self.profile_name)
+        key = ("surfacelogic", ctx["H"], ctx["b"], ctx["avail"], self.rho, self.floor, self.mode)
+        return host_row(self, ctx, profile, key, lambda c, src: self.allocate(None, c, profile=src, table=True))
+
+    def allocate(self, scores, ctx, profile=None, table=False, **inputs):
         profile = self.profile if profile is None else profile
         if profile is None:
             profile = _shipped(self.profile_name)
@@ -104,5 +113,5 @@ class SurfaceLogic(Allocator):
         if on_host(p):  # an input profile is checked where it already is (no device read)
             check_nonnegative("profile", p)
         p = p.to(ctx["device"])
-        layer = self.need_layer(ctx, p.shape[0])
-        return surfacelogic_budgets(p, ctx["b"], ctx["avail"], rho=self.rho, floor=self.floor, mode=self.mode)[layer]
+        out = surfacelogic_budgets(p, ctx["b"], ctx["avail"], rho=self.rho, floor=self.floor, mode=self.mode)
+        return out if table else out[self.need_layer(ctx, p.shape[0])]

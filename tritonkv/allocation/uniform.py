@@ -22,5 +22,8 @@ class Uniform(Allocator):
     name = "uniform"
     tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective
 
+    def host(self, ctx, **inputs):
+        return max(ctx["b"], 0)
+
     def allocate(self, scores, ctx, **inputs):
         return uniform_budgets(ctx["b"], ctx["avail"], (ctx["B"], ctx["H"]), ctx["device"])

@@ -666,7 +666,7 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
         mask.zero_()
     lead = scores.shape[:-1]
     out = (idx.view(*lead, k_max), lengths.view(lead))
-    return out + (mask.view(scores.shape).bool(),) if with_mask else out
+    return out + (mask.view(scores.shape).view(torch.bool),) if with_mask else out  # 0/1 bytes: no copy
 
 
 def select_mask(scores, budgets, *, sink: int = 0, window: int = 0, forced=None, chunk: Optional[int] = None):
