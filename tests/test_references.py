@@ -9,7 +9,7 @@ import tokenize
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SKIP_DIRS = {".git", ".venv", ".hypothesis", "__pycache__", ".cache", "build", "dist"}
+SKIP_DIRS = {".git", ".hypothesis", "__pycache__", ".cache", "build", "dist"}  # and every .venv* (environments)
 SUFFIXES = (".py", ".md", ".sh", ".toml", ".cfg", ".txt")
 TOP = ("docs", "benchmarks", "tritonkv", "tests", "examples", ".ci")
 # a path from the repository root: docs/x.md, benchmarks/results/y.json, tritonkv/kernels/z.py
@@ -24,7 +24,7 @@ OUTSIDE = [re.compile(r"(?:\.\./)?\bshared/(?:notes|DESIGN|seeds)|\.\./shared"),
 
 def files(root):
     for dirpath, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS]
+        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.startswith(".venv")]
         for n in names:
             if n.endswith(SUFFIXES) or n == "Makefile":
                 path = os.path.join(dirpath, n)
