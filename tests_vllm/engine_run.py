@@ -9,7 +9,8 @@ Scenarios:
 * ``stock``: the same requests with plugins disabled (``VLLM_PLUGINS=""``): vLLM without tritonkv;
 * ``tp2``: the ``compressed`` settings at tensor parallel 2 (two CPU workers over gloo, one KV head each), the
   sequential requests one at a time;
-* ``bad``: engines with bad settings, each expected to fail at start.
+* ``bad``: engines with bad settings, each expected to fail at start, and one whose layers get a backend the plugin
+  does not wrap (vLLM's FlexAttention registered over ``CPU_ATTN``).
 """
 from __future__ import annotations
 
@@ -97,12 +98,29 @@ BAD = {
 }
 
 
+def _unwrapped_backend(model: str):
+    """An engine whose layers get a backend the plugin does not wrap. vLLM's CPU platform always picks
+    ``CPU_ATTN``, so vLLM's own FlexAttention backend is registered over it (as another plugin could) and the
+    selector's cached choice is dropped; run last, the engines before it keep the plugin's backend."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    from tritonkv.integrations.vllm import register
+
+    register()  # the plugin's backends first (a second call does nothing), then FlexAttention over CPU_ATTN
+    register_backend(AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.FLEX_ATTENTION.value)
+    _cached_get_attn_backend.cache_clear()
+    return _llm(model, POLICY)
+
+
 def bad(model: str) -> dict:
+    starts = [(name, lambda cfg=cfg: _llm(model, cfg)) for name, cfg in BAD.items()]
+    starts.append(("unwrapped_backend", lambda: _unwrapped_backend(model)))  # last: it replaces CPU_ATTN
     out = {}
-    for name, cfg in BAD.items():
+    for name, start in starts:
         t0 = time.time()
         try:
-            llm = _llm(model, cfg)
+            llm = start()
         except Exception as e:  # noqa: BLE001 - what the engine raised is the result
             chain, x = [], e
             while x is not None:

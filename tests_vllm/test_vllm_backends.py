@@ -1,7 +1,7 @@
 """The logic the wrapped backends share (``common.py``), without an engine: the GPU backends' cache layout under
 every physical stride order vLLM can give it, the compaction on it, the builder's plan and virtual block table,
-the CUDA-graph answer and the start-time checks; and the wrapped ``TRITON_ATTN`` run on the CPU with Triton's
-interpreter against the stock one (``triton_interp_run.py``)."""
+the CUDA-graph answer and the start-time checks (a layer on an unwrapped backend refused); and the wrapped
+``TRITON_ATTN`` run on the CPU with Triton's interpreter against the stock one (``triton_interp_run.py``)."""
 import json
 import os
 import subprocess
@@ -239,3 +239,57 @@ def test_triton_backend_under_the_interpreter(model_dir, tmp_path):
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
     res = json.loads(out.read_text())
     assert res["compactions"] >= 4 and res["decode_steps"] >= 20 and res["max_dropped"] >= 48, res
+
+
+def _attention_layer(backend, cls=None, **attrs):
+    """A vLLM ``Attention`` layer (or subclass ``cls``) as ``check_layer`` reads it, on ``backend``, built without
+    vLLM's config context."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layer = object.__new__(cls or Attention)
+    torch.nn.Module.__init__(layer)
+    fields = dict(attn_type="decoder", sliding_window=None, kv_sharing_target_layer_name=None,
+                  layer_name="model.layers.3.self_attn.attn", attn_backend=backend)
+    fields.update(attrs)
+    for k, v in fields.items():
+        setattr(layer, k, v)
+    return layer
+
+
+def test_unwrapped_backend_refused(restore_seen):
+    """With the plugin's settings, a full-attention decoder layer on a backend the plugin does not wrap (here
+    FlashInfer, FlexAttention, or the stock TRITON_ATTN class another plugin put back) is refused, naming the
+    backend, the layer and how to pick a wrapped one; wrapped backends, layers the plugin leaves alone and an
+    engine without its settings pass. (The engine-level test: ``test_vllm_bad_config.py``.)"""
+    from vllm.model_executor.layers.attention.chunked_local_attention import ChunkedLocalAttention
+    from vllm.v1.attention.backends.flex_attention import FlexAttentionBackend
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+
+    from tritonkv.integrations.vllm.backend import TritonKVCPUBackend
+    from tritonkv.integrations.vllm.triton_attn import TritonKVTritonBackend
+
+    class FlashInferBackend:  # FlashInfer does not import on the CPU build: its name is what the check reads
+        @staticmethod
+        def get_name():
+            return "FLASHINFER"
+
+    on, off = _vllm_config(), _vllm_config(tritonkv=False)
+    for backend, name in ((FlashInferBackend, "FLASHINFER"), (FlexAttentionBackend, "FLEX_ATTENTION"),
+                          (TritonAttentionBackend, "TRITON_ATTN")):
+        with pytest.raises(TritonKVConfigError) as e:
+            common.check_layer(_attention_layer(backend), on)
+        msg = str(e.value)
+        for part in (f"attention backend {name} (", "'model.layers.3.self_attn.attn'", "run uncompressed",
+                     "--attention-backend FLASH_ATTN", "attention_config={'backend': 'FLASH_ATTN'}",
+                     "wrappers of CPU_ATTN, TRITON_ATTN, FLASH_ATTN"):
+            assert part in msg, (part, msg)
+        assert ("another plugin" in msg) == (name == "TRITON_ATTN"), msg
+        common.check_layer(_attention_layer(backend), off)  # no "tritonkv" entry: vLLM as it is
+        common.check_layer(_attention_layer(backend), None)  # outside vLLM's config context
+        for attrs in (dict(sliding_window=128), dict(attn_type="encoder_only"),
+                      dict(kv_sharing_target_layer_name="model.layers.0.self_attn.attn")):
+            common.check_layer(_attention_layer(backend, **attrs), on)  # not a layer the plugin compresses
+        common.check_layer(_attention_layer(backend, ChunkedLocalAttention), on)  # its own spec kind
+        common.check_layer(torch.nn.Linear(2, 2), on)  # not an attention layer
+    for backend in (TritonKVCPUBackend, TritonKVTritonBackend):
+        common.check_layer(_attention_layer(backend), on)

@@ -1,5 +1,5 @@
 """Bad settings are refused when the engine starts (before any request) with ``TritonKVConfigError`` naming what is
-wrong."""
+wrong; so is a layer on an attention backend the plugin does not wrap."""
 import pytest
 
 CASES = {
@@ -7,6 +7,9 @@ CASES = {
     "budget_zero": ["['budget']", "positive"],
     "needs_queries": ["'snapkv' needs the input(s) ['queries']", "cannot supply"],
     "unknown_setting": ["'decode_evry'", "did you mean 'decode_every'"],
+    # a full-attention layer on a backend the plugin does not wrap would run uncompressed: refused, named
+    "unwrapped_backend": ["attention backend FLEX_ATTENTION", "'model.layers.0.self_attn.attn'",
+                          "wrappers of CPU_ATTN, TRITON_ATTN, FLASH_ATTN", "--attention-backend FLASH_ATTN"],
 }
 
 

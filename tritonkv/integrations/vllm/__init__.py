@@ -8,7 +8,9 @@ the second and later calls do nothing. ``register()`` only fills vLLM's registri
 * the attention backends, each a subclass of vLLM's stock one registered over it: ``TritonKVCPUBackend`` over
   ``CPU_ATTN`` (vLLM's CPU platform always picks that one), ``TritonKVTritonBackend`` over ``TRITON_ATTN`` and
   ``TritonKVFlashBackend`` over ``FLASH_ATTN`` (GPUs). vLLM imports a backend's module only when it selects it, so
-  the GPU ones are never imported by the CPU build.
+  the GPU ones are never imported by the CPU build;
+* a torch module-registration hook (``common.on_module_registered``) that refuses, while the worker builds the
+  model, a full-attention layer vLLM gave a backend the plugin does not wrap (it would run uncompressed).
 
 It changes nothing until ``additional_config`` has a ``"tritonkv"`` entry (``config.py``). Usage and limits:
 ``docs/vllm.md``.
@@ -46,6 +48,13 @@ def register() -> None:
     KVCacheSpecRegistry.register(TritonKVSpec, TritonKVManager, uniform_type_base_spec=FullAttentionSpec)
     for member, path in BACKENDS.items():
         register_backend(getattr(AttentionBackendEnum, member), f"{__name__}.{path}")
+    # vLLM calls nothing of the plugin's for a layer served by another backend: torch's module-registration hook
+    # sees each attention layer as the worker builds the model, and refuses an unwrapped backend (common.check_layer)
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    from .common import on_module_registered
+
+    register_module_module_registration_hook(on_module_registered)
     _REGISTERED[0] = 1
     import os
 

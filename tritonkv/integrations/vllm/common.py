@@ -14,6 +14,7 @@ entry in ``additional_config`` every method is the stock one.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple, Optional
 
 import torch
@@ -59,6 +60,48 @@ def check_engine(vllm_config) -> None:
         raise TritonKVConfigError(f"{_WHERE}: cudagraph_mode={mode.name} captures attention in a full CUDA graph, "
                                   f"which would freeze the compression; use PIECEWISE or FULL_AND_PIECEWISE (the "
                                   f"plugin's layers then run outside the graphs)")
+
+
+#: the module of vLLM's ``Attention`` layer (``check_layer`` looks only at instances of it)
+_ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"
+
+
+def check_layer(layer, vllm_config) -> None:
+    """Refuse with ``TritonKVConfigError`` a layer the plugin should compress (a full-attention decoder layer: a
+    ``FullAttentionSpec`` without sliding window, its own KV cache) that vLLM gave an attention backend the plugin
+    does not wrap: that layer would run uncompressed. Does nothing without the plugin's settings."""
+    mod = sys.modules.get(_ATTENTION_MODULE)
+    if mod is None or not isinstance(layer, mod.Attention):
+        return
+    if (type(layer).get_kv_cache_spec is not mod.Attention.get_kv_cache_spec  # its own spec kind (chunked, sink...)
+            or getattr(layer, "attn_type", None) != "decoder" or getattr(layer, "sliding_window", None) is not None
+            or getattr(layer, "kv_sharing_target_layer_name", None) is not None):
+        return
+    if vllm_config is None or current_config(vllm_config) is None:
+        return
+    backend = layer.get_attn_backend()
+    if isinstance(backend, type) and issubclass(backend, TritonKVBackendMixin):
+        return
+    from . import BACKENDS
+
+    name = backend.get_name() if hasattr(backend, "get_name") else "?"
+    where = f"{getattr(backend, '__module__', '?')}.{getattr(backend, '__qualname__', backend)}"
+    raise TritonKVConfigError(
+        f"{_WHERE}: vLLM chose the attention backend {name} ({where}) for the full-attention layer "
+        f"{getattr(layer, 'layer_name', '?')!r}; it is not one of the plugin's wrappers of {', '.join(BACKENDS)}"
+        + (f" (another plugin registered its own class over {name}?)" if name in BACKENDS else "")
+        + ": with additional_config['tritonkv'] set, that layer would run uncompressed. Pick a wrapped backend: "
+        "--attention-backend FLASH_ATTN (or TRITON_ATTN; in Python attention_config={'backend': 'FLASH_ATTN'}; a "
+        "per-kind choice in attention_config['backend_per_kind']['full_attention'] overrides it), or remove the "
+        "'tritonkv' entry")
+
+
+def on_module_registered(module, name, submodule):
+    """torch's global module-registration hook (``register()`` installs it): each vLLM ``Attention`` layer is
+    checked (``check_layer``) as the model that holds it is built, inside vLLM's config context (the worker)."""
+    if sys.modules.get(_ATTENTION_MODULE) is not None:
+        check_layer(submodule, get_current_vllm_config_or_none())
+    return None
 
 
 def compresses(kv_cache_spec, vllm_config=None) -> bool:
