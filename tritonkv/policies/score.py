@@ -12,8 +12,8 @@ scores of tokens that other heads also pick are lowered before the shared top-k:
         kept_h = select(Ã[h], b_h)
 
         r and Ã are one launch (``kernels/score.py``), which also counts the final select's first
-        radix pass: seven launches in all and no host read (the default base's window score, the
-        unpenalised select's three, the penalty, the final select's two).
+        radix pass: seven launches in all and no host read (with ``attn_lse`` given: the default
+        base's window score, the unpenalised select's three, the penalty, the final select's two).
 
     sequential ("greedy"): heads in order of descending HD (ties to the lower h); r[j] counts the
         final selections of the heads already visited. The visiting order is computed on the
@@ -34,7 +34,7 @@ import torch
 
 from ..distributed import group_info
 from ..kernels import select as _select
-from ..kernels._common import check_device, on_host
+from ..kernels._common import check_device, check_int, on_host
 from ..kernels.score import _penalty
 from .base import Policy, register_policy
 from .criticalkv import _check_fraction, check_base, row_budgets
@@ -78,7 +78,7 @@ def _unpenalised_mask(s: torch.Tensor, budgets, k_max: int, sink: int, window: i
     """int8 keep-mask ``[B, H, N]`` of the plain selection of ``s`` (fp32, contiguous): ``select.select_mask``
     without its conversions (one call of the shared select, whose index output is scratch)."""
     B, H, N = s.shape
-    R, k_max = B * H, min(k_max, N)
+    R, k_max = B * H, min(check_int("k_max", k_max), N)
     dev = s.device
     b, bi = _select._budget_args(budgets, R, dev)
     mask = torch.empty((B, H, N), dtype=torch.int8, device=dev)
