@@ -417,7 +417,7 @@ def base_labels(recs) -> dict:
     return out
 
 
-ORDER = ("knorm", "keydiff", "lagkv", "window_attention", "critical", "select", "decode_attention", "cache")
+ORDER = ("knorm", "keydiff", "lagkv", "window_attention", "critical", "score", "select", "decode_attention", "cache")
 
 
 def _order(rec):

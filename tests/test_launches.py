@@ -3,8 +3,8 @@ launch replay: CPU tensors routed to the Triton bodies, ``record_launches(execut
 runs, so no value can steer the count) and a ``TorchDispatchMode`` that logs every aten op that would
 run on the device (fills, copies, arithmetic; views and ``empty`` allocations are no launches) and
 every host read of a device value (a sync). Targets: the one-kernel-scorers Knorm and StreamingLLM
-at most 4, KeyDiff (two scoring launches) at most 5, the window-attention policies at most 5, none
-syncing with the host."""
+at most 4, KeyDiff (two scoring launches) at most 5, the window-attention policies at most 5, SCORE
+(a window score, two selects and its penalty kernel) 7, none syncing with the host."""
 import pytest
 import torch
 
@@ -22,10 +22,12 @@ def _inputs():
     values = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
     queries = torch.randn(B, H * G, W, D, generator=g).to(torch.bfloat16)
     lse = torch.randn(B, H * G, W)
-    return keys, values, dict(queries=queries, attn_lse=lse)
+    hd = torch.rand(H, generator=g) + 0.1
+    return keys, values, dict(queries=queries, attn_lse=lse, hd=hd)
 
 
-LIMITS = {"knorm": 4, "streaming_llm": 4, "keydiff": 5, "snapkv": 5, "tova": 5, "h2o": 5, "surfacelogic": 5}
+LIMITS = {"knorm": 4, "streaming_llm": 4, "keydiff": 5, "snapkv": 5, "tova": 5, "h2o": 5, "surfacelogic": 5,
+          "score": 7}
 
 
 @pytest.mark.parametrize("name", sorted(LIMITS))
@@ -54,6 +56,20 @@ def test_select_alone_is_three_launches_and_two_with_the_score_pass():
     assert names == ["_knorm_kernel", "_select_finish_kernel", "_select_compact_kernel"] and not ops
     names, ops, _ = dry(lambda: tritonkv.compress((keys, values), "streaming_llm", 300))
     assert names == ["_select_compact_kernel"] and not ops
+
+
+def test_score_is_two_selects_around_one_penalty_launch():
+    """SCORE (parallel, ``attn_lse`` given): the base's window score, the unpenalised select (three launches), the penalty kernel
+    (r, Ã and the final select's first pass) and the final select's other two; no torch op, no host read,
+    with a CPU ``hd`` (read on the host, as a list) and with a device one alike."""
+    keys, values, pool = _inputs()
+    for hd in (pool["hd"], pool["hd"].tolist()):
+        names, ops, syncs = dry(lambda: tritonkv.compress((keys, values), "score", 300, queries=pool["queries"],
+                                                          attn_lse=pool["attn_lse"], hd=hd))
+        assert names == ["_window_score_kernel", "_select_hist0_kernel", "_select_finish_kernel",
+                         "_select_compact_kernel", "_score_penalty_kernel", "_select_finish_kernel",
+                         "_select_compact_kernel"] and not syncs, (names, syncs)
+        assert not ops or isinstance(hd, list), ops
 
 
 def test_rows_over_two_to_the_31_elements_index_in_int64():

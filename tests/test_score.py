@@ -1,4 +1,6 @@
-"""SCORE redundancy-penalised selection (parallel and sequential) against the NumPy oracle."""
+"""SCORE redundancy-penalised selection (parallel and sequential) against the NumPy oracle, and its penalty
+kernel (``kernels/score.py``) against the oracle's Eq. 13 on both backends, with the select's first pass it
+counts, bad inputs and the AOT compile."""
 
 import numpy as np
 import pytest
@@ -6,10 +8,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import tritonkv
+from aot import assert_compiles
 from reference import score as ref
 from tritonkv.kernels import select as ksel
+from tritonkv.kernels._common import record_launches
+from tritonkv.kernels.score import score_penalty
+from tritonkv.policies.criticalkv import row_budgets
 from tritonkv.policies.score import ScoreSelect, _sequential_order
-from helpers import GivenScores, SignedScores  # noqa: E402
+from helpers import GivenScores, SignedScores, assert_raises_naming, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REL = 1e-5  # Ã in fp32 vs the float64 oracle
@@ -261,3 +267,176 @@ def test_bad_input():
             tritonkv.compress((k, k), pol, 5, hd=hd)
     out = tritonkv.compress((k, k), pol, 5, hd=[0.5, 0.25])  # a plain list is accepted
     assert out.indices.shape == (1, 2, 5)
+
+
+# -- the penalty kernel ------------------------------------------------------------------------------------------
+
+
+@st.composite
+def penalty_case(draw):
+    """(A [B, H, N] in a float dtype, non-negative with zeros/ties/NaN, U bool [B, H, N] top-k masks of A with
+    budgets 0, 1, N − 1, N or any, hd [B, H] in a float dtype, alpha)."""
+    B = draw(st.integers(1, 2))
+    H = draw(st.integers(1, 4))
+    N = draw(st.one_of(st.just(1), st.integers(2, 9), st.integers(10, 300)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    A = rng.random((B, H, N))
+    kind = draw(st.sampled_from(["plain", "ties", "nan"]))
+    if kind == "ties":
+        A = np.floor(A * 4) / 4  # zeros and exact ties
+    elif kind == "nan":
+        A[rng.random((B, H, N)) < 0.2] = np.nan
+    A = torch.from_numpy(A).to(draw(st.sampled_from(DTYPES)))
+    U = np.zeros((B, H, N), dtype=bool)
+    for b in range(B):
+        for h in range(H):
+            k = draw(st.sampled_from([0, 1, N - 1, N, int(rng.integers(0, N + 1))]))
+            U[b, h] = ref.top_mask(A[b, h].double().numpy(), k)
+    hd = torch.from_numpy(rng.choice([0.2, 0.5], (B, H)) if draw(st.booleans()) else rng.uniform(0.05, 2.0, (B, H)))
+    return A, torch.from_numpy(U), hd.to(draw(st.sampled_from(DTYPES))), draw(st.sampled_from(ALPHAS))
+
+
+def penalty_oracle(A, U, hd, alpha, picks=None):
+    return np.stack([ref.penalty(A[b].double().numpy(), U[b].numpy(), hd[b].double().numpy(), alpha,
+                                 None if picks is None else picks[b].double().numpy()) for b in range(A.shape[0])])
+
+
+def assert_penalty(got, want):
+    """NaN where the oracle has NaN; elsewhere fp32 rounding of the float64 formula (rate, exp and product)."""
+    assert got.dtype == torch.float32 and got.is_contiguous()
+    got = got.double().numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[~np.isnan(want)], want[~np.isnan(want)], rtol=2e-6, atol=0)
+
+
+@both_backends
+@settings(max_examples=25, deadline=None)
+@given(case=penalty_case(), chunk=st.sampled_from([0, 16]), mask_bool=st.booleans())
+def test_penalty_matches_oracle(backend, case, chunk, mask_bool):
+    A, U, hd, alpha = case
+    with on_backend(backend):
+        got = score_penalty(A, U if mask_bool else U.to(torch.int8), hd, alpha, chunk=chunk)
+    assert_penalty(got, penalty_oracle(A, U, hd, alpha))
+
+
+@both_backends
+@settings(max_examples=10, deadline=None)
+@given(case=penalty_case(), data=st.data())
+def test_penalty_with_every_ranks_picks(backend, case, data):
+    """Tensor parallel: the picks of every head (here: these heads' plus up to 3 other ranks' heads)."""
+    A, U, hd, alpha = case
+    B, H, N = A.shape
+    extra = torch.from_numpy(np.random.default_rng(data.draw(st.integers(0, 99))).integers(0, 4, (B, N)))
+    picks = U.sum(1).float() + extra
+    with on_backend(backend):
+        got = score_penalty(A, U, hd, alpha, picks=picks)
+    assert_penalty(got, penalty_oracle(A, U, hd, alpha, picks))
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=penalty_case(), chunk=st.sampled_from([0, 16]))
+def test_penalty_torch_body_matches_kernel(case, chunk):
+    """Both bodies within fp32 round-off (NumPy's exp and PyTorch's may differ in the last bit), NaN alike."""
+    A, U, hd, alpha = case
+    with on_backend("triton"):
+        want = score_penalty(A, U, hd, alpha, chunk=chunk)
+    with on_backend("torch"):
+        got = score_penalty(A, U, hd, alpha, chunk=chunk)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=0, equal_nan=True)
+
+
+def former_chain(s, budgets, hd, alpha, sink, window, k_max):
+    """The penalty as a chain of PyTorch ops (how the policy computed it before the kernel)."""
+    B, H, N = s.shape
+    b = row_budgets(budgets, s, k_max).view(B, H)
+    u = ksel.select_mask(s, b, sink=sink, window=window).to(torch.float32)
+    rate = (alpha / hd.to(torch.float32).clamp_min(1e-6).expand(B, H))[..., None]
+    return s * torch.exp(-rate * (u.sum(1, keepdim=True) - u))
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=cases(), alpha=st.sampled_from(ALPHAS))
+def test_torch_body_is_the_former_chain_bit_for_bit(case, alpha):
+    """On the PyTorch body the policy's Ã is the former chain of PyTorch ops, bit for bit (so the kept sets are)."""
+    A, kv, hd, sink, window, budgets = case
+    B, H, N = A.shape
+    k_max = int(min(budgets.max(), N))
+    pol = ScoreSelect(base=GivenScores(scores=A, sink=sink, window=window), alpha=alpha)
+    with on_backend("torch"):
+        got = pol.penalised(A, budgets, hd, sink=sink, window=window, k_max=k_max)
+        want = former_chain(A, budgets, hd, alpha, sink, window, k_max)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("sink, window, chunk", [(0, 0, 0), (2, 5, 0), (1, 3, 16), (0, 7, 32)])
+def test_first_pass_from_the_penalty_kernel_feeds_the_select(sink, window, chunk):
+    """``protect=`` makes the penalty kernel also write the select's first radix pass: the select then skips its
+    own pass-0 launch and keeps the same tokens (NaN and tied scores included); the PyTorch body returns None."""
+    g = torch.Generator().manual_seed(sink + window + chunk)
+    B, H, N = 2, 3, 90
+    A = torch.floor(torch.rand(B, H, N, generator=g) * 8) / 8  # many exact ties
+    A[0, 1, 10:20] = float("nan")
+    U = torch.rand(B, H, N, generator=g) < 0.3
+    hd = torch.rand(B, H, generator=g) + 0.1
+    kv = torch.randn(B, H, N, 8, generator=g).to(torch.bfloat16)
+    with on_backend("triton"):
+        s, h0 = score_penalty(A, U, hd, 0.3, chunk=chunk, protect=(sink, window))
+        assert (h0.sink, h0.window) == (sink, window)
+        torch.testing.assert_close(s, score_penalty(A, U, hd, 0.3, chunk=chunk), rtol=0, atol=0, equal_nan=True)
+        want = ksel.select_kv(s, 30, kv, kv, 30, sink=sink, window=window)[2]
+        for _ in range(2):  # the ticket is reset: the same pass serves another select
+            with record_launches() as log:
+                idx = ksel.select_kv(s, 30, kv, kv, 30, sink=sink, window=window, hist0=h0)[2]
+            assert torch.equal(idx, want) and [x.name for x in log] == ["_select_finish_kernel",
+                                                                        "_select_compact_kernel"]
+    with on_backend("torch"):
+        s, h0 = score_penalty(A, U, hd, 0.3, protect=(sink, window))
+        assert h0 is None
+
+
+@both_backends
+def test_penalty_edges(backend):
+    """α = 0 and H = 1 leave the scores as they are; a tiny HD is clamped to 1e-6 (a factor of 0, not NaN)."""
+    g = torch.Generator().manual_seed(1)
+    A = torch.rand(2, 3, 17, generator=g)
+    U = torch.rand(2, 3, 17, generator=g) < 0.5
+    hd = torch.rand(2, 3, generator=g) + 0.1
+    with on_backend(backend):
+        assert torch.equal(score_penalty(A, U, hd, 0.0), A)
+        assert torch.equal(score_penalty(A[:, :1], U[:, :1], hd[:, :1], 1.0), A[:, :1])
+        tiny = score_penalty(A, torch.ones_like(U), torch.full((2, 3), 1e-30), 1.0)
+    assert torch.equal(tiny, torch.zeros_like(A))
+
+
+@pytest.mark.parametrize("make, exc, words", [
+    (lambda: score_penalty(torch.rand(2, 3), torch.zeros(2, 3, dtype=torch.int8), torch.ones(2), 0.1),
+     TypeError, ["scores"]),
+    (lambda: score_penalty(torch.rand(1, 2, 5).double(), torch.zeros(1, 2, 5, dtype=torch.int8), torch.ones(1, 2), 0.1),
+     TypeError, ["scores"]),
+    (lambda: score_penalty(torch.rand(1, 2, 5), torch.zeros(1, 2, 5), torch.ones(1, 2), 0.1), TypeError, ["mask"]),
+    (lambda: score_penalty(torch.rand(1, 2, 5), torch.zeros(1, 2, 4, dtype=torch.int8), torch.ones(1, 2), 0.1),
+     TypeError, ["mask"]),
+    (lambda: score_penalty(torch.rand(1, 2, 5), torch.zeros(1, 2, 5, dtype=torch.int8), torch.ones(2), 0.1),
+     TypeError, ["hd"]),
+    (lambda: score_penalty(torch.rand(1, 2, 5), torch.zeros(1, 2, 5, dtype=torch.int8), torch.ones(1, 2), -1.0),
+     ValueError, ["alpha"]),
+    (lambda: score_penalty(torch.rand(1, 2, 5), torch.zeros(1, 2, 5, dtype=torch.int8), torch.ones(1, 2), 0.1,
+                           picks=torch.ones(1, 4)), ValueError, ["picks"]),
+    (lambda: score_penalty(torch.rand(1, 2, 5), torch.zeros(1, 2, 5, dtype=torch.int8), torch.ones(1, 2), 0.1,
+                           chunk=-1), ValueError, ["chunk"]),
+])
+def test_penalty_bad_inputs(make, exc, words):
+    assert_raises_naming(make, exc, words)
+
+
+def test_penalty_aot_compiles():
+    sig = {"s_ptr": "*fp32", "u_ptr": "*i8", "p_ptr": "*fp32", "hd_ptr": "*fp32", "out_ptr": "*fp32",
+           "h0_ptr": "*i32", "H": "i32", "shb": "i32", "shh": "i32", "alpha": "fp32", "N": "i32", "CHUNK": "i32",
+           "C0": "i32", "sink": "i32", "window": "i32", "TILE": "constexpr", "HAS_PICKS": "constexpr",
+           "PRECISE_EXP": "constexpr", "HIST": "constexpr", "NB": "constexpr"}
+    spec = {"module": "tritonkv.kernels.score", "kernel": "_score_penalty_kernel"}
+    assert_compiles(dict(spec, signature=sig, constexprs={"TILE": 256, "HAS_PICKS": False, "PRECISE_EXP": True,
+                                                          "HIST": True, "NB": 256}),
+                    dict(spec, signature=dict(sig, s_ptr="*bf16", hd_ptr="*fp16"),
+                         constexprs={"TILE": 256, "HAS_PICKS": True, "PRECISE_EXP": False, "HIST": False, "NB": 256}))

@@ -29,6 +29,22 @@ def top_mask(a: np.ndarray, budget: int, sink: int = 0, window: int = 0) -> np.n
     return m
 
 
+def penalty(A, U, hd, alpha: float, picks=None):
+    """Ã [H, N] of Eq. 13 for one batch row: A [H, N] base scores, U [H, N] bool unpenalised picks, HD [H].
+
+    r_h[j] = |{h' ≠ h : j ∈ U_h'}|, or picks[j] − U_h[j] when every head's pick count ``picks`` [N] is given
+    (heads beyond these H, as under tensor parallelism). NaN scores stay NaN (the factor is in (0, 1])."""
+    A = np.asarray(A, dtype=np.float64)
+    U = np.asarray(U, dtype=bool)
+    H, N = A.shape
+    if picks is None:
+        r = np.array([[sum(int(U[g, j]) for g in range(H) if g != h) for j in range(N)] for h in range(H)],
+                     dtype=np.float64).reshape(H, N)
+    else:
+        r = np.asarray(picks, dtype=np.float64)[None, :] - U
+    return A * np.exp(-(alpha / np.asarray(hd, dtype=np.float64))[:, None] * r)
+
+
 def parallel(A, budgets, hd, alpha: float, sink: int = 0, window: int = 0):
     """(kept [H, N] bool, U [H, N] bool, r [H, N], Ã [H, N]) for one batch row."""
     A = np.asarray(A, dtype=np.float64)

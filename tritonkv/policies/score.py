@@ -11,6 +11,10 @@ scores of tokens that other heads also pick are lowered before the shared top-k:
         Ã[h,j] = A[h,j] · exp(−(α / HD_h) · r_h[j])
         kept_h = select(Ã[h], b_h)
 
+        r and Ã are one launch (``kernels/score.py``), which also counts the final select's first
+        radix pass: seven launches in all and no host read (with ``attn_lse`` given: the default
+        base's window score, the unpenalised select's three, the penalty, the final select's two).
+
     sequential ("greedy"): heads in order of descending HD (ties to the lower h); r[j] counts the
         final selections of the heads already visited. The visiting order is computed on the
         device (a rank by pairwise comparison, no sort, no host read); the loop over the H visits
@@ -28,8 +32,10 @@ from typing import ClassVar
 
 import torch
 
+from ..distributed import group_info
 from ..kernels import select as _select
-from ..kernels._common import check_device
+from ..kernels._common import check_device, check_int, on_host
+from ..kernels.score import _penalty
 from .base import Policy, register_policy
 from .criticalkv import _check_fraction, check_base, row_budgets
 
@@ -43,11 +49,11 @@ def _default_base() -> Policy:
 
 
 def head_distinctness(hd, batch: int, heads: int, device) -> torch.Tensor:
-    """``hd`` ([H_kv] or [B, H_kv], > 0) as fp32 ``[B, H_kv]`` on ``device``.
+    """``hd`` ([H_kv] or [B, H_kv], > 0) as fp32 ``[B, H_kv]`` on ``device`` (a view where it already is fp32
+    there; not clamped: the penalty clamps it to ≥ 1e-6, as the allocator does).
 
-    Values are checked on the host only where they already are there (a list or a plain CPU
-    tensor, outside torch.compile/export); elsewhere they are clamped to ≥ 1e-6 on the device, as
-    the allocator does, so nothing is read back.
+    Values are checked on the host only where they already are there (a list or a plain CPU tensor, outside
+    torch.compile/export; one read of the few values, no tensor ops); elsewhere nothing is read back.
     """
     if hd is None:
         raise ValueError("score needs the input hd: head distinctness HD > 0 per KV head, [H_kv] or "
@@ -60,13 +66,29 @@ def head_distinctness(hd, batch: int, heads: int, device) -> torch.Tensor:
     if hd.dtype == torch.bool or hd.is_complex():
         raise TypeError(f"hd must be a real float tensor, got {hd.dtype}")
     check_device("hd", hd, device, "keys", cpu_ok=True)
-    if tuple(hd.shape) not in ((heads,), (batch, heads)):
+    if hd.shape != (heads,) and hd.shape != (batch, heads):
         raise ValueError(f"hd must have shape [H_kv] = [{heads}] or [B, H_kv] = [{batch}, {heads}], "
                          f"got {tuple(hd.shape)}")
-    if type(hd) is torch.Tensor and hd.device.type == "cpu" and not torch.compiler.is_compiling():
-        if not bool(((hd > 0) & torch.isfinite(hd)).all()):
-            raise ValueError(f"hd must be finite and > 0 (head distinctness), got {hd.tolist()}")
-    return hd.to(device=device, dtype=torch.float32).clamp_min(1e-6).expand(batch, heads)
+    if on_host(hd) and not all(v > 0 and v < math.inf for v in hd.reshape(-1).tolist()):
+        raise ValueError(f"hd must be finite and > 0 (head distinctness), got {hd.tolist()}")
+    return hd.to(device=device, dtype=torch.float32).expand(batch, heads)
+
+
+def _unpenalised_mask(s: torch.Tensor, budgets, k_max: int, sink: int, window: int) -> torch.Tensor:
+    """int8 keep-mask ``[B, H, N]`` of the plain selection of ``s`` (fp32, contiguous): ``select.select_mask``
+    without its conversions (one call of the shared select, whose index output is scratch)."""
+    B, H, N = s.shape
+    R, k_max = B * H, min(check_int("k_max", k_max), N)
+    dev = s.device
+    b, bi = _select._budget_args(budgets, R, dev)
+    mask = torch.empty((B, H, N), dtype=torch.int8, device=dev)
+    if R == 0 or N == 0:
+        return mask
+    idx = torch.empty(R * k_max, dtype=torch.int64, device=dev)  # written, never read
+    lengths = torch.empty(R, dtype=torch.int32, device=dev)
+    _select.select_into(s.view(R, N), b, None, None, None, None, idx, lengths, mask.view(R, N), None, None, None,
+                        sink, window, k_max, bi, _select._full_rows(budgets, N, k_max), 0)
+    return mask
 
 
 def _sequential_order(hd: torch.Tensor) -> torch.Tensor:
@@ -126,25 +148,30 @@ class ScoreSelect(Policy):
         Tensor parallel (``process_group``; these are this rank's heads, ``hd`` theirs): ``"parallel"`` gathers
         each rank's per-token pick counts (one collective; integer sums, exact in any order), ``"sequential"``
         the scores, budgets and HD of every head (one collective) and runs the greedy over all heads."""
-        from ..distributed import group_info
+        return self._penalised(scores, budgets, hd, sink, window, k_max, process_group, None)[0]
 
-        tp = group_info(process_group)
+    def _penalised(self, scores, budgets, hd, sink: int, window: int, k_max: int, process_group, protect):
+        """``(Ã, hist0)``: ``hist0`` the final select's first pass over Ã with ``protect=(sink, window)``
+        where the penalty kernel counts it (parallel mode, Triton), else None."""
+        tp = None if process_group is None else group_info(process_group)
         B, H, N = scores.shape
         s = scores.to(torch.float32)
-        b = row_budgets(budgets, s, k_max).view(B, H)
         hd = head_distinctness(hd, B, H, s.device)
-        if tp is not None and self.mode == "sequential":
+        if self.mode == "sequential":
+            b = row_budgets(budgets, s, k_max).view(B, H)
+            hd = hd.clamp_min(1e-6)
+            if tp is None:
+                return self._sequential(s, b, hd, sink, window), None
             gs, gb, ghd = tp.gather(s, b, hd)  # [world, B, H, ...] in head order
             s, b, hd = (torch.cat(g.unbind(0), dim=1) for g in (gs, gb, ghd))
-            return self._sequential(s, b, hd, sink, window)[:, tp.heads(H)].contiguous()
-        rate = (self.alpha / hd)[..., None]  # [B, H, 1]
-        if self.mode == "parallel":
-            u = _select.select_mask(s, b, sink=sink, window=window).to(torch.float32)
-            picks = u.sum(1, keepdim=True)
-            if tp is not None:
-                picks = tp.gather(picks)[0].sum(0)  # every head's picks per token (counts: exact)
-            return s * torch.exp(-rate * (picks - u))
-        return self._sequential(s, b, hd, sink, window)
+            return self._sequential(s, b, hd, sink, window)[:, tp.heads(H)].contiguous(), None
+        s = s.contiguous()
+        u = _unpenalised_mask(s, budgets, k_max, sink, window)
+        picks = None
+        if tp is not None:  # every head's picks per token (counts: exact)
+            picks = tp.gather(u.sum(1, dtype=torch.float32))[0].sum(0)
+        out = _penalty(s, u, hd, float(self.alpha), picks, 0, protect)
+        return out if protect is not None else (out, None)
 
     def _sequential(self, s, b, hd, sink, window):
         B, H, N = s.shape
@@ -164,7 +191,7 @@ class ScoreSelect(Policy):
         """Penalised selection through the shared kernel (see the module docstring); ``forced`` tokens are
         kept like protected ones in the final selection (the penalty does not see them)."""
         B, H, N = keys.shape[:3]
-        pen = self.penalised(scores.reshape(B, H, N), budgets, hd, sink=sink, window=window, k_max=k_max,
-                             process_group=inputs.get("process_group"))
+        pen, h0 = self._penalised(scores.reshape(B, H, N), budgets, hd, sink, window, k_max,
+                                  inputs.get("process_group"), None if forced is not None else (sink, window))
         return _select.select_kv(pen, budgets, keys, values, k_max, sink=sink, window=window, forced=forced,
-                                 out=out)
+                                 out=out, hist0=h0)
