@@ -429,3 +429,16 @@ def on_host(t: torch.Tensor) -> bool:
 def row_major(t: torch.Tensor) -> torch.Tensor:
     """Make the last dimension unit-stride (kernels take the other strides as arguments)."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def finite_rows(x: torch.Tensor, reduced: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, bool]:
+    """``(torch.isfinite(x).all(-1), whether every row is finite)`` for the CPU bodies' non-finite checks, without
+    the boolean copy of ``x`` in the common case: a row holding a NaN or ±inf element has a non-finite sum (or
+    ``reduced``: any reduction over the last dim that propagates them, such as a norm), so when every row's is
+    finite so is every element. Else (or where values cannot be read: tracing, meta or fake tensors) the
+    elementwise check, and False."""
+    if on_host(x):
+        fin = torch.isfinite(x.sum(-1) if reduced is None else reduced)
+        if bool(fin.all()):
+            return fin, True
+    return torch.isfinite(x).all(-1), False

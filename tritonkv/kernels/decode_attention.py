@@ -237,6 +237,18 @@ def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out, lse
 
 
+def _zero_invalid(v, valid, fresh: bool):
+    """``v`` ``[B, H, L, D]`` in fp32 with the slots ``valid`` ``[B, H, 1, L]`` marks False zeroed (whatever they
+    hold must not reach the output: 0 · NaN is NaN). Eagerly, the invalid rows are filled in place (on a copy
+    unless ``fresh``): several times faster on the CPU than a ``where`` broadcast over D."""
+    if not on_host(v):  # traced, meta or fake tensors: no data-dependent shapes
+        return torch.where(valid.transpose(-1, -2), v.float(), 0.0)
+    v = (v.float() if fresh or v.dtype != torch.float32 else v.clone()).contiguous()
+    bad = (~valid).reshape(-1).nonzero().squeeze(1)
+    v.view(-1, v.shape[-1]).index_fill_(0, bad, 0.0)
+    return v
+
+
 def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, limit: int):
     """``decode_attention_op`` in PyTorch: every row padded to the static ``L = min(limit, cap)``
     tokens (``limit`` = splits x split tokens, the most the kernels read; ``cap`` the dense capacity or
@@ -254,9 +266,9 @@ def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, lim
         return torch.zeros_like(q), torch.full((B, Hq), float("-inf"), device=dev)
     j = torch.arange(L, device=dev)
     valid = (j < lengths[:, None]).view(B, H, 1, L)
-    if ragged:
-        idx = (row_start[:R, None] + j).clamp(0, keys.shape[0] - 1)
-        k, v = keys[idx].view(B, H, L, D), values[idx].view(B, H, L, D)
+    if ragged:  # index_select: a plain row gather, several times faster on the CPU than indexing with a 2-D index
+        idx = (row_start[:R, None] + j).clamp(0, keys.shape[0] - 1).view(-1)
+        k, v = keys.index_select(0, idx).view(B, H, L, D), values.index_select(0, idx).view(B, H, L, D)
     else:
         k, v = keys[:, :, :L], values[:, :, :L]
     logits = torch.matmul(q.reshape(B, H, G, D).float(), k.float().transpose(-1, -2)) * scale  # [B, H, G, L]
@@ -264,7 +276,7 @@ def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, lim
     m = logits.amax(-1, keepdim=True)
     p = torch.exp(logits - torch.where(m == float("-inf"), 0.0, m))
     l_sum = p.sum(-1, keepdim=True)
-    o = torch.matmul(p, torch.where(valid.transpose(-1, -2), v.float(), 0.0))  # [B, H, G, D]
+    o = torch.matmul(p, _zero_invalid(v, valid, ragged))  # [B, H, G, D]
     nonempty = l_sum > 0
     o = torch.where(nonempty, o / torch.where(nonempty, l_sum, 1.0), 0.0)
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l_sum, 1.0)), float("-inf"))

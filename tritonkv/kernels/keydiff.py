@@ -34,7 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
+<<<<<<< HEAD
 from ._common import cdiv, launch, row_major, triton_op, use_triton
+=======
+from ._common import finite_rows, launch, row_major, triton_op, use_triton
+>>>>>>> cpugen
 from .knorm import _check_keys, _load_keys, hist_tile, nonfinite, score_hist0, token_blocks
 from .select import NB, hist0_of_chunk
 
@@ -99,17 +103,20 @@ def _keydiff_torch(keys: torch.Tensor, normalize: bool) -> torch.Tensor:
     anchor; non-finite keys weigh 0), the dot products ``k_i·a`` as another, then the kernel's
     ``0 − dot / max(‖a‖·‖k_i‖, 1e-8)`` clamped to [−1, 1]; a key with a non-finite element scores NaN;
     a zero key +0."""
-    finite = torch.isfinite(keys).all(-1)  # [B, H, N]
-    k = torch.where(finite[..., None], keys.float(), 0.0)
+    k = keys.float()
     k_norm = torch.linalg.vector_norm(k, dim=-1)  # [B, H, N]
+    finite, every = finite_rows(k, k_norm)  # [B, H, N]
+    if not every:  # some key is not finite: zero it, for the norms and the anchor
+        k = torch.where(finite[..., None], k, 0.0)
+        k_norm = torch.linalg.vector_norm(k, dim=-1)
     w = 1.0 / k_norm.clamp_min(1e-12) if normalize else torch.ones_like(k_norm)
-    w = torch.where(finite, w, 0.0)
+    w = w if every else torch.where(finite, w, 0.0)
     n = finite.sum(-1, keepdim=True).clamp_min(1).to(torch.float32)[..., None]  # [B, H, 1, 1]
     a = (w.unsqueeze(-2) @ k) / n  # [B, H, 1, D]
     dot = (k @ a.transpose(-1, -2)).squeeze(-1)  # [B, H, N]
     a_norm = torch.linalg.vector_norm(a, dim=-1)  # [B, H, 1]
     s = (0.0 - dot / (a_norm * k_norm).clamp_min(1e-8)).clamp(-1.0, 1.0)
-    return torch.where(finite, s, float("nan"))
+    return s if every else torch.where(finite, s, float("nan"))
 
 
 @triton_op("tritonkv::keydiff_score", mutates_args={"hist0"})

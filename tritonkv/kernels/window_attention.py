@@ -53,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+from ._common import (INTERPRET, cdiv, check_kv_tensor, finite_rows, launch, next_pow2, row_major, triton_op,
+                      use_triton)
 
 POOLS = ("max", "avg")
 ROW_REDUCE = ("mean", "sum")
@@ -389,9 +390,9 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce).view(B, H, G * W, 1)
     left_in = w > 0
     q = torch.where(left_in, queries.float().reshape(B, H, G * W, D), 0.0) * scale  # rows of KV head h
-    kfin = torch.isfinite(keys).all(-1)  # [B, H, N]
+    kfin = finite_rows(keys)[0]  # [B, H, N]
     if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
-        kfin &= torch.isfinite(values).all(-1)
+        kfin &= finite_rows(values)[0]
     pos = (N - W + torch.arange(W, device=dev)).repeat(G)[:, None]  # [G·W, 1] position of each row
     first = max(N - W + 1, 0)  # keys before this one are visible to every row
     chunk = max(1, TORCH_BLOCK // (B * H * G * W))

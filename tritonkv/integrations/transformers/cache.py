@@ -392,14 +392,29 @@ class TritonKVLayer(CacheLayerMixin):
         keys, values, pos = self.store.view()
         if self.has_invalid:
             keys, values, pos = _compact(keys, values, pos)
-        out = self._select(keys, values, pos, k, invalid=self.has_invalid, queries=self.queries, seq_len=self.seen)
+        ahead = self._next_block()
+        out = self._select(keys, values, pos, k, invalid=self.has_invalid, queries=self.queries, seq_len=self.seen,
+                           padded=ahead > 0)
         if isinstance(out, RaggedStore):
             self.store = out
             self.has_invalid, self.allocated = False, True
         else:
-            self.store.replace(*out, self._slack(out[0].shape[2]))
-            self.has_invalid = bool((out[2] == SENTINEL).any())
+            self.store.replace(*out, max(self._slack(out[0].shape[2]), ahead))
+            if ahead and self.cache.allocation is not None:  # per-head rows padded, as their working view would be
+                self.has_invalid, self.allocated = True, True
+            else:
+                self.has_invalid = bool((out[2] == SENTINEL).any())
         self._compressed()
+
+    def _next_block(self) -> int:
+        """Tokens of the next prompt block when more of a known prompt (``prompt_length``) is to come block-wise,
+        else 0. A compression between prompt blocks leaves that many free slots (the block is then written in
+        place, not into a new buffer), and per-head rows stay in their padded working view (the next block would
+        build it again)."""
+        cache = self.cache
+        if cache.mode != "blockwise" or not cache.prompt_length or self.pads is not None:
+            return 0
+        return max(0, min(cache.block_size, cache.prompt_length - self.seen))
 
     def _compressed(self) -> None:
         cache = self.cache
@@ -409,12 +424,13 @@ class TritonKVLayer(CacheLayerMixin):
         cache.compressions += 1
 
     def _select(self, keys, values, pos, k: int, *, invalid: bool, queries, seq_len: int, offset: int = 0,
-                row: Optional[int] = None):
+                row: Optional[int] = None, padded: bool = False):
         """Run the policy (and allocator) over the slots ``keys``/``values`` ``[B, H, N, D]`` at sequence indices
         ``pos`` (``invalid``: some hold no token). Returns ``(keys, values, pos)`` of the kept slots, or a
         ``RaggedStore`` (per-head budgets) that holds no empty slot. ``offset``: subtracted from the positions the
         policy sees (a padded row's pads), ``seq_len``: the tokens of the sequence (allocators' tables), ``row``: the
-        batch row these slots belong to (its slice of batched inputs)."""
+        batch row these slots belong to (its slice of batched inputs). ``padded``: per-head rows come back as
+        ``(keys, values, pos)`` padded to the longest row (``SENTINEL`` after each row's tokens), not ragged."""
         cache = self.cache
         policy, forced = cache.policy, None
         if invalid:
@@ -440,6 +456,9 @@ class TritonKVLayer(CacheLayerMixin):
         out = compress((keys, values), policy, k, allocation=cache.allocation, **inputs)
         if isinstance(out, Compressed):
             return out.keys, out.values, pos.gather(2, out.indices)
+        if padded:  # the layout RaggedStore.to_dense gives
+            K, V, _, p = out.to_padded(with_positions=True)
+            return K, V, torch.where(p >= 0, pos.gather(2, p.clamp(min=0)), SENTINEL)
         # a RaggedKV (per-head budgets): stored as it is, no padding back
         return RaggedStore.from_selection(out, pos, self.seen, self._slack(k))
 

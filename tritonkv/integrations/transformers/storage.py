@@ -8,7 +8,9 @@ Two layouts, chosen per compression:
   and for compiled decoding (static capacity, ``reserve``).
 - ``RaggedStore``: a ``tritonkv.RaggedKV`` (flat rows of different lengths, per-head budgets) whose
   ``positions`` hold sequence indices. Decode steps append in place and attend through the ragged split-K
-  kernel; a prefill block (or a re-compression) turns it into a ``DenseStore`` working view for one forward.
+  kernel; a prefill block (or a re-compression) turns it into a ``DenseStore`` working view for one forward
+  (between the blocks of a prompt whose length the cache knows, a layer stays in that padded view: the next block
+  would build it again).
 
 Slack rule (``slack_for``): after a compression a layer holds its kept tokens plus
 ``max(16, ceil(kept / 16))`` free slots per head (at most 1/16 ≈ 6 % over the kept bytes once a head keeps

@@ -1,0 +1,123 @@
+"""Wall time of ``generate`` on the CPU in a real model, as a user calls it, against the stock ``model.generate``.
+
+    python -m benchmarks.generate_cpu            # SmolLM2-135M, 2048-token prompt: results/generate_cpu.{json,md}
+    python -m benchmarks.generate_cpu --smoke    # a tiny random Llama, one timed run (writes only with --out)
+
+Three calls at the same torch thread count (``torch.set_num_threads``, 1 and 2 by default), greedy, ``--new-tokens``
+new tokens from one prompt of real text (``tritonkv.integrations.needle.build_case``):
+
+- ``stock``: ``model.generate(input_ids, max_new_tokens=M, do_sample=False)`` (the full cache);
+- ``keydiff``: ``generate(model, input_ids, policy="keydiff", budget=0.25, mode="blockwise", ...)``;
+- ``snapkv+adakv``: the same with ``policy="snapkv", allocation="adakv"``
+
+(``tritonkv.integrations.transformers.generate``, every other setting its default: blocks of 128 tokens). One
+warm-up call of each, then ``--runs`` alternating rounds (stock, keydiff, snapkv+adakv, stock, ...) so that every
+call sees the same machine load; median and min wall seconds, and ``ratio`` = the call's median / stock's median
+(``min ratio``: of the minima, the less disturbed estimate on a shared machine). Target: ratio <= 1.1 at 1 and at
+2 threads. The native CPU path (the ops' PyTorch bodies): run it without ``TRITON_INTERPRET``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import RESULTS, cpu_times, describe, random_llama, run_info, table, write_results
+
+TOKENS, NEW_TOKENS, BUDGET, RUNS, THREADS = 2048, 32, 0.25, 3, (1, 2)
+SMOKE_TOKENS, SMOKE_NEW_TOKENS = 512, 4
+CALLS = {"keydiff": dict(policy="keydiff"), "snapkv+adakv": dict(policy="snapkv", allocation="adakv")}
+
+
+def load(smoke: bool, tokens: int):
+    """``(model, input_ids [1, tokens])``: SmolLM2-135M and real text, or (``smoke``) the random Llama and ids."""
+    if smoke:
+        return random_llama(), torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    from tritonkv.integrations.model import load_smollm2
+    from tritonkv.integrations.needle import build_case
+
+    model, tok = load_smollm2()
+    return model, build_case(tok, tokens, 0.5, seed=0, subject="apple").input_ids
+
+
+def calls(model, ids, new_tokens: int, budget) -> dict:
+    from tritonkv.integrations.transformers import generate
+
+    out = {"stock": lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False)}
+    for name, kw in CALLS.items():
+        out[name] = (lambda kw=kw: generate(model, ids, budget=budget, mode="blockwise", max_new_tokens=new_tokens,
+                                            do_sample=False, **kw))
+    return out
+
+
+def run_threads(fns: dict, threads: int, runs: int) -> list:
+    torch.set_num_threads(threads)
+    length = {name: f().shape[1] for name, f in fns.items()}  # the warm-up calls: prompt + new tokens
+    times = dict(zip(fns, cpu_times(list(fns.values()), runs)))
+    base = statistics.median(times["stock"])
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append(dict(call=name, threads=threads, median_s=round(med, 3), min_s=round(min(ts), 3),
+                         max_s=round(max(ts), 3), ratio=round(med / base, 3),
+                         ratio_of_min=round(min(ts) / min(times["stock"]), 3), runs=runs, length=length[name]))
+    return rows
+
+
+def markdown(res) -> str:
+    m = res["machine"]
+    lines = ["# generate on the CPU: tritonkv vs stock model.generate", "",
+             f"{describe(m)}. Command: `{m['command']}` ({res['wall_s']:.0f} s; load average "
+             f"{m['load_avg_before'][0]} before, {m['load_avg_after'][0]} after).", "",
+             f"{res['model']}, a {res['tokens']}-token prompt, {res['new_tokens']} new tokens (greedy), budget "
+             f"{res['budget']}, blockwise (blocks of 128). Median and min of {res['runs']} alternating runs after a "
+             f"warm-up, in s; ratio = median / stock's median, min ratio = min / stock's min (target <= 1.1).", ""]
+    lines += table(res["rows"], ["call", "threads", "median_s", "min_s", "ratio", "ratio_of_min"],
+                   ["call", "threads", "median s", "min s", "ratio", "min ratio"], right=True)
+    return "\n".join(lines) + "\n"
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help=f"a random 2-layer Llama, {SMOKE_TOKENS} tokens, "
+                                                        f"{SMOKE_NEW_TOKENS} new, one timed run; writes only with --out")
+    p.add_argument("--tokens", type=int, help=f"prompt tokens (default {TOKENS})")
+    p.add_argument("--new-tokens", type=int, help=f"new tokens (default {NEW_TOKENS})")
+    p.add_argument("--budget", type=float, default=BUDGET, help=f"fraction of the prompt kept (default {BUDGET})")
+    p.add_argument("--threads", type=int, nargs="+", default=list(THREADS), help="torch thread counts (default 1 2)")
+    p.add_argument("--runs", type=int, help=f"timed rounds per thread count (default {RUNS}; 1 with --smoke)")
+    p.add_argument("--out", help=f"output folder (default {RESULTS}; none with --smoke)")
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
+    new_tokens = args.new_tokens or (SMOKE_NEW_TOKENS if args.smoke else NEW_TOKENS)
+    runs = args.runs or (1 if args.smoke else RUNS)
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    t0 = time.perf_counter()
+    model, ids = load(args.smoke, tokens)
+    fns = calls(model, ids, new_tokens, args.budget)
+    rows = []
+    with torch.no_grad():
+        for threads in args.threads:
+            rows += run_threads(fns, threads, runs)
+            for r in rows[-len(fns):]:
+                print(r, flush=True)
+    machine = dict(run_info(argv=argv), load_avg_before=load_before,
+                   load_avg_after=[round(x, 2) for x in os.getloadavg()])
+    res = dict(machine=machine, wall_s=round(time.perf_counter() - t0, 1), smoke=args.smoke,
+               model="a random 2-layer Llama" if args.smoke else "SmolLM2-135M-Instruct (fp32)", tokens=tokens,
+               new_tokens=new_tokens, budget=args.budget, runs=runs, rows=rows)
+    out = args.out or (None if args.smoke else RESULTS)
+    if out:
+        write_results(os.path.join(out, "generate_cpu"), res, markdown(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()
