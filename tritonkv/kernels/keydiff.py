@@ -34,11 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-<<<<<<< HEAD
-from ._common import cdiv, launch, row_major, triton_op, use_triton
-=======
-from ._common import finite_rows, launch, row_major, triton_op, use_triton
->>>>>>> cpugen
+from ._common import cdiv, finite_rows, launch, row_major, triton_op, use_triton
 from .knorm import _check_keys, _load_keys, hist_tile, nonfinite, score_hist0, token_blocks
 from .select import NB, hist0_of_chunk
 
