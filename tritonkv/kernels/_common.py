@@ -156,9 +156,9 @@ def launch(kernel, grid, *args, **kwargs):
 # dtype and 16-byte alignment; an int's width, divisibility by 16 and == 1), builds the cache-key string
 # of the specialisation and the options, looks the compiled kernel up and calls its launcher: 8-35 µs of
 # host time per launch, more than the kernels of a small compress take on the GPU. ``_cached_run`` keys
-# a launch by a *finer* classification of the same arguments (every two arguments that Triton's
-# specialisation tells apart, it tells apart too: a tensor's dtype and address mod 16, an int's value
-# mod 16, == 1 and width, other types by type) plus the constexpr and option values with their types,
+# a launch by a classification of the same arguments at least as fine (every two arguments that Triton's
+# specialisation tells apart, it tells apart too: a tensor's dtype and whether its address is a multiple
+# of 16, an int's divisibility by 16, == 1 and width, other types by type) plus the constexpr and option values with their types,
 # the device and the knobs ``run`` adds to the options. The first launch of a key goes through ``run``
 # itself, which compiles or finds the kernel; the cache remembers the compiled kernel under Triton's
 # own key string (found in Triton's cache by identity). Later launches of the key check that Triton's
@@ -178,6 +178,7 @@ _CONST_TYPES = frozenset({int, bool, str, type(None)})  # constexpr/option value
 _ARG_TYPES = frozenset({torch.Tensor, int, bool, float, type(None)})  # other arguments the cache classifies
 _I32 = (-(1 << 31), (1 << 31) - 1)
 _15 = itertools.repeat(15)
+_ZERO = (0).__eq__
 _IS_ONE = (1).__eq__
 _DTYPE = operator.attrgetter("dtype")
 _DATA_PTR = torch.Tensor.data_ptr
@@ -282,7 +283,8 @@ def _cached_run(kernel, grid, args: tuple, kwargs: dict):
     width = 0 if not ints or (_I32[0] <= min(ints) and max(ints) <= _I32[1]) else tuple(map(_int_width, ints))
     device = driver.active.get_current_device()
     key = (device, const, ctypes, vtypes, tuple(map(_DTYPE, tensors)),
-           tuple(map(operator.and_, map(_DATA_PTR, tensors), _15)), tuple(map(operator.and_, ints, _15)),
+           tuple(map(_ZERO, map(operator.and_, map(_DATA_PTR, tensors), _15))),
+           tuple(map(_ZERO, map(operator.and_, ints, _15))),
            tuple(map(_IS_ONE, ints)) if 1 in ints else None, width)
     hit = rec.launches.get(key)
     if hit is not None:
