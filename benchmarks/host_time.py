@@ -72,8 +72,10 @@ def loop_us(reps: int = 200) -> float:
     return min(timeit.repeat(loop, number=1, repeat=reps)) * 1e6
 
 
-def gpu_path_on_cpu():
-    """Route CPU tensors to the Triton bodies with a fake driver and stub kernels (see the docstring)."""
+def gpu_path_on_cpu(make_stub=None, stream: int = 0):
+    """Route CPU tensors to the Triton bodies with a fake driver (device 0, ``stream``, target sm_90) and stub
+    kernels (see the docstring): ``make_stub(key)`` builds the stub that Triton caches under ``key`` (default:
+    one whose ``launch_metadata`` and ``run`` do nothing)."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -89,7 +91,7 @@ def gpu_path_on_cpu():
             return 0
 
         def get_current_stream(self, device=None):
-            return 0
+            return stream
 
         def get_current_target(self):
             return GPUTarget("cuda", 90, 32)
@@ -106,8 +108,10 @@ def gpu_path_on_cpu():
         def run(self, *args):
             return None
 
+    make_stub = make_stub or (lambda key: StubKernel())
+
     def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
-        kernel = self.device_caches[device][0][key] = StubKernel()
+        kernel = self.device_caches[device][0][key] = make_stub(key)
         return kernel
 
     driver.set_active(FakeDriver())

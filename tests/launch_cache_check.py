@@ -2,8 +2,8 @@
 ``test_launch_cache.py`` in a subprocess without ``TRITON_INTERPRET``; ``python tests/launch_cache_check.py``
 runs it against whatever Triton is importable, e.g. 3.6 put first on ``PYTHONPATH``).
 
-CPU tensors take the Triton branch of every op; a fake driver answers device 0, stream 7, target sm_90;
-``JITFunction._do_compile`` returns one recording stub per Triton cache key (what Triton caches like a
+CPU tensors take the Triton branch of every op; ``benchmarks.host_time.gpu_path_on_cpu``'s fake driver answers
+device 0, stream 7, target sm_90, and its ``JITFunction._do_compile`` returns one recording stub per Triton cache key (what Triton caches like a
 compiled kernel). Every launch of every ``compress`` below runs twice: through ``JITFunction.run`` and
 through ``_common._cached_run``; the stub of each records what it was called with (itself, grid, stream,
 function, packed metadata, launch metadata and hooks, every kernel argument), and the two records must be
@@ -19,9 +19,9 @@ import torch
 
 
 def main():
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
     from triton.runtime.jit import JITFunction
+
+    from benchmarks.host_time import gpu_path_on_cpu
 
     import tritonkv
     from tritonkv.kernels import _common
@@ -29,19 +29,6 @@ def main():
     assert not _common.INTERPRET, "run without TRITON_INTERPRET"
     assert _common._AUDITED is not None, "this Triton's run() is not one the launch cache serves"
     records = []
-
-    class FakeDriver:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 7
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
 
     class Stub:  # what a compiled kernel offers JITFunction.run
         def __init__(self, key):
@@ -54,13 +41,7 @@ def main():
         def run(self, *args):
             records.append(("run", self) + args)
 
-    def stub_compile(self, key, signature, device, constexprs, options, attrs, warmup):
-        kernel = self.device_caches[device][0][key] = Stub(key)
-        return kernel
-
-    driver.set_active(FakeDriver())
-    JITFunction._do_compile = stub_compile
-    _common._cpu[0] = "triton"
+    gpu_path_on_cpu(make_stub=Stub, stream=7)
     cached_run = _common._cached_run
     served = [0]
     compared = [0]
@@ -152,4 +133,5 @@ def _kernels():
 
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks, tritonkv
     main()
