@@ -1,12 +1,7 @@
 """One plain PyTorch pipeline per policy: the same policy's scores written directly in torch, ``torch.topk`` of the
-kept count, a sort of the kept indices and a gather of K/V. Every benchmark that compares tritonkv with plain
-PyTorch uses these (``cpu_speed.py`` eager on the CPU, ``speed.py`` under ``torch.compile`` on a GPU).
-
-Each pipeline forces the policy's protected tokens the way a user would (with +inf or by construction), with the
-tritonkv defaults: SnapKV W = 32 and max pooling over 7, TOVA the last query, H2O the summed rows, StreamingLLM 4
-sinks, LagKV S = 16 and L = 128, CriticalKV α = ½ over SnapKV, SCORE's parallel penalty α = 0.004. Scores are
-computed in fp32. Ties go anywhere in ``torch.topk`` (the lower index in tritonkv), so kept sets may differ at a
-tie.
+kept count, a sort of the kept indices and a gather of K/V, with the tritonkv defaults and protected tokens. Every
+benchmark that compares tritonkv with plain PyTorch uses these (``cpu_speed.py`` eager on the CPU, ``speed.py``
+under ``torch.compile`` on a GPU); the settings and tie rules: docs/benchmarks.md ("The plain PyTorch pipelines").
 """
 from __future__ import annotations
 

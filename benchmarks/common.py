@@ -9,6 +9,7 @@ import datetime
 import glob
 import gzip
 import json
+import math
 import os
 import platform
 import shlex
@@ -93,6 +94,11 @@ def describe(info: dict) -> str:
             f"; {info['date']}")
 
 
+def device_tag(info: dict) -> str:
+    """The device of ``info`` as a file-name prefix: ``NVIDIA H200`` gives ``nvidia-h200``, ``cpu`` ``cpu``."""
+    return info["device"].split(" (")[0].replace(" ", "-").lower()
+
+
 # the random Llama of memory.py and cache_release.py (fp32, no download)
 LLAMA_256 = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=32768 + 64)
@@ -109,6 +115,21 @@ def random_llama(max_positions: int = 4096, pad_token_id=None, seed: int = 0, **
     cfg = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, pad_token_id=pad_token_id, max_position_embeddings=max_positions)
     return LlamaForCausalLM(LlamaConfig(**{**cfg, **config})).eval()
+
+
+def random_case(N, B, H, G, D, W, dtype=None, device="cpu", d_model=None, seed: int = 0):
+    """Seeded random K/V ``[B, H, N, D]`` and what policies take: window queries ``[B, H·G, W, D]``, W_O
+    ``[d_model, H·G·D]`` (default square) and SCORE's head distinctness ``hd [H]``; drawn in fp32 on ``device``,
+    cast to ``dtype`` (default fp32). Returns ``(keys, values, {"queries", "o_proj", "hd"})``."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, device=device, dtype=torch.float32)  # noqa: E731
+    keys, values, queries = rnd(B, H, N, D), rnd(B, H, N, D), rnd(B, H * G, W, D)
+    o_proj = rnd(d_model or H * G * D, H * G * D) / math.sqrt(H * G * D)
+    hd = torch.rand(H, generator=g, device=device) + 0.1
+    keys, values, queries, o_proj = (t.to(dtype or torch.float32) for t in (keys, values, queries, o_proj))
+    return keys, values, {"queries": queries, "o_proj": o_proj, "hd": hd}
 
 
 def policy_inputs(pol, pool: dict) -> dict:

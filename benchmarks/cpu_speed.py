@@ -3,25 +3,12 @@
     python -m benchmarks.cpu_speed              # N = 4096 and 32768: benchmarks/results/cpu_speed.{json,md}
     python -m benchmarks.cpu_speed --smoke      # tiny N, one timed run: checks the program (writes only with --out)
 
-Every registered policy: ``tritonkv.compress`` of fp32 K/V ``[1, 8, N, 128]`` keeping 25 % through the ops'
-PyTorch bodies (``cpu_kernels("torch")``, no interpreter) against the policy's plain PyTorch pipeline
-(``benchmarks/baselines.py``: scores, ``torch.topk``, sort, gather; the ``plain_*`` columns). Window policies
-read the last W = 32 queries, H_q = 32; CriticalKV a random W_O ``[1024, 4096]`` (its ‖v W_O^q‖₁ costs
-N·H_q·128·D_model multiply-adds on both sides: ~20 s a call at 32K on 2 cores; ``--d-model 4096``, a
-Llama-3-8B layer, takes 4x as long); SCORE random head distinctness.
-
-Timing: wall clock, one warm-up call per side (their kept sets compared), then ``--runs`` (5; 3 where a warm-up
-call took over 2 s, 1 over 10 s) alternating runs so both sides see the same load: median, min and max, the
-ratio of the medians (``ratio`` = tritonkv / plain, target ≤ 1.5) and of the minima (less disturbed on a shared
-machine), the load average before and after. ``same_kept``: the fraction of (batch, head) rows with the same
-kept set; ``overlap``: the mean fraction of a row's kept tokens kept by both (ties go to the lower index in
-tritonkv, anywhere in ``torch.topk``; fp32 near-ties either way).
+Inputs, timing and the agreement columns: docs/benchmarks.md ("Speed: how it is measured").
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -31,7 +18,7 @@ import torch
 
 import tritonkv
 from benchmarks import baselines
-from benchmarks.common import RESULTS, cpu_times, describe, run_info, table, write_results
+from benchmarks.common import RESULTS, cpu_times, describe, random_case, run_info, table, write_results
 from tritonkv.kernels._common import INTERPRET, cpu_kernels
 
 B, H, D, G, W = 1, 8, 128, 4, baselines.W
@@ -41,16 +28,6 @@ SIZES = (4096, 32768)
 SMOKE_SIZES = (1024,)
 SMOKE_D_MODEL = 256
 SLOW_S = (2.0, 10.0)  # a case whose warm-up call takes longer gets 3 (1) timed runs
-
-
-def make_inputs(n, d_model=D_MODEL, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    keys, values = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
-    hq = G * H
-    inputs = {"queries": torch.randn(B, hq, W, D, generator=g),
-              "o_proj": torch.randn(d_model, hq * D, generator=g) / math.sqrt(hq * D),
-              "hd": torch.rand(H, generator=g) + 0.1}
-    return keys, values, inputs
 
 
 def timed(f):
@@ -75,7 +52,7 @@ def ms(t):
 def run_case(name, n, runs, d_model=D_MODEL, slow=SLOW_S):
     """One policy at one N: the warm-up calls also give the kept sets compared; a case whose warm-up
     call takes more than ``slow[0]`` (``slow[1]``) seconds gets 3 (1) timed runs."""
-    keys, values, pool = make_inputs(n, d_model)
+    keys, values, pool = random_case(n, B, H, G, D, W, d_model=d_model)
     pol = tritonkv.get_policy(name)
     inputs = {x: pool[x] for x in pol.needs}
     k = tritonkv.resolve_budget(KEEP, n)
@@ -109,8 +86,8 @@ def markdown(res) -> str:
              f"Median of {res['runs']} alternating runs (3 where a call takes over {SLOW_S[0]:g} s, 1 over "
              f"{SLOW_S[1]:g} s: the runs column) after a warm-up, "
              f"in ms. ratio = tritonkv / plain of the medians (target ≤ 1.5), min ratio = of the fastest runs "
-             f"(less sensitive to other processes on a shared machine). same_kept = fraction of rows with the same kept "
-             f"set, overlap = mean fraction of kept tokens in both (ties go to the lower index in tritonkv, "
+             f"(less sensitive to other processes on a shared machine). same_kept = fraction of rows with the same "
+             f"kept set, overlap = mean fraction of kept tokens in both (ties go to the lower index in tritonkv, "
              f"anywhere in torch.topk).",
              ""]
     lines += table(rows, None, ["policy", "N", "tritonkv ms", "plain ms", "ratio", "min ratio", "runs", "same_kept",

@@ -1,38 +1,24 @@
 """Decode-attention benchmark: split-K GQA attention over a RaggedKV, and the memory it frees.
 
-    python -m benchmarks.decode_attention
-    TRITON_INTERPRET=1 python -m benchmarks.decode_attention --smoke --out /tmp/bench
+    python -m benchmarks.decode_attention                                       # writes <device>-decode_attention.*
+    TRITON_INTERPRET=1 python -m benchmarks.decode_attention --smoke --out /tmp/bench   # a tiny case on the CPU
 
-Each case holds an AdaKV-like allocation (per (batch row, KV head) budgets, one head keeping ``min(4, (H+1)/2)``
-x the mean, the others sharing the rest), built with ``RaggedKV.from_selection`` from a cache of N = max budget
-tokens; one decode query per head (bf16, D = 128, G = 4 unless stated):
-
-- ``ragged_us``: ``decode_attention(q, ragged)`` replayed from a CUDA graph (eager: ``ragged_eager_us``);
-  ``padded_us``: the same kernel on the padded ``[B, H, max, D]`` + lengths; ``dense_us`` / ``sdpa_us``: the
-  kernel and ``scaled_dot_product_attention`` (``enable_gqa``) on a dense ``[B, H, mean, D]`` of the same total;
-- ``floor_us``: the bytes that must move (kept K+V, q, out) over the copy bandwidth of a large ``clone()``;
-  ``pct_copy_bw``, ``x_floor``, ``x_sdpa`` follow;
-- ``append_us`` vs ``recopy_us``: one in-place append per head vs the whole-cache copy a flat AdaKV cache pays
-  per token; ``mem_*_MB``: ``torch.cuda.memory_allocated`` of the RaggedKV vs the padded ``select_kv`` output;
-- ``rel_err_*``: ``||out - ref|| / ||ref||`` against fp32 attention over the same tokens.
-
-Writes ``<out>/<device>-decode_attention.{json,md}``. ``--smoke``: a tiny case on the CPU (Triton interpreter).
-``benchmarks/speed.py`` runs the same cases as its ``decode_attention`` part.
+Cases, columns and floors: docs/benchmarks.md ("Speed: how it is measured"). ``benchmarks/speed.py`` runs the same
+cases as its ``decode_attention`` part.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import RESULTS, copy_bandwidth, describe, gpu_time, run_info, table, write_results
+from benchmarks.common import RESULTS, copy_bandwidth, describe, device_tag, gpu_time, run_info, table, write_results
 from tritonkv.cache import RaggedKV, ragged_append
 from tritonkv.kernels import select as _select
-from tritonkv.kernels.decode_attention import decode_attention, decode_attention_op, plan
+from tritonkv.kernels.decode_attention import decode_attention, plan
 
 # (B, H_kv, G, D, mean tokens kept per head)
 CASES = [(1, 8, 4, 128, 1024), (1, 8, 4, 128, 8192), (1, 8, 4, 128, 32768), (8, 8, 4, 128, 4096),
@@ -155,35 +141,6 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
     return row
 
 
-def sweep(B, H, G, D, mean, cuda: bool):
-    """Times of the raw op over (split_tokens, block_n) on one case (to pick the defaults)."""
-    gen = torch.Generator().manual_seed(1)
-    dev = "cuda" if cuda else "cpu"
-    budgets = adakv_budgets(B, H, mean)
-    lens = budgets.to(dev)
-    cap = _round16(int(budgets.max()) + 16)
-    start = torch.cat([torch.zeros(1, dtype=torch.int64), (budgets.to(torch.int64) + 16 + 15) // 16 * 16]).cumsum(0)
-    T = int(start[-1])
-    keys = torch.randn(T, D, generator=gen).to(dev, torch.bfloat16)
-    values = torch.randn(T, D, generator=gen).to(dev, torch.bfloat16)
-    q = torch.randn(B, H * G, 1, D, generator=gen).to(dev, torch.bfloat16)
-    start = start.to(dev)
-    rows = []
-    for split in (128, 256, 512, 1024, 2048):
-        for block_n in (32, 64, 128):
-            if block_n > split:
-                continue
-            S = -(-cap // split)
-            fn = lambda: decode_attention_op(q, keys, values, start, lens, 1 / math.sqrt(D), H, S, split, block_n)  # noqa: E731
-            rows.append(dict(split=split, block_n=block_n, us=round(bench(fn, cuda, graph=cuda), 2)))
-            print(json.dumps(rows[-1]), flush=True)
-    return rows
-
-
-def _round16(x: int) -> int:
-    return -(-x // 16) * 16
-
-
 def run(args):
     cuda = torch.cuda.is_available() and not args.smoke
     cases = SMOKE_CASES if args.smoke else CASES[: 2 if args.quick else None]
@@ -195,22 +152,17 @@ def run(args):
         print(json.dumps(row), flush=True)
         if cuda:
             torch.cuda.empty_cache()
-    res = dict(run_info(cuda), copy_GBps=round(copy_GBps, 1), rows=rows)
-    if args.sweep:
-        res["sweep"] = sweep(*(CASES[2] if cuda else SMOKE_CASES[0]), cuda)
-    return res
+    return dict(run_info(cuda), copy_GBps=round(copy_GBps, 1), rows=rows)
 
 
 def write(result, out_dir):
-    tag = result["device"].split(" (")[0].replace(" ", "-").lower()
     md = [f"{describe(result)}; copy {result['copy_GBps']} GB/s", ""] + table(result["rows"], COLUMNS)
-    return write_results(os.path.join(out_dir, f"{tag}-decode_attention"), result, "\n".join(md) + "\n")
+    return write_results(os.path.join(out_dir, f"{device_tag(result)}-decode_attention"), result, "\n".join(md) + "\n")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the two smallest cases only")
-    p.add_argument("--sweep", action="store_true", help="also time (split_tokens, block_n) variants")
     p.add_argument("--smoke", action="store_true", help="a tiny case on the CPU, to check the program")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)

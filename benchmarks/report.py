@@ -3,9 +3,7 @@
     python -m benchmarks.report             # rewrite benchmarks/results/README.md
     python -m benchmarks.report --check     # exit 1 when it is out of date (a test runs this)
 
-Three sections: quality (``evaluate_report.readme_section`` over the per-case records in ``quality/``), speed on a
-GPU (every full ``<device>-speed.md`` of ``speed.py``) and memory inside a model (``memory.readme_section`` of
-``memory.json``), then links to the other result files. What each benchmark measures: ``docs/benchmarks.md``.
+Its sections and what each benchmark measures: docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ import json
 import os
 import sys
 
-from benchmarks.common import RESULTS
+from benchmarks.common import RESULTS, jsonl_files
 
 OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file found is listed after these
     ("cpu_speed.md", "`compress` against the plain PyTorch pipelines on the CPU (`cpu_speed.py`)"),
@@ -42,8 +40,6 @@ SECTIONS = ("README.md", "memory.md", "quality/README.md")  # the page itself an
 
 def quality_section(results_dir: str = RESULTS) -> str:
     """The claims, their verdicts and headline intervals, and the plots, from the records in ``quality/``."""
-    from benchmarks.common import jsonl_files
-
     qdir = os.path.join(results_dir, "quality")
     if not jsonl_files(qdir):
         return "No quality records are committed yet (`python -m benchmarks.evaluate`, see its docstring)."
@@ -64,9 +60,8 @@ def speed_section(results_dir: str = RESULTS) -> str:
     for f in files:
         with open(f) as fh:
             out += [f"From [{os.path.basename(f)}]({os.path.basename(f)}):", "", fh.read().strip(), ""]
-        plots = [f"![{title}]({os.path.basename(p)})" for p, title in ((f[:-3] + "-scaling.png", "compress time vs N"),
-                                                                       (f[:-3] + ".png", "compress time over the floor"))
-                 if os.path.exists(p)]
+        figures = ((f[:-3] + "-scaling.png", "compress time vs N"), (f[:-3] + ".png", "compress time over the floor"))
+        plots = [f"![{title}]({os.path.basename(p)})" for p, title in figures if os.path.exists(p)]
         if plots:
             out += [" ".join(plots), ""]
     return "\n".join(out).strip()
@@ -77,7 +72,8 @@ def memory_section(results_dir: str = RESULTS) -> str:
     and N, resident / kept, with links to its tables and plot."""
     path = os.path.join(results_dir, "memory.json")
     if not os.path.exists(path):
-        return "No memory results are committed yet (`python -m benchmarks.memory`, then `python -m benchmarks.report`)."
+        return ("No memory results are committed yet (`python -m benchmarks.memory`, then "
+                "`python -m benchmarks.report`).")
     from benchmarks.memory import readme_section
 
     with open(path) as f:

@@ -1,44 +1,10 @@
 """Kernel-level speed benchmark on a GPU: every policy, every allocator, decode attention, and scaling in N.
 
-One command measures everything (about 2 minutes on an H200)::
-
-    python -m benchmarks.speed --out $OUT                   # on the GPU machine: all four parts
+    python -m benchmarks.speed --out $OUT                   # on the GPU machine: all four parts (~2 min on an H200)
     python -m benchmarks.speed --scaling                    # one part only (also --compress/--allocation/--decode)
     TRITON_INTERPRET=1 python -m benchmarks.speed --smoke   # CPU check of the program (writes nothing)
 
-Shapes: B=1, H_kv=8 (H_q=32), D=128, bf16, keep 25%, random K/V/queries drawn on the device. Row ``kind``s:
-
-- ``compress``: ``tritonkv.compress`` of each registered policy at N in {4K, 32K, 128K}: ``tritonkv_us`` replayed
-  from a CUDA graph when capture works (``timing``), eager ``tritonkv_eager_us``; ``kvpress_us`` kvpress 0.5.5's
-  matching press on copies of the same tensors, eager (``pip install --no-deps kvpress==0.5.5``; null without
-  one), ``kvpress_graph_us`` under a CUDA graph where the press allows capture. Ratios in one mode:
-  ``x_kvpress_eager``, ``x_kvpress_graph`` (kvpress / tritonkv). Window policies get the window queries'
-  ``attn_lse`` as a prefill's attention gives it (``window_lse``, untimed). ``same_kept`` (``SAME_SETTINGS``
-  only) whether tritonkv keeps what kvpress's scores select under tritonkv's rule; ``torch_compile_us`` the
-  policy's plain PyTorch pipeline (``benchmarks/baselines.py``) under ``torch.compile`` (measured last).
-- ``allocation``: ``compress(..., "snapkv", 0.25, allocation=a)`` for every allocator at the same N, as layer 15
-  of 30, with what a user would pass: the shipped SmolLM2 INF profile, its 3 KV heads tiled to 8 (headkv,
-  surfacelogic, fixed's HeadKV budgets), random unit ``head_means [30, 1, 32, N]`` (score), a random
-  ``layer_preference [30]`` (cake). The ``RaggedKV`` storage is sized by one host read-back: eager by design.
-- ``decode_attention``: ``benchmarks/decode_attention.py``'s cases and columns (``tritonkv_us`` = ``ragged_us``).
-- ``scaling``: knorm, keydiff, snapkv and lagkv at N = 4K .. 512K: time, ``ns_per_token``, the floor;
-  ``scaling_fit`` per policy: the least-squares line time = intercept + slope·N (R²) and the log-log exponent
-  over N >= 64K (1 = linear).
-
-Floors (``floor_us``): the bytes that must move — what scoring reads (K; K and V for lagkv and criticalkv;
-nothing for streaming_llm; plus score's ``head_means``), then the kept K+V read and written — over the bandwidth
-of one 1 GiB ``clone()`` in the same run (``copy_GBps``). ``x_floor`` = time / floor, ``pct_copy_bw`` = floor /
-time. Timing: ``common.gpu_time`` (``triton.testing.do_bench``: L2 flushed, ~100 ms and >= 20 repeats) after a
-warm-up, the median with ``p20_us``/``p80_us``; every timed result is checked first (``ok``: kept indices
-ascending and in range, kept K/V equal to the input there).
-
-Duration: the committed H200 run took 102 s (``phase_s``). ``torch.compile`` runs last, and no case starts once
-``--time-budget`` (500 s) has passed, so the run fits a 10-minute command; skipped cases are listed (``skipped``).
-
-Output (``--out``, default ``benchmarks/results``): ``<device>-speed.json`` (device, versions, commit, date,
-copy_GBps, phase_s, scaling_fit, rows), ``.md`` (the tables of ``benchmarks/report.py``), ``.png`` (time / floor
-vs N) and ``-scaling.png``; a run of some parts writes ``<device>-speed-only-<parts>.*``; rewritten after every
-part. ``--smoke``: tiny shapes on the CPU through every path, written only with ``--out``.
+Shapes, row kinds and columns, floors, timing and output files: docs/benchmarks.md ("Speed: how it is measured").
 """
 from __future__ import annotations
 
@@ -60,8 +26,8 @@ import tritonkv  # noqa: E402
 from tritonkv import POLICIES  # noqa: E402
 
 from benchmarks import baselines, decode_attention as da  # noqa: E402
-from benchmarks.common import (RESULTS, copy_bandwidth, gpu_time, policy_inputs, pyplot, run_info,  # noqa: E402
-                               table, write_results)
+from benchmarks.common import (RESULTS, copy_bandwidth, device_tag, gpu_time, policy_inputs, pyplot,  # noqa: E402
+                               random_case, run_info, table, write_results)
 
 KV_POLICIES = {"lagkv", "criticalkv"}  # scores read V too
 PARTS = ("compress", "allocation", "decode", "scaling")
@@ -75,10 +41,7 @@ ALLOCATIONS = ["uniform", "pyramid", "adakv", "headkv", "score", "surfacelogic",
 ALLOC_POLICY, LAYER, NUM_LAYERS = "snapkv", 15, 30
 PROFILE = "smollm2-135m-instruct-infsc"
 COPY_BYTES = 1 << 30  # the floor's bandwidth: one copy of this many bytes
-# policies whose tritonkv defaults are kvpress's press exactly (no sink/window on either side; TOVA reduces over
-# the KV head's group here and over all heads in kvpress, SnapKV max-pools 7 here and avg-pools 5 there,
-# StreamingLLM/LagKV protect 4 sinks there): ``same_kept`` only for these (kvpress's KeyDiff scores in bf16, so
-# its ties can still split differently from tritonkv's fp32 scores)
+# policies whose tritonkv defaults are kvpress's press exactly: ``same_kept`` only for these (docs/benchmarks.md)
 SAME_SETTINGS = {"knorm", "keydiff"}
 
 
@@ -113,17 +76,6 @@ def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
 
 # ---------------------------------------------------------------------------------------------
 # inputs and checks
-
-
-def make_case(N, B, H, G, D, W, dtype, device, seed=0):
-    """Random K/V ``[B, H, N, D]``, window queries ``[B, H·G, W, D]``, W_O and SCORE's ``hd``, on ``device``."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g, device=device, dtype=torch.float32)  # noqa: E731
-    keys, values = rnd(B, H, N, D).to(dtype), rnd(B, H, N, D).to(dtype)
-    queries = rnd(B, H * G, W, D).to(dtype)
-    o_proj = (rnd(H * G * D, H * G * D) / math.sqrt(H * G * D)).to(dtype)
-    hd = torch.rand(H, generator=g, device=device) + 0.1
-    return keys, values, {"queries": queries, "o_proj": o_proj, "hd": hd, "attn_lse": window_lse(keys, queries)}
 
 
 def window_lse(keys, queries) -> torch.Tensor:
@@ -175,17 +127,14 @@ def score_reads(name, keys) -> int:
 
 
 def import_kvpress():
+    """kvpress, with stubs for the modules its import pulls in that a press never uses; None where it fails."""
+    stubs = dict(datasets=dict(load_dataset=lambda *a, **k: None), fire=dict(load_dataset=lambda *a, **k: None),
+                 cachetools=dict(LRUCache=lambda *a, **k: None, cached=lambda *a, **k: (lambda f: f)))
     try:
-        for name in ("datasets", "fire"):
+        for name, attrs in stubs.items():
             if name not in sys.modules:
-                m = types.ModuleType(name)
-                m.load_dataset = lambda *a, **k: None
-                sys.modules[name] = m
-        if "cachetools" not in sys.modules:
-            ct = types.ModuleType("cachetools")
-            ct.LRUCache = lambda *a, **k: None
-            ct.cached = lambda *a, **k: (lambda f: f)
-            sys.modules["cachetools"] = ct
+                sys.modules[name] = types.ModuleType(name)
+                vars(sys.modules[name]).update(attrs)
         import kvpress
 
         return kvpress
@@ -201,20 +150,14 @@ def kvpress_case(kvpress, name, keys, values, queries, keep, W):
 
     B, H, N, D = keys.shape
     Hq = queries.shape[1]
-    r = 1.0 - keep
-    presses = {
-        "knorm": lambda: kvpress.KnormPress(compression_ratio=r),
-        "keydiff": lambda: kvpress.KeyDiffPress(compression_ratio=r),
-        "streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=r),
-        "lagkv": lambda: kvpress.LagKVPress(compression_ratio=r),
-        "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=r, window_size=W, kernel_size=7),
-        "tova": lambda: kvpress.TOVAPress(compression_ratio=r),
-        "criticalkv": lambda: kvpress.CriticalKVPress(kvpress.SnapKVPress(compression_ratio=r, window_size=W,
-                                                                           kernel_size=7)),
-    }
+    presses = dict(knorm="KnormPress", keydiff="KeyDiffPress", streaming_llm="StreamingLLMPress", lagkv="LagKVPress",
+                   tova="TOVAPress", snapkv="SnapKVPress", criticalkv="SnapKVPress")
     if name not in presses:
         return None
-    press = presses[name]()
+    snap = dict(window_size=W, kernel_size=7) if presses[name] == "SnapKVPress" else {}
+    press = getattr(kvpress, presses[name])(compression_ratio=1.0 - keep, **snap)
+    if name == "criticalkv":
+        press = kvpress.CriticalKVPress(press)
     cfg = LlamaConfig(hidden_size=Hq * D, num_attention_heads=Hq, num_key_value_heads=H, head_dim=D,
                       num_hidden_layers=1, intermediate_size=128, max_position_embeddings=N + 16)
     cfg._attn_implementation = "sdpa"
@@ -251,12 +194,13 @@ class Ctx:
         self.B, self.H, self.G, self.D, self.W = SMOKE_SHAPE if args.smoke else SHAPE
         self.t0 = time.perf_counter()
         self.skipped = []
-        # every floor at the bandwidth of one 1 GiB device copy (1 MiB in the CPU smoke run): a copy of the
-        # case's own keys is too small at 4K to reach the bandwidth, so per-N copies flattered short cases
+        # every floor at the bandwidth of one 1 GiB device copy (1 MiB in the CPU smoke run)
         self.copy_GBps = copy_bandwidth(self.cuda, COPY_BYTES if self.cuda else (1 << 20))
 
     def case(self, N, seed=0):
-        return make_case(N, self.B, self.H, self.G, self.D, self.W, self.dtype, self.device, seed)
+        """Random K/V ``[B, H, N, D]`` and the inputs (``common.random_case``), with the window queries' lse."""
+        keys, values, pool = random_case(N, self.B, self.H, self.G, self.D, self.W, self.dtype, self.device, seed=seed)
+        return keys, values, dict(pool, attn_lse=window_lse(keys, pool["queries"]))
 
     def base(self, N, keep) -> dict:
         return dict(B=self.B, H_kv=self.H, H_q=self.H * self.G, D=self.D, N=N,
@@ -274,6 +218,11 @@ class Ctx:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+
+def time_cols(t: dict, timing: str) -> dict:
+    """A timed result's columns: ``gpu_time``'s median, spread and count, and how it was timed."""
+    return dict(tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing)
 
 
 def error_row(kind, name, N, e, **extra):
@@ -333,8 +282,7 @@ def run_compress(ctx: Ctx, rows: list) -> None:
                     same = bool(torch.equal(ref_idx, out.indices))
             row = dict(kind="compress", policy=name, allocation=None, **ctx.base(N, a.keep),
                        kept_tokens=ctx.B * ctx.H * k,
-                       tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
-                       tritonkv_eager_us=eager["us"],
+                       **time_cols(t, timing), tritonkv_eager_us=eager["us"],
                        **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
                        kvpress_us=kv_us, kvpress_graph_us=kv_graph,
                        x_kvpress_eager=round(kv_us / eager["us"], 2) if kv_us else None,
@@ -396,8 +344,7 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
             kept, k_max = (int(x) for x in torch.stack([out.length.sum(), out.length.max()]).tolist())
             t = gpu_time(fn, ctx.cuda)  # eager: compress reads (total, max) back to size the storage
             row = dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N, a.keep), layer=LAYER,
-                       num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, tritonkv_us=t["us"], p20_us=t["p20_us"],
-                       p80_us=t["p80_us"], reps=t["reps"], timing="eager",
+                       num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, **time_cols(t, "eager"),
                        **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy_GBps, t["us"]),
                        inputs=desc, ok=ok)
             del out
@@ -443,8 +390,7 @@ def run_scaling(ctx: Ctx, rows: list) -> dict:
             ok = check_kept(keys, values, out)
             del out
             t, timing = measure_graph(fn, ctx.cuda, f"scaling {name} N={N}")
-            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N, a.keep),
-                            tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
+            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N, a.keep), **time_cols(t, timing),
                             ns_per_token=round(t["us"] * 1e3 / N, 4), copy_GBps=round(ctx.copy_GBps, 1),
                             **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
                             ok=ok))
@@ -463,18 +409,13 @@ def fit(points) -> dict:
     if len(pts) < 2:
         return out
     xs, ys = [float(x) for x, _ in pts], [float(y) for _, y in pts]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    icpt = my - slope * mx
-    sst = sum((y - my) ** 2 for y in ys)
+    slope, icpt = statistics.linear_regression(xs, ys)
+    sst = sum((y - statistics.fmean(ys)) ** 2 for y in ys)
     sse = sum((y - icpt - slope * x) ** 2 for x, y in zip(xs, ys))
     big = [(x, y) for x, y in zip(xs, ys) if x >= 65536]
     if len(big) < 2:
         big = list(zip(xs, ys))[len(xs) // 2 - (len(xs) == 2):]
-    lx, ly = [math.log(x) for x, _ in big], [math.log(max(y, 1e-9)) for _, y in big]
-    mlx, mly = statistics.fmean(lx), statistics.fmean(ly)
-    expo = sum((x - mlx) * (y - mly) for x, y in zip(lx, ly)) / sum((x - mlx) ** 2 for x in lx)
+    expo = statistics.linear_regression([math.log(x) for x, _ in big], [math.log(max(y, 1e-9)) for _, y in big]).slope
     out.update(slope_ns_per_token=round(slope * 1e3, 5), intercept_us=round(icpt, 2),
                r2=round(1 - sse / sst, 5) if sst > 0 else 1.0, exponent=round(expo, 3), exponent_from_N=int(big[0][0]))
     return out
@@ -487,7 +428,7 @@ def run_torch_compile(ctx: Ctx, rows: list) -> None:
     import torch._dynamo
     for N in sorted({r["N"] for r in rows if r.get("kind") == "compress" and "tritonkv_us" in r}):
         todo = [r for r in rows if r.get("kind") == "compress" and r["N"] == N and "tritonkv_us" in r]
-        keys, values, pool = make_case(N, ctx.B, ctx.H, ctx.G, ctx.D, ctx.W, ctx.dtype, ctx.device)
+        keys, values, pool = ctx.case(N)
         for r in todo:
             if ctx.over_budget(f"torch.compile {r['policy']} N={N}"):
                 continue
@@ -552,8 +493,8 @@ def markdown(result) -> str:
     rows = result["rows"]
     of = lambda kind: [r for r in rows if r.get("kind") == kind and "error" not in r]  # noqa: E731
     out = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}; commit "
-           f"{result['commit']}; {result['date']}; copy {result['copy_GBps']} GB/s (one {result.get('copy_bytes', 1 << 30) >> 20} MiB clone); run {result.get('wall_s')} s",
-           ""]
+           f"{result['commit']}; {result['date']}; copy {result['copy_GBps']} GB/s (one "
+           f"{result.get('copy_bytes', 1 << 30) >> 20} MiB clone); run {result.get('wall_s')} s", ""]
     shape = (f"B={s.get('B')}, H_kv={s.get('H_kv')}, H_q={s.get('H_q')}, D={s.get('D')}, {s.get('dtype')}, "
              f"keep {s.get('keep')}")
     if of("compress"):
@@ -575,20 +516,13 @@ def markdown(result) -> str:
     sc = of("scaling")
     if sc:
         names = list(dict.fromkeys(r["policy"] for r in sc))
-        floors = {}  # floor per N for K-only and K+V scoring
+        floor = lambda r: "floor " + ("K+V" if r["policy"] in KV_POLICIES else "K")  # noqa: E731
+        by_n = {}  # per N: each policy's "time (ns per token)", the floors of K-only and K+V scoring
         for r in sc:
-            floors.setdefault("K+V" if r["policy"] in KV_POLICIES else "K", {})[r["N"]] = r["floor_us"]
-        by = {(r["policy"], r["N"]): r for r in sc}
-        prow = []
-        for N in sorted({r["N"] for r in sc}):
-            d = {"N": N}
-            for n in names:
-                r = by.get((n, N))
-                d[n] = None if r is None else f"{r['tritonkv_us']} ({r['ns_per_token']})"
-            for f, v in floors.items():
-                d["floor " + f] = v.get(N)
-            prow.append(d)
-        fl = ["floor " + f for f in floors]
+            by_n.setdefault(r["N"], {"N": r["N"]})[r["policy"]] = f"{r['tritonkv_us']} ({r['ns_per_token']})"
+            by_n[r["N"]][floor(r)] = r["floor_us"]
+        fl = list(dict.fromkeys(map(floor, sc)))
+        prow = [by_n[N] for N in sorted(by_n)]
         out += [f"**Scaling in N** ({shape}; µs (ns per token); floor µs reads K or K+V, then copies the kept "
                 "K+V)", ""]
         out += table(prow, ["N"] + names + fl,
@@ -606,9 +540,26 @@ def markdown(result) -> str:
 
 
 def base_name(result) -> str:
-    tag = result["device"].split(" (")[0].replace(" ", "-").lower()
+    tag = device_tag(result)
     parts = result.get("parts") or list(PARTS)
     return f"{tag}-speed" if set(parts) == set(PARTS) else f"{tag}-speed-only-{'-'.join(parts)}"
+
+
+def plot(plt, path, lines, size, ylabel, title, log_y=False):
+    """Save ``lines`` (``(args, kwargs)`` of ``ax.plot``) against N on a log2 axis at ``path``."""
+    fig, ax = plt.subplots(figsize=size)
+    for args, kwargs in lines:
+        ax.plot(*args, **kwargs)
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("N (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def write(result, out_dir):
@@ -618,41 +569,26 @@ def write(result, out_dir):
     if plt is None:
         return base
     rows = [r for r in result["rows"] if "error" not in r]
+
+    def series(kind, names, y):  # one line per policy, in N order
+        rs = [sorted((r for r in rows if r.get("kind") == kind and r["policy"] == n), key=lambda r: r["N"])
+              for n in names]
+        return [(([r["N"] for r in x], [r[y] for r in x]), dict(marker="o", label=n)) for n, x in zip(names, rs)]
+
     comp = [r for r in rows if r.get("kind") == "compress"]
     if comp:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name in sorted({r["policy"] for r in comp}):
-            rs = sorted((r for r in comp if r["policy"] == name), key=lambda r: r["N"])
-            ax.plot([r["N"] for r in rs], [r["x_floor"] for r in rs], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("N (tokens)")
-        ax.set_ylabel("time / HBM floor")
-        ax.set_title(f"compress, {result['device']}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(base + ".png", dpi=120)
-        plt.close(fig)
+        plot(plt, base + ".png", series("compress", sorted({r["policy"] for r in comp}), "x_floor"), (7, 4),
+             "time / HBM floor", f"compress, {result['device']}")
     sc = [r for r in rows if r.get("kind") == "scaling"]
     if sc:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name in dict.fromkeys(r["policy"] for r in sc):
-            rs = sorted((r for r in sc if r["policy"] == name), key=lambda r: r["N"])
-            ax.plot([r["N"] for r in rs], [r["tritonkv_us"] for r in rs], marker="o", label=name)
+        lines = series("scaling", list(dict.fromkeys(r["policy"] for r in sc)), "tritonkv_us")
         for kv, style in ((False, "--"), (True, ":")):
             fr = {r["N"]: r["floor_us"] for r in sc if (r["policy"] in KV_POLICIES) == kv}
             if fr:
-                ns = sorted(fr)
-                ax.plot(ns, [fr[n] for n in ns], style, color="grey",
-                        label="copy floor (read K+V)" if kv else "copy floor (read K)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("N (tokens)")
-        ax.set_ylabel("µs (median)")
-        ax.set_title(f"compress time vs N, {result['device']}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(base + "-scaling.png", dpi=120)
-        plt.close(fig)
+                label = "copy floor (read K+V)" if kv else "copy floor (read K)"
+                lines.append(((sorted(fr), [fr[n] for n in sorted(fr)], style), dict(color="grey", label=label)))
+        plot(plt, base + "-scaling.png", lines, (7, 4.5), "µs (median)", f"compress time vs N, {result['device']}",
+             log_y=True)
     return base
 
 

@@ -74,6 +74,15 @@ def test_table():
     assert common.table([["x", 2]], None, ["name", "n"], right=True) == ["| name | n |", "|---|---:|", "| x | 2 |"]
 
 
+def test_speed_markdown_from_committed_run():
+    """speed.py's Markdown of the committed GPU run, rendered again from its JSON, is the committed file."""
+    from benchmarks import speed
+
+    base = os.path.join(ROOT, "benchmarks", "results", "nvidia-h200-speed")
+    with open(base + ".json") as f, open(base + ".md") as g:
+        assert speed.markdown(json.load(f)) == g.read()
+
+
 def test_speed_smoke(tmp_path):
     """speed.py --smoke (tiny shapes under the interpreter, in this process) through every part, every row checked;
     its JSON, Markdown and plots; report.py's speed section from a GPU run's files."""
