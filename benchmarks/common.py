@@ -78,11 +78,10 @@ def run_info(cuda: bool = False, argv=None) -> dict:
                 if f.startswith("tritonkv/")]
     return dict(device=torch.cuda.get_device_name() if cuda else "cpu", cpu=cpu_model(), cores=os.cpu_count(),
                 torch_threads=torch.get_num_threads(), python=platform.python_version(), torch=torch.__version__,
-                triton=_version("triton"), transformers=_version("transformers"), commit=git("rev-parse",
-                                                                                            "--short=10", "HEAD"),
-                tritonkv_dirty=bool(modified), tritonkv_modified=modified,
-                triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1", date=now(),
-                command=command(argv))
+                triton=_version("triton"), transformers=_version("transformers"),
+                commit=git("rev-parse", "--short=10", "HEAD"), tritonkv_dirty=bool(modified),
+                tritonkv_modified=modified, triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+                date=now(), command=command(argv))
 
 
 def describe(info: dict) -> str:

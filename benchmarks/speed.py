@@ -342,7 +342,7 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
                 continue
             ok = check_kept(keys, values, out)
             kept, k_max = (int(x) for x in torch.stack([out.length.sum(), out.length.max()]).tolist())
-            t = gpu_time(fn, ctx.cuda)  # eager: compress reads (total, max) back to size the storage
+            t = gpu_time(fn, ctx.cuda)  # eager, as the committed run (whose compress read the sizes back) was
             row = dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N, a.keep), layer=LAYER,
                        num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, **time_cols(t, "eager"),
                        **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy_GBps, t["us"]),
