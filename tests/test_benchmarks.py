@@ -74,6 +74,23 @@ def test_table():
     assert common.table([["x", 2]], None, ["name", "n"], right=True) == ["| name | n |", "|---|---:|", "| x | 2 |"]
 
 
+def test_random_case_and_device_tag():
+    """The speed programs' seeded inputs: shapes, dtypes, W_O square unless ``d_model`` is given, the same tensors
+    for the same seed; result-file prefixes from the device name."""
+    import torch
+
+    keys, values, pool = common.random_case(40, 1, 2, 3, 8, 4, torch.bfloat16)
+    assert keys.shape == values.shape == (1, 2, 40, 8) and keys.dtype == torch.bfloat16
+    assert pool["queries"].shape == (1, 6, 4, 8) and pool["o_proj"].shape == (48, 48) and pool["hd"].shape == (2,)
+    again = common.random_case(40, 1, 2, 3, 8, 4, torch.bfloat16)
+    assert torch.equal(keys, again[0]) and torch.equal(pool["o_proj"], again[2]["o_proj"])
+    k32, _, p32 = common.random_case(40, 1, 2, 3, 8, 4, d_model=16)
+    assert k32.dtype == torch.float32 and p32["o_proj"].shape == (16, 48) and torch.equal(k32.bfloat16(), keys)
+    assert common.device_tag({"device": "NVIDIA H200"}) == "nvidia-h200"
+    assert common.device_tag({"device": "cpu"}) == "cpu"
+    assert common.device_tag({"device": "NVIDIA H100 80GB HBM3 (MIG 1g)"}) == "nvidia-h100-80gb-hbm3"
+
+
 def test_speed_markdown_from_committed_run():
     """speed.py's Markdown of the committed GPU run, rendered again from its JSON, is the committed file."""
     from benchmarks import speed
