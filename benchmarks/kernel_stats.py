@@ -504,23 +504,18 @@ def occupancy(regs: int, smem: int, warps: int, cap: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _tree(path: str):
+def _fors(path: str) -> dict:
+    """``{line: (For node, enclosing FunctionDef)}`` of the source file at ``path`` (``{}`` if unreadable)."""
     try:
         with open(path) as f:
-            return ast.parse(f.read())
-    except (OSError, SyntaxError):
-        return None
-
-
-def _for_at(path: str, line: int):
-    """``(For node, enclosing FunctionDef)`` of the ``for`` at ``path:line``, or ``(None, None)``."""
-    tree = _tree(path) if path else None
-    for fn in ast.walk(tree) if tree else ():
-        if isinstance(fn, ast.FunctionDef):
-            for node in ast.walk(fn):
-                if isinstance(node, ast.For) and node.lineno == line:
-                    return node, fn
-    return None, None
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, TypeError):
+        return {}
+    out = {}
+    for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+        for node in [n for n in ast.walk(fn) if isinstance(n, ast.For)]:
+            out.setdefault(node.lineno, (node, fn))
+    return out
 
 
 class _Unknown(Exception):
@@ -571,7 +566,7 @@ def trip_count(path: str, line: int, rec) -> int | None:
     """Iterations of the source loop ``for ... in range(...)`` at ``path:line`` for launch ``rec``: the launch's
     arguments, locals assigned before the loop evaluated in order (None: not a ``range`` loop, or its bounds
     depend on values not known before the launch, such as bounds read from memory)."""
-    loop, fn = _for_at(path, line)
+    loop, fn = _fors(path).get(line, (None, None))
     if loop is None or not isinstance(loop.iter, ast.Call) or _name(loop.iter.func) not in ("range", "static_range"):
         return None
     env = {k: v for k, v in {**rec.args, **rec.constexprs}.items() if isinstance(v, (int, float, bool))}
