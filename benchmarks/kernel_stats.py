@@ -179,14 +179,17 @@ def _nbytes(ts) -> int:
     return sum({(t.data_ptr(), t.numel() * t.element_size()): t.numel() * t.element_size() for t in ts}.values())
 
 
+def _tritonkv_modules() -> list:
+    return [m for m in list(sys.modules.values()) if (getattr(m, "__name__", "") or "").startswith("tritonkv")]
+
+
 @contextlib.contextmanager
 def gpu_like(mode: TorchOps, readback=None):
     """Inside the block: CPU tensors take the Triton bodies of the ops (only safe with launches not run),
     ``on_host`` is False in every tritonkv module (validation of host tensors is skipped, as for CUDA
     tensors) and ``Tensor.tolist`` logs a host sync; an integer read-back returns ``readback`` when given
     (what a real run reads; the dry run's memory is unwritten)."""
-    patched = [(m, m.on_host) for m in list(sys.modules.values())
-               if (getattr(m, "__name__", "") or "").startswith("tritonkv") and callable(getattr(m, "on_host", None))]
+    patched = [(m, m.on_host) for m in _tritonkv_modules() if callable(getattr(m, "on_host", None))]
     tolist, cpu = torch.Tensor.tolist, _common._cpu[0]
 
     def logged_tolist(t):
@@ -764,18 +767,11 @@ def run(args) -> dict:
 
 
 def library_kernels() -> dict:
-    """``{module.name: name}`` of every ``@triton.jit`` kernel (a function that is launched: a ``_kernel``
-    suffix, or not called from another jit function) in the imported tritonkv modules."""
-    jit = {}
-    for mod in list(sys.modules.values()):
-        mname = getattr(mod, "__name__", "") or ""
-        if not mname.startswith("tritonkv"):
-            continue
-        for attr, obj in list(vars(mod).items()):
-            if isinstance(obj, triton.runtime.jit.JITFunction) and obj.fn.__module__ == mname \
-                    and attr.endswith("_kernel"):
-                jit[f"{obj.fn.__module__}.{attr}"] = attr
-    return jit
+    """``{module.name: name}`` of every ``@triton.jit`` kernel (a ``_kernel`` suffix: a function that is
+    launched, not a helper) defined in the imported tritonkv modules."""
+    return {f"{m.__name__}.{attr}": attr for m in _tritonkv_modules() for attr, obj in list(vars(m).items())
+            if isinstance(obj, triton.runtime.jit.JITFunction) and obj.fn.__module__ == m.__name__
+            and attr.endswith("_kernel")}
 
 
 def _compile(rec, cap: int, label: str, errors: list) -> dict:
