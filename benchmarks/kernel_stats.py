@@ -7,60 +7,9 @@ their bytes, host syncs and a simple time model.
     python -m benchmarks.kernel_stats --compare A.json B.json --out results/kernel_stats.md
     make stats                                     # Triton 3.6 (side environment) and the installed one + comparison
 
-Target shape (``docs/architecture.md``, Benchmarks): B = 1, H_kv = 8, H_q = 32, D = 128, bf16 K/V, keep 25 %,
-N = 32768; W = 32 window queries with their ``attn_lse``, W_O ``[4096, 4096]``, as in ``speed.py``. **Which
-Triton**: GPU images with torch 2.11 ship Triton 3.6, the newest wheel is 3.9, and the two compile the same
-kernel very differently (e.g. ``tl.histogram``); ``make stats`` runs this under both (3.6 from
-``.cache/triton-3.6.0`` ahead on ``PYTHONPATH``; compiling needs no GPU nor CUDA torch).
-
-**Launches.** ``TRITON_INTERPRET`` is dropped before triton is imported (the launchers take their GPU branch),
-CPU tensors take the Triton bodies, and each workload runs inside ``_common.record_launches(execute=False)``:
-every launch is logged, not run — the launch sequence of a GPU run, since shapes and launches never depend on
-kernel outputs (but for read-backs, below). A ``TorchDispatchMode`` logs the torch ops between them: fills and
-compute ops (one device launch each), allocations (no launch; zero-filled here), views (nothing). Workloads:
-every policy of ``tritonkv.POLICIES``, CriticalKV with ``norm="l2"``, SnapKV + AdaKV (layer 15 of 30), decode
-attention over a RaggedKV holding 25 % and one ragged append.
-
-**Host syncs**: ``aten._local_scalar_dense``, ops whose output shape depends on values (``nonzero``...) and
-``Tensor.tolist()`` (wrapped during the run), each with the line of tritonkv that made it. A check of a value
-computed only from a small input (``hd``, a profile) is an ``input check`` instead: no device read when the
-caller passes that input on the host. Validation done only for host tensors (``_common.on_host``) is off, as on
-a GPU. An integer read-back feeding host control flow returns what a real run reads where that is static
-(an allocator's total ``B·H·k``, and ``k``), and the run says so.
-
-**Compiling.** Each distinct launch configuration goes through ``triton.compile(ASTSource(...),
-target=GPUTarget("cuda", cap, 32))`` with the signature, constexprs and specialisation of Triton's own JIT
-binder. Registers and spills from the ptxas log (checked against ``cuobjdump --dump-resource-usage``), shared
-memory, warps and stages from the metadata, fenced atomics from the PTX.
-
-**SASS loops.** ``nvdisasm -g`` gives each instruction its source line. A loop is a backward ``BRA``; its body
-the address range; loops nest by range; ``own`` counts exclude inner loops. The trip count comes from the
-source ``for`` the branch closes, ``range(start, stop, step)`` evaluated with the launch's arguments
-(``tl.program_id`` = the middle program; locals assigned before the loop evaluated in order; bounds read from
-memory: no count, one iteration). Iterations per program = trip count × those of the enclosing loop.
-Counted: all instructions, ``ATOMS``, ``POPC``, ``VOTE``, ``BAR``, ``SHFL``, ``LDG``/``STG``, ``LDGSTS``,
-``HGMMA``/``HMMA``, ``MUFU``, ``MEMBAR``.
-
-**Occupancy** (CUDA occupancy calculator, ``ARCH``): registers per warp = ceil(regs·32 / 256)·256; CTAs/SM =
-min(⌊⌊65536 / regs per warp⌋ / warps⌋, ⌊2048 / (32·warps)⌋, 32, ⌊smem per SM / (shared + 1 KB)⌋); occupancy
-= CTAs·warps / 64.
-
-**Bytes per launch**: a tensor argument counts once as read if the kernel ``tl.load``s through it, once as
-written if it ``tl.store``s (atomics: both), from the AST of the kernel and its ``@triton.jit`` helpers
-(``pointer_access``, pointer arithmetic followed through assignments); neither: read. ``TOUCHES_AT_MOST``
-counts a gather/scatter's large tensor at the small one's size. Re-reads are assumed to hit L2. Torch ops:
-fills write their output, others read inputs and write outputs.
-
-**Time model** (``MACHINES``; estimates, not measurements), per launch: ``t = LAUNCH_US + max(bytes / copy
-bandwidth, t_issue + t_atoms)``, ``t_issue = Σ_loops own instructions × iterations × warps × programs / (SMs ×
-4 × clock)`` (straight-line code once per program), ``t_atoms = ATOMS × iterations × warps × programs ×
-ATOMS_WAVEFRONTS / (SMs × clock)`` (worst case, every shared atomic of a warp on one bank, as Triton 3.6's
-ballot histogram; it overstates Triton ≥ 3.8). Latency and L2 bandwidth are ignored. Calibration: modelled
-H200 totals over the measured ones of ``results/nvidia-h200-speed.json`` (Triton 3.6) — the right order of
-magnitude is all the model aims at.
-
-Outputs: ``results/kernel_stats-triton-<version>.{json,md}``, ``results/kernel_stats.md`` (``--compare``).
-The exit status is 1 when a kernel failed to compile or a workload failed.
+The method (target shape, which Triton, launches, host syncs, compiling, SASS loops, occupancy, bytes per
+launch, time model) is in docs/benchmarks.md, "kernel_stats.py: method". The exit status is 1 when a kernel failed
+to compile or a workload failed.
 """
 from __future__ import annotations
 
@@ -72,12 +21,15 @@ import inspect
 import io
 import json
 import math
+import operator
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
 
@@ -133,6 +85,7 @@ TOUCHES_AT_MOST = {
 # SASS instructions counted per loop and per kernel (by mnemonic, before the first '.').
 SASS_OPS = ("ATOMS", "ATOMG", "RED", "REDG", "POPC", "VOTE", "BAR", "SHFL", "LDG", "STG", "LDS", "STS", "LDGSTS",
             "HGMMA", "HMMA", "MUFU", "MEMBAR")
+LOOP_OPS = ("ATOMS", "POPC", "VOTE", "BAR")  # the loop columns of the kernel tables
 
 # Kernels allowed under 25 % occupancy on sm_90, and why (none is excused today).
 LOW_OCCUPANCY_REASONS: dict[str, str] = {}
@@ -165,10 +118,9 @@ class TorchOps(TorchDispatchMode):
     SYNC = set("_local_scalar_dense is_nonzero item equal nonzero masked_select unique _unique _unique2 "
                "unique_consecutive unique_dim argwhere nonzero_static_ repeat_interleave _assert_async".split())
 
-    def __init__(self, launches=None, inputs=()):
+    def __init__(self, inputs=()):
         super().__init__()
-        self.ops = []
-        self.launches = launches if launches is not None else []
+        self.ops, self.launches = [], []
         self.from_inputs = {t.data_ptr() for t in inputs}  # storage computed from small inputs only
 
     def input_only(self, ts) -> bool:
@@ -176,9 +128,8 @@ class TorchOps(TorchDispatchMode):
         outputs): a check of such a value reads the host when the caller passes the input there."""
         return bool(ts) and all(t.data_ptr() in self.from_inputs for t in ts)
 
-    def note(self, op: str, kind: str, nbytes: int = 0, **kw):
-        self.ops.append(dict(op=op, kind=kind, bytes=nbytes, read=kw.pop("read", 0), write=kw.pop("write", 0),
-                             at=len(self.launches), **kw))
+    def note(self, op: str, kind: str, nbytes: int = 0, read: int = 0, write: int = 0, **kw):
+        self.ops.append(dict(op=op, kind=kind, bytes=nbytes, read=read, write=write, at=len(self.launches), **kw))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -191,18 +142,18 @@ class TorchOps(TorchDispatchMode):
                     return opdef._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
-        kind = ("meta" if name in self.META else "alloc" if name in self.ALLOC else "fill" if name in self.FILL
-                else "sync" if name in self.SYNC else "compute")
+        kinds = (("meta", self.META), ("alloc", self.ALLOC), ("fill", self.FILL), ("sync", self.SYNC))
+        kind = next((k for k, names in kinds if name in names), "compute")
         if name == "repeat_interleave" and (kwargs.get("output_size") is not None or "int" in func._overloadname):
             kind = "compute"  # integer repeats, or the output size given: no read-back
         if kind == "meta":
             return out
-        ins = _tensors(args) + _tensors(kwargs)
-        outs = _tensors(out)
+        ins, outs = _tensors(args) + _tensors(kwargs), _tensors(out)
+        shapes = [list(t.shape) for t in (outs or ins)][:3]
         if kind == "alloc":
             for t in outs:
                 t.zero_()  # outside the log: nothing downstream reads unwritten memory
-            self.note(str(func), kind, _nbytes(outs), shapes=[list(t.shape) for t in outs][:3])
+            self.note(str(func), kind, _nbytes(outs), shapes=shapes)
             return out
         read = 0 if kind == "fill" else _nbytes(ins)
         write = _nbytes(outs or ins[:1]) if kind != "sync" else 0
@@ -211,8 +162,7 @@ class TorchOps(TorchDispatchMode):
             self.from_inputs.update(t.data_ptr() for t in outs)
         if kind == "sync" and only:
             kind = "input_check"
-        self.note(str(func), kind, read + write, read=read, write=write,
-                  shapes=[list(t.shape) for t in (outs or ins)][:3],
+        self.note(str(func), kind, read + write, read, write, shapes=shapes,
                   **({"where": _caller()} if kind in ("sync", "input_check") else {}))
         return out
 
@@ -229,43 +179,51 @@ def _nbytes(ts) -> int:
     return sum({(t.data_ptr(), t.numel() * t.element_size()): t.numel() * t.element_size() for t in ts}.values())
 
 
-@contextlib.contextmanager
-def triton_on_cpu():
-    """CPU tensors take the Triton bodies of the ops (only safe with launches not run)."""
-    old, _common._cpu[0] = _common._cpu[0], "triton"
-    try:
-        yield
-    finally:
-        _common._cpu[0] = old
+def _tritonkv_modules() -> list:
+    return [m for m in list(sys.modules.values()) if (getattr(m, "__name__", "") or "").startswith("tritonkv")]
 
 
 @contextlib.contextmanager
 def gpu_like(mode: TorchOps, readback=None):
-    """Inside the block: ``on_host`` is False in every tritonkv module (validation of host tensors is
-    skipped, as for CUDA tensors) and ``Tensor.tolist`` logs a host sync; an integer read-back returns
-    ``readback`` when given (what a real run reads; the dry run's memory is unwritten)."""
-    patched = [(m, m.on_host) for m in list(sys.modules.values())
-               if (getattr(m, "__name__", "") or "").startswith("tritonkv") and callable(getattr(m, "on_host", None))]
-    tolist = torch.Tensor.tolist
+    """Inside the block: CPU tensors take the Triton bodies of the ops (only safe with launches not run),
+    ``on_host`` is False in every tritonkv module (validation of host tensors is skipped, as for CUDA
+    tensors) and ``Tensor.tolist`` logs a host sync; an integer read-back returns ``readback`` when given
+    (what a real run reads; the dry run's memory is unwritten)."""
+    patched = [(m, m.on_host) for m in _tritonkv_modules() if callable(getattr(m, "on_host", None))]
+    tolist, cpu = torch.Tensor.tolist, _common._cpu[0]
 
     def logged_tolist(t):
         real = tolist(t)
         if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
             return real
         swap = readback is not None and not t.is_floating_point() and t.numel() == len(readback)
-        mode.note("Tensor.tolist", "input_check" if mode.input_only([t]) else "sync", 0, shapes=[list(t.shape)],
+        mode.note("Tensor.tolist", "input_check" if mode.input_only([t]) else "sync", shapes=[list(t.shape)],
                   where=_caller(), **({"replaced": [real, list(readback)]} if swap else {}))
         return list(readback) if swap else real
 
     for m, _ in patched:
         m.on_host = lambda t: False
-    torch.Tensor.tolist = logged_tolist
+    torch.Tensor.tolist, _common._cpu[0] = logged_tolist, "triton"
     try:
         yield
     finally:
-        torch.Tensor.tolist = tolist
+        torch.Tensor.tolist, _common._cpu[0] = tolist, cpu
         for m, f in patched:
             m.on_host = f
+
+
+def dry(fn, readback=None, inputs=()):
+    """``(launches, torch ops, error)`` of ``fn()`` with launches logged and not run; ``inputs``: the small
+    input tensors (host checks of values derived from them only are ``input_check``s, not syncs)."""
+    log, mode = [], TorchOps(inputs=inputs)
+    try:
+        with _common.record_launches(execute=False) as log:
+            mode.launches = log
+            with gpu_like(mode, readback), mode:
+                fn()
+    except Exception as e:  # reported per workload
+        return list(log), mode.ops, f"{type(e).__name__}: {e}"
+    return list(log), mode.ops, None
 
 
 def make_inputs(N: int) -> dict:
@@ -282,74 +240,47 @@ def make_inputs(N: int) -> dict:
     return dict(keys=keys, values=values, pool=dict(queries=queries, o_proj=o_proj, hd=hd, attn_lse=lse))
 
 
-def dry(fn, readback=None, inputs=()):
-    """``(launches, torch ops, error)`` of ``fn()`` with launches logged and not run; ``inputs``: the small
-    input tensors (host checks of values derived from them only are ``input_check``s, not syncs)."""
-    log, mode = [], TorchOps(inputs=inputs)
-    try:
-        with triton_on_cpu(), _common.record_launches(execute=False) as log:
-            mode.launches = log
-            with gpu_like(mode, readback), mode:
-                fn()
-    except Exception as e:  # reported per workload
-        return list(log), mode.ops, f"{type(e).__name__}: {e}"
-    return list(log), mode.ops, None
-
-
 def workloads(N: int, only=None) -> list[dict]:
     """Every policy's compress at the target shape, SnapKV + AdaKV, then a decode step over the ragged cache
     (``only``: the names of the workloads to run; default all)."""
-    want = (lambda name: True) if not only else (lambda name: name in set(only))
-    inp = make_inputs(N)
-    keys, values, pool = inp["keys"], inp["values"], inp["pool"]
-    out = []
-    variants = [(name, tritonkv.POLICIES[name]()) for name in sorted(tritonkv.POLICIES)]
-    variants.append(("criticalkv_l2", tritonkv.POLICIES["criticalkv"](norm="l2")))  # its own norm kernel
-    for name, pol in [v for v in variants if want(v[0])]:
-        missing = [n for n in pol.needs if n not in pool]
-        if missing:
-            out.append(dict(name=name, kind="compress", launches=[], ops=[], error=f"no input {missing}"))
-            continue
-        inputs = policy_inputs(pol, pool)
-        log, ops, err = dry(lambda: tritonkv.compress((keys, values), pol, KEEP, **inputs),
-                            inputs=_tensors(inputs))
-        out.append(dict(name=name, kind="compress", launches=log, ops=ops, error=err, inputs=sorted(inputs)))
-
-    B, H, G, D = (SHAPE[k] for k in "BHGD")
-    k = tritonkv.resolve_budget(KEEP, N)
-    for name, (pname, alloc) in [a for a in ALLOCATED.items() if want(a[0])]:
-        pol = tritonkv.POLICIES[pname]()
-        inputs = policy_inputs(pol, pool)
-        rb = (B * H * k, k)  # an allocator's total and, as a stand-in for its longest row, k (if it reads them back)
-        log, ops, err = dry(lambda: tritonkv.compress((keys, values), pol, KEEP, allocation=alloc, layer=LAYER,
-                                                      num_layers=NUM_LAYERS, **inputs), readback=rb,
-                            inputs=_tensors(inputs))
-        read = any(o["kind"] == "sync" and o["op"] == "Tensor.tolist" for o in ops)
-        out.append(dict(name=name, kind="allocation", launches=log, ops=ops, error=err, inputs=sorted(inputs),
-                        readback=list(rb) if read else None))
-
-    # decode step over a RaggedKV holding round(KEEP·N) tokens per row (+ the default slack)
     from tritonkv.cache import RaggedKV
     from tritonkv.kernels.decode_attention import decode_attention
 
-    if not (want("decode_attention") or want("ragged_append")):
+    inp = make_inputs(N)
+    keys, values, pool = inp["keys"], inp["values"], inp["pool"]
+    B, H, G, D = (SHAPE[k] for k in "BHGD")
+    k = tritonkv.resolve_budget(KEEP, N)
+    cases = [(name, tritonkv.POLICIES[name](), {}) for name in sorted(tritonkv.POLICIES)]
+    cases.append(("criticalkv_l2", tritonkv.POLICIES["criticalkv"](norm="l2"), {}))  # its own norm kernel
+    cases += [(name, tritonkv.POLICIES[p](), dict(allocation=a, layer=LAYER, num_layers=NUM_LAYERS))
+              for name, (p, a) in ALLOCATED.items()]
+    out = []
+    for name, pol, alloc in [c for c in cases if not only or c[0] in only]:
+        inputs = policy_inputs(pol, pool)
+        rb = (B * H * k, k) if alloc else None  # an allocator's total and, standing in for its longest row, k
+        log, ops, err = dry(lambda: tritonkv.compress((keys, values), pol, KEEP, **alloc, **inputs), readback=rb,
+                            inputs=_tensors(inputs))
+        read = any(o["kind"] == "sync" and o["op"] == "Tensor.tolist" for o in ops)
+        out.append(dict(name=name, kind="allocation" if alloc else "compress", launches=log, ops=ops, error=err,
+                        inputs=sorted(inputs), readback=list(rb) if rb and read else None))
+
+    # decode step over a RaggedKV holding round(KEEP·N) tokens per row (+ the default slack)
+    decode = [x for x in ("decode_attention", "ragged_append") if not only or x in only]
+    if not decode:
         return out
-    scores = torch.empty(B, H, N)
     holder = {}
-    _, _, err = dry(lambda: holder.setdefault("kv", RaggedKV.from_selection(scores, k, keys, values,
+    _, _, err = dry(lambda: holder.setdefault("kv", RaggedKV.from_selection(torch.empty(B, H, N), k, keys, values,
                                                                             total=B * H * k, k_max=k)))
-    if err is None:
-        kv = holder["kv"]
-        kv.length.fill_(k)
-        q = torch.randn(B, H * G, 1, D).to(torch.bfloat16)
-        k1 = torch.randn(B, H, 1, D).to(torch.bfloat16)
-        v1 = torch.randn(B, H, 1, D).to(torch.bfloat16)
-        for name, fn in [x for x in (("decode_attention", lambda: decode_attention(q, kv)),
-                                     ("ragged_append", lambda: kv.append(k1, v1))) if want(x[0])]:
-            log, ops, e = dry(fn)
-            out.append(dict(name=name, kind="decode", launches=log, ops=ops, error=e))
-    else:
-        out.append(dict(name="decode_attention", kind="decode", launches=[], ops=[], error=f"ragged build: {err}"))
+    if err is not None:
+        return out + [dict(name="decode_attention", kind="decode", launches=[], ops=[], error=f"ragged build: {err}")]
+    kv = holder["kv"]
+    kv.length.fill_(k)
+    q = torch.randn(B, H * G, 1, D).to(torch.bfloat16)
+    k1, v1 = (torch.randn(B, H, 1, D).to(torch.bfloat16) for _ in range(2))
+    fns = dict(decode_attention=lambda: decode_attention(q, kv), ragged_append=lambda: kv.append(k1, v1))
+    for name in decode:
+        log, ops, err = dry(fns[name])
+        out.append(dict(name=name, kind="decode", launches=log, ops=ops, error=err))
     return out
 
 
@@ -385,15 +316,14 @@ def config_key(rec) -> tuple[str, dict]:
     specialisation of each runtime argument: ``"=1"`` (compiled in as a constant), ``"%16"``
     (divisible by 16, or a 16-byte aligned pointer) or ``""``."""
     _, signature, constexprs, attrs, _ = specialise(rec, 90)
-    names = [p.name for p in rec.kernel.params]
     spec = {}
-    for i, n in enumerate(names):
-        if n in rec.constexprs:
+    for i, p in enumerate(rec.kernel.params):
+        if p.name in rec.constexprs:
             continue
-        if signature[n] == "constexpr":
-            spec[n] = f"={rec.args[n]}"
+        if signature[p.name] == "constexpr":
+            spec[p.name] = f"={rec.args[p.name]}"
         else:
-            spec[n] = "%16" if any(a[0] == "tt.divisibility" for a in attrs.get((i,), [])) else ""
+            spec[p.name] = "%16" if any(a[0] == "tt.divisibility" for a in attrs.get((i,), [])) else ""
     key = json.dumps([_jit_key(rec), signature, sorted((str(k), repr(v)) for k, v in constexprs.items()),
                       sorted((str(k), repr(v)) for k, v in attrs.items()), sorted(rec.options.items())])
     return key, spec
@@ -403,14 +333,11 @@ def base_labels(recs) -> dict:
     """``{config key: label}``: the kernel name and the constexprs (and num_warps) that tell its
     configurations apart."""
     recs = list(recs)
-    by_kernel = {}
-    for rec in recs:
-        by_kernel.setdefault(rec.name, []).append(rec)
     out = {}
     for rec in recs:
-        same = by_kernel[rec.name]
-        ks = [k for k in rec.constexprs if len({repr(r.constexprs.get(k)) for r in same}) > 1]
-        parts = [f"{k}={_short(rec.constexprs[k])}" for k in ks]
+        same = [r for r in recs if r.name == rec.name]
+        parts = [f"{k}={_short(v)}" for k, v in rec.constexprs.items()
+                 if len({repr(r.constexprs.get(k)) for r in same}) > 1]
         if len({repr(sorted(r.options.items())) for r in same}) > 1:
             parts.append(f"warps={rec.options.get('num_warps', 4)}")
         out[config_key(rec)[0]] = f"{rec.name}[{','.join(parts)}]" if parts else rec.name
@@ -449,8 +376,7 @@ def compile_stats(rec, cap: int) -> dict:
     target, signature, constexprs, attrs, options = specialise(rec, cap)
     log = io.StringIO()
     t0 = time.perf_counter()
-    old = knobs.nvidia.dump_ptxas_log
-    knobs.nvidia.dump_ptxas_log = True
+    old, knobs.nvidia.dump_ptxas_log = knobs.nvidia.dump_ptxas_log, True
     try:
         with contextlib.redirect_stdout(log):
             k = triton.compile(ASTSource(rec.kernel, signature, constexprs, attrs), target=target,
@@ -462,23 +388,22 @@ def compile_stats(rec, cap: int) -> dict:
     m, r, s = _PTXAS.search(text), _REGS.search(text), _SMEM.search(text)
     if not (m and r):
         raise RuntimeError(f"no ptxas report for {rec.name} sm_{cap} (cached compile?):\n{text[-2000:]}")
-    ptx = k.asm["ptx"]
-    atoms = [dict(op=op, quals=q) for op, q in _ATOM.findall(ptx)]
+    atoms = [dict(op=op, quals=q) for op, q in _ATOM.findall(k.asm["ptx"])]
     glob = [a for a in atoms if ".shared" not in "." + a["quals"] and not a["quals"].startswith("shared")]
     fenced = [a for a in glob if _FENCED & set(a["quals"].split("."))]
     sass, usage = _sass(k.asm["cubin"])
     ins = parse_sass(sass) if sass else []
     loops = sass_loops(ins)
     outside = {a for L in loops if L["parent"] is None for a in range(L["lo"], L["hi"] + 1, 16)}
+    straight = [x for x in ins if x["addr"] not in outside]
     meta = k.metadata
-    shared = int(meta.shared) + (int(s.group(1)) if s else 0)
     st = dict(arch=f"sm_{cap}", regs=int(r.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)),
-              stack=int(m.group(1)), smem=shared, num_warps=int(meta.num_warps), num_stages=int(meta.num_stages),
+              stack=int(m.group(1)), smem=int(meta.shared) + (int(s.group(1)) if s else 0),
+              num_warps=int(meta.num_warps), num_stages=int(meta.num_stages),
               global_atomics=len(glob), fenced_atomics=len(fenced),
               atomic_forms=sorted({f"{a['op']}.{a['quals']}" for a in glob}),
-              membar=_counts(ins)["MEMBAR_GPU"] if sass else None,
-              sass_n=len(ins), sass=_counts(ins), straight_n=sum(x["addr"] not in outside for x in ins),
-              straight=_counts([x for x in ins if x["addr"] not in outside]), loops=loops,
+              membar=_counts(ins)["MEMBAR_GPU"] if sass else None, sass_n=len(ins), sass=_counts(ins),
+              straight_n=len(straight), straight=_counts(straight), loops=loops,
               cuobjdump_regs=usage, compile_s=round(secs, 2))
     if usage is not None and usage != st["regs"]:
         raise RuntimeError(f"cuobjdump reports {usage} registers, the ptxas log {st['regs']}")
@@ -491,14 +416,12 @@ def _sass(cubin: bytes):
     dis, dump = _tool("nvdisasm"), _tool("cuobjdump")
     if dis is None:
         return None, None
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
-    try:
+        f.flush()
         sass = subprocess.run([dis, "-g", "-c", f.name], capture_output=True, text=True, timeout=120).stdout
         res = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                              timeout=120).stdout if dump else ""
-    finally:
-        os.unlink(f.name)
     reg = re.search(r"REG:(\d+)", res)
     return sass, (int(reg.group(1)) if reg else None)
 
@@ -509,29 +432,21 @@ _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRA = re.compile(r"^(?:@!?U?P\w+\s+)?BRA\b.*`\((\.L_x_\d+)\)")
 
 
-def _mnemonic(text: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
-
-
 def parse_sass(sass: str) -> list[dict]:
-    """Instructions ``{addr, text, op, file, line}`` and, on each backward ``BRA``, ``back`` = its target."""
+    """Instructions ``{addr, text, op, file, line}`` (``op``: the mnemonic before the first '.') and, on each
+    backward ``BRA``, ``back`` = its target."""
     ins, labels, pending, loc = [], {}, [], (None, None)
     for raw in sass.splitlines():
-        m = _LINE.search(raw)
-        if m:
+        if m := _LINE.search(raw):
             loc = (m.group(1), int(m.group(2)))
-            continue
-        m = _LABEL.match(raw)
-        if m:
+        elif m := _LABEL.match(raw):
             pending.append(m.group(1))
-            continue
-        m = _INS.match(raw)
-        if m:
+        elif m := _INS.match(raw):
             addr = int(m.group(1), 16)
-            for lab in pending:
-                labels[lab] = addr
+            labels.update(dict.fromkeys(pending, addr))
             pending = []
-            ins.append(dict(addr=addr, text=m.group(2), op=_mnemonic(m.group(2)), file=loc[0], line=loc[1]))
+            op = re.sub(r"^@!?U?P\w+\s+", "", m.group(2)).split()[0].split(".")[0]
+            ins.append(dict(addr=addr, text=m.group(2), op=op, file=loc[0], line=loc[1]))
     for x in ins:
         m = _BRA.match(x["text"])
         if m and labels.get(m.group(1), 1 << 62) < x["addr"]:
@@ -540,17 +455,15 @@ def parse_sass(sass: str) -> list[dict]:
 
 
 def _counts(ins) -> dict:
-    c = {op: 0 for op in SASS_OPS}
-    for x in ins:
-        if x["op"] in c:
-            c[x["op"]] += 1
+    c = {op: sum(x["op"] == op for x in ins) for op in SASS_OPS}
     c["MEMBAR_GPU"] = sum(bool(re.search(r"\bMEMBAR\.[\w.]*(?:GPU|SYS)\b", x["text"])) for x in ins)
     return c
 
 
 def sass_loops(ins: list[dict]) -> list[dict]:
-    """The loops of a kernel's SASS (see the module docstring), outermost first: address range, the source
-    line of the closing branch, parent, depth, instruction count and op counts, all and ``own``."""
+    """The loops of a kernel's SASS, outermost first: a loop is a backward ``BRA``, its body the address range;
+    loops nest by range. Each: address range, the source line of the closing branch, parent, depth,
+    instruction count and op counts, all and ``own`` (inner loops excluded)."""
     loops = []
     for x in ins:
         if "back" in x:
@@ -575,7 +488,7 @@ def sass_loops(ins: list[dict]) -> list[dict]:
 
 
 def occupancy(regs: int, smem: int, warps: int, cap: int) -> dict:
-    """Theoretical occupancy on one SM of ``ARCH[cap]`` (see the module docstring)."""
+    """Theoretical occupancy on one SM of ``ARCH[cap]`` (the CUDA occupancy calculator's arithmetic)."""
     a = ARCH[cap]
     regs_per_warp = math.ceil(max(regs, 1) * 32 / a["reg_unit"]) * a["reg_unit"]
     limits = {
@@ -594,25 +507,18 @@ def occupancy(regs: int, smem: int, warps: int, cap: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _tree(path: str):
+def _fors(path: str) -> dict:
+    """``{line: (For node, enclosing FunctionDef)}`` of the source file at ``path`` (``{}`` if unreadable)."""
     try:
         with open(path) as f:
-            return ast.parse(f.read())
-    except (OSError, SyntaxError):
-        return None
-
-
-def _for_at(path: str, line: int):
-    """``(For node, enclosing FunctionDef)`` of the ``for`` at ``path:line``, or ``(None, None)``."""
-    tree = _tree(path) if path else None
-    if tree is None:
-        return None, None
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef):
-            for node in ast.walk(fn):
-                if isinstance(node, ast.For) and node.lineno == line:
-                    return node, fn
-    return None, None
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, TypeError):
+        return {}
+    out = {}
+    for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+        for node in [n for n in ast.walk(fn) if isinstance(n, ast.For)]:
+            out.setdefault(node.lineno, (node, fn))
+    return out
 
 
 class _Unknown(Exception):
@@ -621,6 +527,14 @@ class _Unknown(Exception):
 
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "minimum": min, "maximum": max, "min": min, "max": max,
           "int": int, "abs": abs, "next_power_of_2": lambda n: 1 << max(int(n) - 1, 0).bit_length()}
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Div: operator.truediv, ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift}
+_EVAL_ERRORS = (_Unknown, ZeroDivisionError, TypeError, IndexError)
+
+
+def _name(f) -> str | None:
+    """The name a call's function goes by (``tl.load`` -> ``load``)."""
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
 
 
 def _eval(node, env: dict, grid):
@@ -634,18 +548,14 @@ def _eval(node, env: dict, grid):
         raise _Unknown(node.id)
     if isinstance(node, ast.BinOp):
         a, b = _eval(node.left, env, grid), _eval(node.right, env, grid)
-        ops = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b,
-               ast.FloorDiv: lambda: a // b, ast.Div: lambda: a / b, ast.Mod: lambda: a % b,
-               ast.LShift: lambda: a << b, ast.RShift: lambda: a >> b}
-        if type(node.op) in ops:
-            return ops[type(node.op)]()
+        if type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](a, b)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_eval(node.operand, env, grid)
     if isinstance(node, ast.Call):
-        f = node.func
-        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-        if name == "to" and isinstance(f, ast.Attribute):
-            return _eval(f.value, env, grid)
+        name = _name(node.func)
+        if name == "to" and isinstance(node.func, ast.Attribute):
+            return _eval(node.func.value, env, grid)
         if name in ("program_id", "num_programs"):
             axis = _eval(node.args[0], env, grid) if node.args else 0
             size = grid[axis] if axis < len(grid) else 1
@@ -656,13 +566,11 @@ def _eval(node, env: dict, grid):
 
 
 def trip_count(path: str, line: int, rec) -> int | None:
-    """Iterations of the source loop ``for ... in range(...)`` at ``path:line`` for launch ``rec`` (None:
-    not a ``range`` loop, or its bounds depend on values not known before the launch)."""
-    loop, fn = _for_at(path, line)
-    if loop is None or not isinstance(loop.iter, ast.Call):
-        return None
-    f = loop.iter.func
-    if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) not in ("range", "static_range"):
+    """Iterations of the source loop ``for ... in range(...)`` at ``path:line`` for launch ``rec``: the launch's
+    arguments, locals assigned before the loop evaluated in order (None: not a ``range`` loop, or its bounds
+    depend on values not known before the launch, such as bounds read from memory)."""
+    loop, fn = _fors(path).get(line, (None, None))
+    if loop is None or not isinstance(loop.iter, ast.Call) or _name(loop.iter.func) not in ("range", "static_range"):
         return None
     env = {k: v for k, v in {**rec.args, **rec.constexprs}.items() if isinstance(v, (int, float, bool))}
     grid = tuple(rec.grid) if not callable(rec.grid) else (1,)
@@ -671,11 +579,11 @@ def trip_count(path: str, line: int, rec) -> int | None:
                 and isinstance(node.targets[0], ast.Name):
             try:
                 env[node.targets[0].id] = _eval(node.value, env, grid)
-            except (_Unknown, ZeroDivisionError, TypeError, IndexError):
+            except _EVAL_ERRORS:
                 env.pop(node.targets[0].id, None)
     try:
         a = [_eval(x, env, grid) for x in loop.iter.args]
-    except (_Unknown, ZeroDivisionError, TypeError, IndexError):
+    except _EVAL_ERRORS:
         return None
     start, stop, step = (0, a[0], 1) if len(a) == 1 else (a[0], a[1], a[2] if len(a) > 2 else 1)
     return max(0, -(-(stop - start) // step)) if step > 0 else None
@@ -686,14 +594,11 @@ def loop_iterations(loops: list[dict], rec) -> list[int | None]:
     out = [None] * len(loops)
     for i, L in enumerate(loops):  # parents come first (sorted by address, outermost first)
         t = trip_count(L["file"], L["line"], rec)
-        parent = 1 if L["parent"] is None else (out[L["parent"]] or 1)
-        out[i] = None if t is None else t * parent
+        out[i] = None if t is None else t * (1 if L["parent"] is None else (out[L["parent"]] or 1))
     return out
 
 
-_READ_CALLS = {"load"}
-_WRITE_CALLS = {"store"}
-_RW_PREFIX = "atomic_"
+# calls through which a pointer stays a pointer (any other call's result is a value, not a pointer)
 _PTR_CALLS = {"make_block_ptr", "make_tensor_descriptor", "advance", "multiple_of", "max_contiguous", "to",
               "cast", "where", "broadcast_to", "reshape", "expand_dims", "view"}
 
@@ -701,37 +606,35 @@ _PTR_CALLS = {"make_block_ptr", "make_tensor_descriptor", "advance", "multiple_o
 @functools.lru_cache(maxsize=None)
 def _access(fn) -> dict:
     """``{parameter: {"r", "w"}}`` for the pointer parameters of the ``@triton.jit`` function ``fn`` (its
-    Python function), following assignments and calls to other ``@triton.jit`` functions."""
+    Python function): ``tl.load`` reads, ``tl.store`` writes, ``tl.atomic_*`` both, ``.load``/``.store`` of
+    a block pointer or descriptor likewise, following assignments and calls to other ``@triton.jit``
+    functions."""
     try:
-        src = inspect.getsource(fn)
-        tree = ast.parse(__import__("textwrap").dedent(src))
+        fdef = next(n for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+                    if isinstance(n, ast.FunctionDef))
     except (OSError, TypeError, SyntaxError):
         return {}
-    fdef = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef))
     params = [a.arg for a in fdef.args.args]
     alias = {p: {p} for p in params}  # variable -> the parameters its value derives from
 
     def roots(node) -> set:
-        """The parameters a pointer expression derives from; the results of calls (loaded values, helper
-        results) are not pointers, except the pointer-preserving ``PTR_CALLS``."""
+        """The parameters a pointer expression derives from."""
         if isinstance(node, ast.Name):
             return set(alias.get(node.id, ()))
-        if isinstance(node, ast.Call):
-            f = node.func
-            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-            if name not in _PTR_CALLS:
-                return set()
-            if name in ("to", "advance") and isinstance(f, ast.Attribute):
-                return roots(f.value) | (roots(node.args[0]) if name == "advance" and node.args else set())
-            return set().union(set(), *[roots(a) for a in node.args], *[roots(k.value) for k in node.keywords])
-        return set().union(set(), *[roots(c) for c in ast.iter_child_nodes(node)])
+        if not isinstance(node, ast.Call):
+            return set().union(*[roots(c) for c in ast.iter_child_nodes(node)])
+        f, name = node.func, _name(node.func)
+        if name not in _PTR_CALLS:
+            return set()
+        if name in ("to", "advance") and isinstance(f, ast.Attribute):
+            return roots(f.value) | (roots(node.args[0]) if name == "advance" and node.args else set())
+        return set().union(*[roots(a) for a in node.args], *[roots(k.value) for k in node.keywords])
 
     for _ in range(4):  # fixpoint over assignments
         for node in ast.walk(fdef):
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 r = roots(node.value)
-                for t in targets:
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
                     for n in ast.walk(t):
                         if isinstance(n, ast.Name) and r:
                             alias.setdefault(n.id, set()).update(r)
@@ -742,31 +645,21 @@ def _access(fn) -> dict:
             acc.setdefault(p, set()).update(kinds)
 
     g = getattr(fn, "__globals__", {})
-    for node in ast.walk(fdef):
-        if not isinstance(node, ast.Call):
-            continue
-        f = node.func
-        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    for node in [n for n in ast.walk(fdef) if isinstance(n, ast.Call)]:
+        f, name = node.func, _name(node.func)
         first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "tl" and first is not None:
-            if name in _READ_CALLS:
-                mark(first, {"r"})
-            elif name in _WRITE_CALLS:
-                mark(first, {"w"})
-            elif name and name.startswith(_RW_PREFIX):
-                mark(first, {"r", "w"})
+            kinds = {"r"} if name == "load" else {"w"} if name == "store" else {"r", "w"}
+            if name in ("load", "store") or name.startswith("atomic_"):
+                mark(first, kinds)
         elif isinstance(f, ast.Attribute) and name in ("load", "store"):  # block pointer / tensor descriptor
             mark(f.value, {"r"} if name == "load" else {"w"})
         elif isinstance(f, ast.Name) and isinstance(g.get(f.id), triton.runtime.jit.JITFunction):
             callee = g[f.id].fn
-            sub = _access(callee)
-            cparams = list(inspect.signature(callee).parameters)
-            for i, a in enumerate(node.args):
-                if i < len(cparams) and cparams[i] in sub:
-                    mark(a, sub[cparams[i]])
-            for kw in node.keywords:
-                if kw.arg in sub:
-                    mark(kw.value, sub[kw.arg])
+            sub, cparams = _access(callee), list(inspect.signature(callee).parameters)
+            for p, a in [*zip(cparams, node.args), *((kw.arg, kw.value) for kw in node.keywords)]:
+                if p in sub:
+                    mark(a, sub[p])
     return {p: acc[p] for p in params if p in acc}  # in parameter order: the same on every run
 
 
@@ -780,53 +673,52 @@ def pointer_access(kernel) -> dict:
 
 
 def launch_bytes(rec) -> dict:
-    """``{read, write, unknown}`` bytes of one Triton launch (see the module docstring); ``unknown`` lists
-    tensor arguments the kernel neither loads nor stores through (counted as read)."""
+    """``{read, write, unknown}`` bytes of one Triton launch: a tensor argument counts once as read if the
+    kernel loads through it, once as written if it stores (``TOUCHES_AT_MOST`` bounds a gather/scatter's
+    large tensor); ``unknown`` lists tensor arguments the kernel neither loads nor stores through (read)."""
     acc = pointer_access(rec.kernel)
     tens = {n: v for n, v in rec.args.items() if isinstance(v, torch.Tensor)}
     size = {n: t.numel() * t.element_size() for n, t in tens.items()}
     for arg, ref in TOUCHES_AT_MOST.get(rec.name, {}).items():
         if arg in size and ref in size:
             size[arg] = min(size[arg], size[ref])
-    seen_r, seen_w, unknown = {}, {}, []
+    seen_r, seen_w = {}, {}
     for n, t in tens.items():
-        mode = acc.get(n, "")
-        key = (t.data_ptr(), t.numel() * t.element_size())
+        key, mode = (t.data_ptr(), t.numel() * t.element_size()), acc.get(n, "")
         if "r" in mode or not mode:
             seen_r[key] = max(seen_r.get(key, 0), size[n])
         if "w" in mode:
             seen_w[key] = max(seen_w.get(key, 0), size[n])
-        if not mode:
-            unknown.append(n)
-    return dict(read=sum(seen_r.values()), write=sum(seen_w.values()), unknown=unknown)
+    return dict(read=sum(seen_r.values()), write=sum(seen_w.values()), unknown=[n for n in tens if not acc.get(n)])
 
 
-def launch_model(st: dict | None, rec, nbytes: int) -> dict:
-    """Per machine: the modelled µs of one Triton launch (bytes, issue, atoms) from its sm_90 stats."""
-    grid = tuple(rec.grid) if not callable(rec.grid) else (1,)
-    programs = math.prod(grid)
-    warps = (st or {}).get("num_warps", rec.options.get("num_warps", 4))
-    iters = loop_iterations(st["loops"], rec) if st and "loops" in st else []
-    instr = (st or {}).get("straight_n", 0)
-    atoms = (st or {}).get("straight", {}).get("ATOMS", 0)
-    for L, it in zip((st or {}).get("loops", []), iters):
-        instr += L["own_n"] * (it or 1)
-        atoms += L["own"]["ATOMS"] * (it or 1)
-    out = dict(programs=programs, loop_iterations=iters, warp_instructions=instr * warps * programs,
-               atoms_warp=atoms * warps * programs)
+def _times(nbytes: int, warp_instructions: int = 0, atoms_warp: int = 0) -> dict:
+    """Per machine: modelled µs of one launch = launch cost + max(bytes part, issue part + shared atomics)."""
+    out = {}
     for mname, m in MACHINES.items():
         clk = m["sms"] * m["clock_GHz"] * 1e3  # SM-clocks per µs
         t_bytes = nbytes / (m["copy_GBps"] * 1e3)
-        t_issue = out["warp_instructions"] / (clk * m["issue_per_clk"])
-        t_atoms = out["atoms_warp"] * ATOMS_WAVEFRONTS / clk
+        t_issue = warp_instructions / (clk * m["issue_per_clk"])
+        t_atoms = atoms_warp * ATOMS_WAVEFRONTS / clk
         out[mname] = dict(us=round(m["launch_us"] + max(t_bytes, t_issue + t_atoms), 2), bytes_us=round(t_bytes, 2),
                           issue_us=round(t_issue, 2), atoms_us=round(t_atoms, 2))
     return out
 
 
-def op_model(nbytes: int) -> dict:
-    return {m: dict(us=round(p["launch_us"] + nbytes / (p["copy_GBps"] * 1e3), 2), bytes_us=round(
-        nbytes / (p["copy_GBps"] * 1e3), 2), issue_us=0.0, atoms_us=0.0) for m, p in MACHINES.items()}
+def launch_model(st: dict | None, rec, nbytes: int) -> dict:
+    """Per machine: the modelled µs of one Triton launch (bytes, issue, atoms) from its sm_90 stats: the
+    loops' own instructions × their iterations per program, straight-line code once, × warps × programs."""
+    st = st or {}
+    programs = math.prod(tuple(rec.grid) if not callable(rec.grid) else (1,))
+    warps = st.get("num_warps", rec.options.get("num_warps", 4))
+    iters = loop_iterations(st["loops"], rec) if "loops" in st else []
+    instr, atoms = st.get("straight_n", 0), st.get("straight", {}).get("ATOMS", 0)
+    for L, it in zip(st.get("loops", []), iters):
+        instr += L["own_n"] * (it or 1)
+        atoms += L["own"]["ATOMS"] * (it or 1)
+    out = dict(programs=programs, loop_iterations=iters, warp_instructions=instr * warps * programs,
+               atoms_warp=atoms * warps * programs)
+    return dict(out, **_times(nbytes, out["warp_instructions"], out["atoms_warp"]))
 
 
 def floor_bytes(name: str, N: int) -> int | None:
@@ -835,9 +727,8 @@ def floor_bytes(name: str, N: int) -> int | None:
     B, H, D = SHAPE["B"], SHAPE["H"], SHAPE["D"]
     k_bytes = B * H * N * D * 2
     kept = 2 * B * H * tritonkv.resolve_budget(KEEP, N) * D * 2
-    base = name.split("+")[0]
     reads = {"streaming_llm": 0, "lagkv": 2 * k_bytes, "criticalkv": 2 * k_bytes,
-             "criticalkv_l2": 2 * k_bytes}.get(base, k_bytes)
+             "criticalkv_l2": 2 * k_bytes}.get(name.split("+")[0], k_bytes)
     return reads + 2 * kept
 
 
@@ -857,18 +748,12 @@ def measured_h200(N: int) -> dict:
             out[r["policy"]] = dict(us=r["tritonkv_us"], timing=r.get("timing"), eager_us=r.get("tritonkv_eager_us"))
         elif r.get("kind") == "allocation":
             out[f"{r['policy']}+{r['allocation']}"] = dict(us=r["tritonkv_us"], timing=r.get("timing"))
-    return dict(out, _meta=dict(device=data.get("device"), triton=data.get("triton"), torch=data.get("torch"),
-                                commit=data.get("commit"), copy_GBps=data.get("copy_GBps")))
+    meta = {k: data.get(k) for k in ("device", "triton", "torch", "commit", "copy_GBps")}
+    return dict(out, _meta=meta)
 
 
 def _short(v):
     return int(v) if isinstance(v, bool) else v
-
-
-def _cfg(rec) -> str:
-    parts = [f"{k}={_short(v)}" for k, v in rec.constexprs.items()]
-    parts += [f"{k}={v}" for k, v in rec.options.items()]
-    return " ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -876,28 +761,96 @@ def _cfg(rec) -> str:
 
 
 def run(args) -> dict:
-    N = args.n or (N_SMOKE if args.smoke else N_FULL)
-    archs = tuple(args.arch) if args.arch else (ARCHS_SMOKE if args.smoke else ARCHS_FULL)
-    cache = tempfile.mkdtemp(prefix="tritonkv-kernel-stats-")
-    os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir = cache  # a fresh cache: every compile runs ptxas (and logs it)
-    try:
-        return _run(args, N, archs)
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="tritonkv-kernel-stats-", ignore_cleanup_errors=True) as cache:
+        os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir = cache  # a fresh cache: every compile runs ptxas (logged)
+        return _run(args, N_SMOKE if args.smoke else N_FULL, ARCHS_SMOKE if args.smoke else ARCHS_FULL)
 
 
 def library_kernels() -> dict:
-    """``{module.name: name}`` of every ``@triton.jit`` kernel (a function that is launched: a ``_kernel``
-    suffix, or not called from another jit function) in the imported tritonkv modules."""
-    jit = {}
-    for mod in list(sys.modules.values()):
-        mname = getattr(mod, "__name__", "") or ""
-        if mname.startswith("tritonkv"):
-            for attr, obj in list(vars(mod).items()):
-                if isinstance(obj, triton.runtime.jit.JITFunction) and obj.fn.__module__ == mname \
-                        and attr.endswith("_kernel"):
-                    jit[f"{obj.fn.__module__}.{attr}"] = attr
-    return jit
+    """``{module.name: name}`` of every ``@triton.jit`` kernel (a ``_kernel`` suffix: a function that is
+    launched, not a helper) defined in the imported tritonkv modules."""
+    return {f"{m.__name__}.{attr}": attr for m in _tritonkv_modules() for attr, obj in list(vars(m).items())
+            if isinstance(obj, triton.runtime.jit.JITFunction) and obj.fn.__module__ == m.__name__
+            and attr.endswith("_kernel")}
+
+
+def _compile(rec, cap: int, label: str, errors: list) -> dict:
+    """``compile_stats``, or ``{arch, error}`` with the error added to ``errors``."""
+    try:
+        st = compile_stats(rec, cap)
+    except Exception as e:
+        text = str(e).strip()
+        msg = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+        st = dict(arch=f"sm_{cap}", error=msg)
+        errors.append(f"compile {label} sm_{cap}: {msg[:300]}")
+    print(f"compiled {label} sm_{cap}: {st.get('regs', 'ERROR')} regs", file=sys.stderr)
+    return st
+
+
+def kernel_rows(configs: dict, users: dict, spec_of: dict, stats: dict, base: dict):
+    """``(kernels, label_of)``: one row per kernel configuration, in table order; argument specialisations
+    with identical results share a row (labelled ``{arg%16}``, ``{arg=1}`` or ``{arg}`` where they differ)."""
+    label_of, kernels, groups = {}, [], {}
+    for key in sorted(configs, key=lambda k: _order(configs[k])):
+        groups.setdefault(base[key], []).append(key)
+    for lab, keys in groups.items():
+        buckets = {}
+        for key in keys:
+            buckets.setdefault(_stats_sig(stats[key]), []).append(key)
+        vary = sorted({a for k in keys for a in spec_of[k] if len({spec_of[j].get(a) for j in keys}) > 1})
+        for bkeys in buckets.values():
+            rec, spec = configs[bkeys[0]], spec_of[bkeys[0]]
+            name = lab + ("{" + ",".join(f"{a}{spec.get(a) or ''}" for a in vary) + "}" if len(buckets) > 1 else "")
+            label_of.update(dict.fromkeys(bkeys, name))
+            kernels.append(dict(kernel=rec.name, label=name, module=rec.kernel.fn.__module__,
+                                config=" ".join([f"{k}={_short(v)}" for k, v in rec.constexprs.items()]
+                                                + [f"{k}={v}" for k, v in rec.options.items()]),
+                                constexprs={k: _short(v) for k, v in rec.constexprs.items()},
+                                options=dict(rec.options), grid=list(rec.grid),
+                                used_by=list(dict.fromkeys(u for k in bkeys for u in users[k])),
+                                specialisations=len(bkeys), access=pointer_access(rec.kernel),
+                                archs=stats[bkeys[0]]))
+    return kernels, label_of
+
+
+def _op_entry(o: dict) -> dict:
+    """A torch-side op of a launch sequence: a device launch (fill, compute), or a sync / input check."""
+    dev = o["kind"] in ("fill", "compute")
+    return dict(type="torch" if dev else o["kind"], name=o["op"].replace("aten.", "").replace(".default", ""),
+                kind=o["kind"], read=o["read"], write=o["write"], shapes=o.get("shapes"), where=o.get("where"),
+                model=_times(o["read"] + o["write"]) if dev else None)
+
+
+def _launch_entry(rec, label: str, st: dict | None) -> dict:
+    """A Triton launch of a launch sequence: bytes, the iterations of its SASS loops and modelled time."""
+    b = launch_bytes(rec)
+    mdl = launch_model(st, rec, b["read"] + b["write"])
+    return dict(type="triton", name=label, kernel=rec.name, grid=list(rec.grid), read=b["read"], write=b["write"],
+                unknown_args=b["unknown"],
+                loops=[dict(where=L["where"], depth=L["depth"], own_n=L["own_n"], ATOMS=L["own"]["ATOMS"],
+                            iterations=it) for L, it in zip(st["loops"] if st else [], mdl["loop_iterations"])],
+                model={m: mdl[m] for m in MACHINES}, warp_instructions=mdl["warp_instructions"],
+                atoms_warp=mdl["atoms_warp"])
+
+
+def workload_row(w: dict, seq: list, N: int, ms: dict | None) -> dict:
+    """A workload's totals over its launch sequence ``seq``: launches, syncs, bytes, modelled time and the
+    measured H200 time ``ms``."""
+    dev = [x for x in seq if x["type"] in ("triton", "torch")]
+    model = {m: round(sum(x["model"][m]["us"] for x in dev), 1) for m in MACHINES}
+    return dict(name=w["name"], kind=w["kind"], error=w["error"], inputs=w.get("inputs"), readback=w.get("readback"),
+                triton_launches=sum(x["type"] == "triton" for x in seq),
+                torch_launches=sum(x["type"] == "torch" for x in seq),
+                launches=len(dev), host_syncs=sum(x["type"] == "sync" for x in seq),
+                sync_sites=sorted({x["where"] or "?" for x in seq if x["type"] == "sync"}),
+                input_checks=sorted({x["where"] or "?" for x in seq if x["type"] == "input_check"}),
+                allocations=sum(o["kind"] == "alloc" for o in w["ops"]),
+                alloc_bytes=sum(o["bytes"] for o in w["ops"] if o["kind"] == "alloc"),
+                read_bytes=sum(x["read"] for x in dev), write_bytes=sum(x["write"] for x in dev),
+                floor_bytes=floor_bytes(w["name"], N) if w["kind"] != "decode" else None,
+                model_us=model, measured_h200=ms,
+                model_over_measured=round(model["H200"] / ms["us"], 3) if ms else None,
+                sequence=seq)
 
 
 def _run(args, N: int, archs) -> dict:
@@ -910,108 +863,38 @@ def _run(args, N: int, archs) -> dict:
         for rec in w["launches"]:
             key, spec = config_key(rec)
             key_of[id(rec)] = key
-            if key not in configs:
-                configs[key], users[key], spec_of[key] = rec, [], spec
-            if w["name"] not in users[key]:
+            configs.setdefault(key, rec)
+            spec_of.setdefault(key, spec)
+            if w["name"] not in users.setdefault(key, []):
                 users[key].append(w["name"])
     base = base_labels(configs.values())
     stats, first = {}, {}
     for key, rec in configs.items():
         if args.smoke and base[key] in first:  # smoke: one argument specialisation per configuration
             stats[key] = stats[first[base[key]]]
-            continue
-        first.setdefault(base[key], key)
-        stats[key] = {}
-        for cap in archs:
-            arch = f"sm_{cap}"
-            try:
-                stats[key][arch] = compile_stats(rec, cap)
-            except Exception as e:
-                text = str(e).strip()
-                msg = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
-                stats[key][arch] = dict(arch=arch, error=msg)
-                errors.append(f"compile {base[key]} {arch}: {msg[:300]}")
-            print(f"compiled {base[key]} {arch}: {stats[key][arch].get('regs', 'ERROR')} regs", file=sys.stderr)
-
-    # one row per kernel configuration; argument specialisations with identical results are merged
-    label_of, kernels = {}, []
-    groups = {}
-    for key in sorted(configs, key=lambda k: _order(configs[k])):
-        groups.setdefault(base[key], []).append(key)
-    for lab, keys in groups.items():
-        buckets = {}
-        for key in keys:
-            buckets.setdefault(_stats_sig(stats[key]), []).append(key)
-        vary = sorted({a for k in keys for a in spec_of[k] if len({spec_of[j].get(a) for j in keys}) > 1})
-        for bkeys in buckets.values():
-            rec = configs[bkeys[0]]
-            name = lab
-            if len(buckets) > 1:
-                name += "{" + ",".join(f"{a}{spec_of[bkeys[0]].get(a) or ''}" for a in vary) + "}"
-            for k in bkeys:
-                label_of[k] = name
-            used = []
-            for k in bkeys:
-                used += [u for u in users[k] if u not in used]
-            kernels.append(dict(kernel=rec.name, label=name, module=rec.kernel.fn.__module__, config=_cfg(rec),
-                                constexprs={k: _short(v) for k, v in rec.constexprs.items()},
-                                options=dict(rec.options), grid=list(rec.grid), used_by=used,
-                                specialisations=len(bkeys), access=pointer_access(rec.kernel),
-                                archs=stats[bkeys[0]]))
-
+        else:
+            first.setdefault(base[key], key)
+            stats[key] = {f"sm_{cap}": _compile(rec, cap, base[key], errors) for cap in archs}
+    kernels, label_of = kernel_rows(configs, users, spec_of, stats, base)
     launched = {_jit_key(r) for r in configs.values()}
     not_launched = sorted(v for k, v in library_kernels().items() if k not in launched)
 
     # per workload: device launches in order (Triton and torch-side), bytes, syncs, modelled time
-    meas = measured_h200(N)
-    rows = []
+    meas, rows = measured_h200(N), []
     for w in wls:
-        seq, ops, li = [], w["ops"], 0
-        recs = w["launches"]
+        recs, seq = w["launches"], []
+        ops = [o for o in w["ops"] if o["kind"] in ("fill", "compute", "sync", "input_check")]
         for i in range(len(recs) + 1):
-            for o in ops:
-                if o["at"] == i and o["kind"] in ("fill", "compute", "sync", "input_check"):
-                    seq.append(dict(type="torch" if o["kind"] in ("fill", "compute") else o["kind"], name=o["op"].replace(
-                        "aten.", "").replace(".default", ""), kind=o["kind"], read=o["read"], write=o["write"],
-                        shapes=o.get("shapes"), where=o.get("where"),
-                        model=op_model(o["read"] + o["write"]) if o["kind"] in ("fill", "compute") else None))
+            seq += [_op_entry(o) for o in ops if o["at"] == i]
             if i < len(recs):
-                rec = recs[i]
-                b = launch_bytes(rec)
-                st = stats[key_of[id(rec)]].get(MODEL_ARCH)
-                st = st if st and "error" not in st else None
-                mdl = launch_model(st, rec, b["read"] + b["write"])
-                seq.append(dict(type="triton", name=label_of[key_of[id(rec)]], kernel=rec.name,
-                                grid=list(rec.grid), read=b["read"], write=b["write"], unknown_args=b["unknown"],
-                                loops=[dict(where=L["where"], depth=L["depth"], own_n=L["own_n"],
-                                            ATOMS=L["own"]["ATOMS"], iterations=it)
-                                       for L, it in zip(st["loops"] if st else [], mdl["loop_iterations"])],
-                                model={m: mdl[m] for m in MACHINES},
-                                warp_instructions=mdl["warp_instructions"], atoms_warp=mdl["atoms_warp"]))
-        dev = [x for x in seq if x["type"] in ("triton", "torch")]
-        model = {m: round(sum(x["model"][m]["us"] for x in dev), 1) for m in MACHINES}
-        ms = meas.get(w["name"])
-        row = dict(name=w["name"], kind=w["kind"], error=w["error"], inputs=w.get("inputs"),
-                   readback=w.get("readback"),
-                   triton_launches=sum(x["type"] == "triton" for x in seq),
-                   torch_launches=sum(x["type"] == "torch" for x in seq),
-                   launches=len(dev), host_syncs=sum(x["type"] == "sync" for x in seq),
-                   sync_sites=sorted({x["where"] or "?" for x in seq if x["type"] == "sync"}),
-                   input_checks=sorted({x["where"] or "?" for x in seq if x["type"] == "input_check"}),
-                   allocations=sum(o["kind"] == "alloc" for o in ops),
-                   alloc_bytes=sum(o["bytes"] for o in ops if o["kind"] == "alloc"),
-                   read_bytes=sum(x["read"] for x in dev), write_bytes=sum(x["write"] for x in dev),
-                   floor_bytes=floor_bytes(w["name"], N) if w["kind"] != "decode" else None,
-                   model_us=model, measured_h200=ms,
-                   model_over_measured=round(model["H200"] / ms["us"], 3) if ms else None,
-                   sequence=seq)
-        rows.append(row)
+                key = key_of[id(recs[i])]
+                st = stats[key].get(MODEL_ARCH)
+                seq.append(_launch_entry(recs[i], label_of[key], st if st and "error" not in st else None))
+        rows.append(workload_row(w, seq, N, meas.get(w["name"])))
 
     targets = check_targets(kernels, rows, archs)
     if not_launched:
         targets["not_launched"] = not_launched
-    import platform
-
     return dict(
         program="benchmarks/kernel_stats.py", command=command(args.argv, "benchmarks.kernel_stats"),
         smoke=bool(args.smoke), date=now(), commit=git("rev-parse", "--short", "HEAD") or None,
@@ -1050,11 +933,9 @@ def check_targets(kernels, rows, archs) -> dict:
                 low_ok.append(dict(item, reason=LOW_OCCUPANCY_REASONS[k["kernel"]]))
             else:
                 low.append(item)
-    launches = []
-    for r in rows:
-        if r["name"] in KEY_ONLY:
-            launches.append(dict(policy=r["name"], triton_launches=r["triton_launches"], all_launches=r["launches"],
-                                 triton_ok=r["triton_launches"] <= MAX_LAUNCHES, all_ok=r["launches"] <= MAX_LAUNCHES))
+    launches = [dict(policy=r["name"], triton_launches=r["triton_launches"], all_launches=r["launches"],
+                     triton_ok=r["triton_launches"] <= MAX_LAUNCHES, all_ok=r["launches"] <= MAX_LAUNCHES)
+                for r in rows if r["name"] in KEY_ONLY]
     syncs = [dict(workload=r["name"], syncs=r["host_syncs"], where=r["sync_sites"]) for r in rows if r["host_syncs"]]
     return dict(
         spills=spills, no_spills=not spills,
@@ -1067,9 +948,7 @@ def check_targets(kernels, rows, archs) -> dict:
 
 def _ptxas_version() -> str | None:
     tool = _tool("ptxas")
-    if tool is None:
-        return None
-    out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout if tool else ""
     m = re.search(r"release ([\d.]+)", out)
     return m.group(1) if m else None
 
@@ -1086,6 +965,11 @@ def _yes(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
+def _check(text: str, ok: bool, misses) -> str:
+    """A line of the checks list: ``text: met``, or missed and by what (``misses``, read only then)."""
+    return f"- {text}: {_yes(ok)}" + ("" if ok else " — " + "; ".join(misses))
+
+
 def _grid(g) -> str:
     return "×".join(str(x) for x in g) if isinstance(g, (list, tuple)) else str(g)
 
@@ -1094,44 +978,36 @@ def _used(k) -> str:
     return ", ".join(k["used_by"]) if len(k["used_by"]) <= 3 else f"{len(k['used_by'])} workloads"
 
 
-LOOP_OPS = ("ATOMS", "POPC", "VOTE", "BAR")  # the loop columns of the kernel tables
-
-
 def _loop_cell(loops, op) -> str:
     return " / ".join(str(L["own"][op]) for L in loops) or "—"
 
 
 def markdown(res: dict) -> str:
-    sh = res["shape"]
+    sh, t, meas = res["shape"], res["targets"], res.get("measured") or {}
     out = [f"# Kernel statistics, Triton {res['triton']} (compiled, no GPU)", "",
            f"Command: `{res['command']}`  ",
            f"triton {res['triton']} (ptxas {res['ptxas']}), torch {res['torch']}, commit {res['commit']}"
            f"{' (kernel files modified in the working tree)' if res['dirty_kernels'] else ''}, {res['date']}, "
            f"{res['wall_s']} s; FP fusion {res['fp_fusion']}.  ",
-           f"Shape: B = {sh['B']}, H_kv = {sh['H']}, H_q = {sh['H_q']}, D = {sh['D']}, {sh['dtype']} K/V, N = {sh['N']}, "
-           f"keep {sh['keep']:.0%} ({sh['kept_per_head']} per head), W = {sh['W']} window queries.  ",
+           f"Shape: B = {sh['B']}, H_kv = {sh['H']}, H_q = {sh['H_q']}, D = {sh['D']}, {sh['dtype']} K/V, "
+           f"N = {sh['N']}, keep {sh['keep']:.0%} ({sh['kept_per_head']} per head), W = {sh['W']} window queries.  ",
            "Launch configurations are the ones the launchers pick on a GPU at this shape; method, byte formulas and "
-           "time model: the docstring of `benchmarks/kernel_stats.py`. Times are **model estimates**, not "
-           "measurements.", ""]
-    t = res["targets"]
-    out += ["## Checks", "",
-            f"- No spills in any kernel: {_yes(t['no_spills'])}"
-            + ("" if t["no_spills"] else " — " + "; ".join(
-                f"`{s['kernel']}` {s['arch']} ({s['spill_stores']} B stored / {s['spill_loads']} B loaded, "
-                f"{s['regs']} regs)" for s in t["spills"])),
-            f"- No kernel under {MIN_OCCUPANCY:.0%} occupancy (sm_90): {_yes(t['occupancy_ok'])}"
-            + ("" if t["occupancy_ok"] else " — " + "; ".join(
-                f"`{x['kernel']}` {x['occupancy']:.1%} ({x['limiter']}, {x['regs']} regs)" for x in t["low_occupancy"])),
-            f"- At most {MAX_LAUNCHES} launches per compress for {', '.join(KEY_ONLY)}: Triton "
-            f"{_yes(t['launches_ok_triton'])}, all device launches {_yes(t['launches_ok_all'])} — "
-            + "; ".join(f"{x['policy']} {x['triton_launches']} Triton / {x['all_launches']} all" for x in t["launches"]),
-            f"- No fenced atomics: {_yes(t['no_fenced_atomics'])}"
-            + ("" if t["no_fenced_atomics"] else " — " + "; ".join(
-                f"`{x['kernel']}` {x['arch']} ({x['fenced_atomics']} in PTX, {x['membar']} MEMBAR)"
-                for x in t["fenced_atomics"])),
-            f"- No host syncs: {_yes(t['no_host_syncs'])}"
-            + ("" if t["no_host_syncs"] else " — " + "; ".join(
-                f"{x['workload']} {x['syncs']} ({', '.join(x['where'])})" for x in t["host_syncs"]))]
+           "time model: `docs/benchmarks.md` (kernel_stats.py: method). Times are **model estimates**, not "
+           "measurements.", "",
+           "## Checks", "",
+           _check("No spills in any kernel", t["no_spills"], (
+               f"`{s['kernel']}` {s['arch']} ({s['spill_stores']} B stored / {s['spill_loads']} B loaded, "
+               f"{s['regs']} regs)" for s in t["spills"])),
+           _check(f"No kernel under {MIN_OCCUPANCY:.0%} occupancy (sm_90)", t["occupancy_ok"], (
+               f"`{x['kernel']}` {x['occupancy']:.1%} ({x['limiter']}, {x['regs']} regs)" for x in t["low_occupancy"])),
+           f"- At most {MAX_LAUNCHES} launches per compress for {', '.join(KEY_ONLY)}: Triton "
+           f"{_yes(t['launches_ok_triton'])}, all device launches {_yes(t['launches_ok_all'])} — "
+           + "; ".join(f"{x['policy']} {x['triton_launches']} Triton / {x['all_launches']} all" for x in t["launches"]),
+           _check("No fenced atomics", t["no_fenced_atomics"], (
+               f"`{x['kernel']}` {x['arch']} ({x['fenced_atomics']} in PTX, {x['membar']} MEMBAR)"
+               for x in t["fenced_atomics"])),
+           _check("No host syncs", t["no_host_syncs"], (
+               f"{x['workload']} {x['syncs']} ({', '.join(x['where'])})" for x in t["host_syncs"]))]
     checks = [f"{r['name']} ({', '.join(r['input_checks'])})" for r in res["workloads"] if r.get("input_checks")]
     if checks:
         out.append("- Host reads of values computed only from a small input (not counted as syncs: no device read "
@@ -1142,13 +1018,13 @@ def markdown(res: dict) -> str:
         out += ["", "**Errors:**", ""] + [f"- {e}" for e in res["errors"]]
 
     # per policy: summary with the model and the calibration
-    meas = res.get("measured") or {}
     out += ["", "## Per workload: device launches, bytes, host syncs, modelled time", "",
-            f"Model: µs per launch = launch cost + max(bytes / copy bandwidth, issue + shared-atomic time), summed "
-            f"over the device launches (parameters: " + "; ".join(
+            "Model: µs per launch = launch cost + max(bytes / copy bandwidth, issue + shared-atomic time), summed "
+            "over the device launches (parameters: " + "; ".join(
                 f"{m} {p['copy_GBps']:.0f} GB/s, {p['sms']} SMs at {p['clock_GHz']} GHz, {p['launch_us']} µs/launch"
                 for m, p in res["machines"].items()) + f"; {res['atoms_wavefronts']} wavefronts per ATOMS). "
-            f"Measured: {meas.get('device', '—')} with Triton {meas.get('triton', '—')}, torch {meas.get('torch', '—')} "
+            f"Measured: {meas.get('device', '—')} with Triton {meas.get('triton', '—')}, "
+            f"torch {meas.get('torch', '—')} "
             "(results/nvidia-h200-speed.json; CUDA-graph replay for compress, eager for the allocation). "
             "The ratio only has to be in the right order of magnitude (0.3–3): the model ignores latency, "
             "L2 and host time.", ""]
@@ -1168,32 +1044,28 @@ def markdown(res: dict) -> str:
                               "model / measured"], right=True)
     ratios = sorted((r["model_over_measured"], r["name"]) for r in res["workloads"] if r["model_over_measured"])
     if ratios:
-        mid = ratios[len(ratios) // 2][0]
         off = [f"{n} {x}" for x, n in ratios if not 1 / 3 <= x <= 3]
         out.append(f"\nCalibration with Triton {res['triton']}: model / measured from {ratios[0][0]} "
-                   f"({ratios[0][1]}) to {ratios[-1][0]} ({ratios[-1][1]}), median {mid}; outside 1/3–3: "
-                   f"{', '.join(off) or 'none'}. A ratio far below 1 is time the model cannot see (latency-bound "
-                   "loops, host time in eager rows); the measured run used Triton "
+                   f"({ratios[0][1]}) to {ratios[-1][0]} ({ratios[-1][1]}), median {ratios[len(ratios) // 2][0]}; "
+                   f"outside 1/3–3: {', '.join(off) or 'none'}. A ratio far below 1 is time the model cannot see "
+                   "(latency-bound loops, host time in eager rows); the measured run used Triton "
                    f"{meas.get('triton', '?')}, so only a run with that version is calibrated against it.")
-    for r in res["workloads"]:
-        if r.get("readback"):
-            out.append(f"\n{r['name']}: its host read-back (`tolist`) returned {r['readback']} in this dry run "
-                       "(the allocator's static total B·H·k, and k standing in for the data-dependent longest row).")
+    out += [f"\n{r['name']}: its host read-back (`tolist`) returned {r['readback']} in this dry run (the "
+            "allocator's static total B·H·k, and k standing in for the data-dependent longest row)."
+            for r in res["workloads"] if r.get("readback")]
 
     # kernels
     for arch in res["archs"]:
-        lim = res["arch_limits"][arch]
-        out += ["", f"## Kernels, {arch} (occupancy on an {lim['gpu']})", ""]
+        out += ["", f"## Kernels, {arch} (occupancy on an {res['arch_limits'][arch]['gpu']})", ""]
         rows = []
         for k in res["kernels"]:
             st = k["archs"].get(arch, {})
             if "error" in st:
                 rows.append([f"`{k['label']}`", _used(k), _grid(k["grid"]), f"compile error: {st['error'][:120]}"])
                 continue
-            occ = f"{st['occupancy']:.1%}"
+            occ, spill = f"{st['occupancy']:.1%}", f"{st['spill_stores']}/{st['spill_loads']}"
             if arch == "sm_90" and st["occupancy"] < MIN_OCCUPANCY:
                 occ = f"**{occ}**"
-            spill = f"{st['spill_stores']}/{st['spill_loads']}"
             if st["spill_stores"] or st["spill_loads"]:
                 spill = f"**{spill}**"
             L = st.get("loops", [])
@@ -1214,13 +1086,13 @@ def markdown(res: dict) -> str:
                   for k in res["kernels"] for L in k["archs"].get(MODEL_ARCH, {}).get("loops", [])], None,
                  ["kernel", "loop (source `for`)", "depth", "own instr.", *ops, "HGMMA/HMMA", "MUFU"],
                  align="ll" + "r" * 12)
+
+    # launch sequences
     out += ["", "## Launch sequences", "",
             "Per workload, the device launches in order: Triton kernels (grid, bytes by the per-kernel formula, "
             "iterations per program of each SASS loop, modelled H200 µs = bytes / issue / shared atomics parts) "
             "and torch-side ops (fills and compute ops; syncs shown where they happen).", ""]
-    for r in res["workloads"]:
-        if r["error"]:
-            continue
+    for r in [r for r in res["workloads"] if not r["error"]]:
         out += [f"**{r['name']}** ({r['launches']} launches, {r['host_syncs']} host syncs; model "
                 f"{r['model_us']['H200']} µs on an H200)", ""]
         rows, i = [], 0
@@ -1229,8 +1101,7 @@ def markdown(res: dict) -> str:
                 what = "host sync" if x["type"] == "sync" else "check of an input (no sync when it is on the host)"
                 rows.append(["–", f"{what} `{x['name']}` at {x['where']}", "", "", "", "", ""])
                 continue
-            i += 1
-            m = x["model"]["H200"]
+            i, m = i + 1, x["model"]["H200"]
             if x["type"] == "triton":
                 its = ", ".join(f"{L['where']}: {L['iterations'] if L['iterations'] is not None else '?'}"
                                 for L in x["loops"]) or "—"
@@ -1258,44 +1129,38 @@ def compare_markdown(results: list[dict]) -> str:
              "`benchmarks/kernel_stats.py` (bytes / bandwidth, launches, SASS instructions and shared atomics), "
              "not measurements; the last column is the measured H200 time (Triton 3.6).", "",
            "## Per workload", ""]
+
+    def cols(items, f) -> str:
+        """One cell holding ``f(item)`` per version, "—" where the version has none."""
+        return " / ".join("—" if x is None else str(f(x)) for x in items)
+
     by = [{w["name"]: w for w in r["workloads"]} for r in results]
     rows = []
     for n in [w["name"] for w in results[0]["workloads"]]:
-        ws = [b.get(n) for b in by]
-        w0 = ws[0]
+        w0, ws = by[0][n], [None if b.get(n) is None or b[n]["error"] else b[n] for b in by]
         if w0["error"]:
             rows.append([n, f"error: {w0['error'][:100]}"])
             continue
-        ms = w0["measured_h200"]
-        cell = lambda key, m: " / ".join("—" if (w is None or w["error"]) else str(w[key][m]) for w in ws)  # noqa: E731
-        ratio = " / ".join("—" if (w is None or w["model_over_measured"] is None) else str(w["model_over_measured"])
-                           for w in ws)
         rows.append([n, f"{w0['launches']} ({w0['triton_launches']}+{w0['torch_launches']})", w0["host_syncs"],
-                     cell("model_us", "H200"), cell("model_us", "H100"), ms["us"] if ms else "—", ratio])
+                     cols(ws, lambda w: w["model_us"]["H200"]), cols(ws, lambda w: w["model_us"]["H100"]),
+                     w0["measured_h200"]["us"] if w0["measured_h200"] else "—",
+                     cols([None if b.get(n) is None else b[n]["model_over_measured"] for b in by], str)])
     out += table(rows, None, ["workload", "launches (Triton+torch)", "host syncs", f"model H200 µs: {hdr}",
                               f"model H100 µs: {hdr}", "measured H200 µs", f"model / measured: {hdr}"],
                  align="lrrllrl")
-    out += ["", "## Kernels (sm_90)", ""]
     kb = [{k["label"]: k for k in r["kernels"]} for r in results]
-    labels = list(dict.fromkeys(lab for d in kb for lab in d))
-
-    def st_of(d, lab):
-        k = d.get(lab)
-        st = k["archs"].get(MODEL_ARCH) if k else None
-        return st if st and "error" not in st else None
-
     kernel_rows, loop_rows = [], []
-    for lab in labels:
-        sts = [st_of(d, lab) for d in kb]
-        col = lambda f: " / ".join("—" if s is None else str(f(s)) for s in sts)  # noqa: E731
-        kernel_rows.append([f"`{lab}`", col(lambda s: s["regs"]), col(lambda s: s["ctas_per_sm"]),
-                            col(lambda s: s["spill_stores"] + s["spill_loads"]), col(lambda s: s["smem"]),
-                            col(lambda s: s.get("sass_n"))])
+    for lab in dict.fromkeys(lab for d in kb for lab in d):
+        sts = [(d[lab]["archs"].get(MODEL_ARCH) if lab in d else None) for d in kb]
+        sts = [s if s and "error" not in s else None for s in sts]
+        kernel_rows.append([f"`{lab}`", cols(sts, lambda s: s["regs"]), cols(sts, lambda s: s["ctas_per_sm"]),
+                            cols(sts, lambda s: s["spill_stores"] + s["spill_loads"]), cols(sts, lambda s: s["smem"]),
+                            cols(sts, lambda s: s.get("sass_n"))])
         for wh in dict.fromkeys(L["where"] for s in sts if s for L in s.get("loops", [])):
             Ls = [None if s is None else next((L for L in s.get("loops", []) if L["where"] == wh), None) for s in sts]
-            col = lambda f: " / ".join("—" if L is None else str(f(L)) for L in Ls)  # noqa: E731
-            loop_rows.append([f"`{lab}`", wh, col(lambda L: L["own_n"])]
-                             + [col(lambda L, op=op: L["own"][op]) for op in LOOP_OPS])
+            loop_rows.append([f"`{lab}`", wh, cols(Ls, lambda L: L["own_n"])]
+                             + [cols(Ls, lambda L, op=op: L["own"][op]) for op in LOOP_OPS])
+    out += ["", "## Kernels (sm_90)", ""]
     out += table(kernel_rows, None, ["kernel"] + [f"{t}: {hdr}" for t in ("regs", "CTAs/SM", "spills", "smem B",
                                                                           "SASS instr.")])
     out += ["", "## Hot loops (sm_90, per source `for`)", ""]
@@ -1305,11 +1170,6 @@ def compare_markdown(results: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def write(res: dict, out_dir: str) -> list[str]:
-    base = write_results(os.path.join(out_dir, f"kernel_stats-triton-{res['triton']}"), res, markdown(res))
-    return [base + ".json", base + ".md"]
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--smoke", action="store_true",
@@ -1317,8 +1177,6 @@ def parser() -> argparse.ArgumentParser:
                         "writes nothing unless --out")
     p.add_argument("--out", help="output folder (default benchmarks/results for a full run); with --compare the "
                                  "Markdown file (default benchmarks/results/kernel_stats.md)")
-    p.add_argument("--n", type=int, help="sequence length N (default 32768, smoke 2048)")
-    p.add_argument("--arch", type=int, nargs="*", choices=sorted(ARCH), help="compute capabilities (default 90 80)")
     p.add_argument("--only", nargs="*", help="only these workloads (e.g. knorm streaming_llm)")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="write the comparison of result files and exit")
     return p
@@ -1343,8 +1201,9 @@ def main(argv=None) -> int:
     res = run(args)
     out = args.out or (None if args.smoke else RESULTS)
     if out:
-        for p in write(res, out):
-            print("wrote", p)
+        base = write_results(os.path.join(out, f"kernel_stats-triton-{res['triton']}"), res, markdown(res))
+        print("wrote", base + ".json")
+        print("wrote", base + ".md")
     t = res["targets"]
     print(f"triton {res['triton']}: kernels {len(res['kernels'])}, workloads {len(res['workloads'])}, errors "
           f"{len(res['errors'])}; spills {'none' if t['no_spills'] else len(t['spills'])}, low occupancy "

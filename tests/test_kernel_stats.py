@@ -129,7 +129,7 @@ for name in names:
     kw = ks.policy_inputs(pol, inp["pool"])
     if "+" in name:
         kw.update(allocation=name.split("+")[1], layer=15, num_layers=30)
-    with ks.triton_on_cpu(), _common.record_launches(execute=False) as log:
+    with _common.record_launches(execute=False) as log:
         with ks.gpu_like(ks.TorchOps(), readback=(8 * res["shape"]["kept_per_head"], res["shape"]["kept_per_head"])):
             tritonkv.compress((inp["keys"], inp["values"]), pol, ks.KEEP, **kw)
     replay[name] = [r.name for r in log]
