@@ -1,5 +1,6 @@
 """A returned cache is freed with its last reference: ``generate`` at 8K on the random Llama, the cache dropped three
-times, the RSS against before (docs/benchmarks.md, "Cache release"). Results: ``benchmarks/results/cache_release.md``.
+times, the RSS against before (method: docs/benchmarks.md, "Cache release (cache_release.py)"). Results:
+``benchmarks/results/cache_release.md``.
 
     python -m benchmarks.cache_release [after_prefill|blockwise|decoding]
 """
