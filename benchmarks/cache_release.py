@@ -1,6 +1,6 @@
-"""A returned cache is freed with its last reference, as a user meets it: ``generate`` at 8K on the random Llama of
-``benchmarks/memory.py`` (SnapKV at 0.1, ``return_cache=True``), the cache dropped three times; the RSS (after
-``malloc_trim``) against before. Results: ``benchmarks/results/cache_release.md``.
+"""A returned cache is freed with its last reference: ``generate`` at 8K on the random Llama, the cache dropped three
+times, the RSS against before (method: docs/benchmarks.md, "Cache release (cache_release.py)"). Results:
+``benchmarks/results/cache_release.md``.
 
     python -m benchmarks.cache_release [after_prefill|blockwise|decoding]
 """

@@ -1,62 +1,23 @@
 """Memory inside a model, measured: tritonkv's transformers integration against the stock ``model.generate``.
 
-Every measurement runs in a fresh process (forked from a forkserver, or this module re-run with ``--worker``)::
-
     python -m benchmarks.memory                     # random Llama, 3 modes x 4 policies + stock, N = 4K..32K
-    python -m benchmarks.memory --smollm2           # ... plus SmolLM2-135M-Instruct (a subset, N = 2K..8K)
     python -m benchmarks.memory --smoke --out DIR   # N = 512, 1024, one policy per mode (the test's check)
 
-At each prompt length N (seeded random ids; budget 0.1 of the prompt per KV head; greedy, ``min_new_tokens=64``
-so that every run generates exactly 64): ``stock`` = ``model.generate`` with a ``DynamicCache``, sdpa; against
-``tritonkv.integrations.transformers.generate(..., budget=0.1, mode, allocation, block_size=512,
-return_cache=True)`` per mode (``after_prefill``, ``blockwise``, ``decoding``) x {keydiff, snapkv, snapkv +
-adakv, lagkv}. Models: a seeded random Llama (``common.LLAMA_256``: 2 layers, hidden 256, 8 query / 2 KV heads,
-head_dim 32, vocab 1024, fp32) at N = 4K..32K; with ``--smollm2`` SmolLM2-135M-Instruct (30 layers, 9 / 3
-heads, head_dim 64; context 8192) at N = 2048, 4096, 8000 - 64 for keydiff and snapkv + adakv in after_prefill
-and blockwise.
-
-Per measurement (the model built and the prompt made, then one warm-up call of the same path, 1024 tokens,
-budget 0.5, 2 new, so that lazy imports and one-time set-up are not counted):
-
-- CPU peak: ``ru_maxrss`` after ``generate`` minus the RSS right before it, the high-water mark reset to the
-  current RSS just before (``echo 5 > /proc/self/clear_refs``; ``peak_reset`` says whether it worked) and the
-  C heap's free memory handed back first (``malloc_trim(0)``). RSS counters are approximate to ~64 pages per
-  thread: increases under ~1 MiB are noise. glibc runs with a fixed mmap threshold
-  (``MALLOC_MMAP_THRESHOLD_=131072``; ``--default-malloc`` leaves it dynamic): every tensor over 128 KiB is its
-  own mapping, returned when freed, so the RSS peak is the peak of live memory (with the dynamic threshold runs
-  varied by up to ~40 %; with the fixed one by < 1 MiB, matching the live tensor bytes of the profiler's
-  allocation log that ``--tensor-peak`` records by running the call again under ``torch.profiler``);
-- CUDA peak (when present): ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus the
-  bytes allocated before;
-- resident cache: after the prompt from ``tt.make_cache`` + ``tt.prefill`` (a prefill-only run after the
-  measured call, up to ``--prefill-run-max-n``; above it, and as a cross-check below it, the cache inside
-  ``generate`` when a streamer sees the first token: ``after_prompt_source``) and after 64 tokens (the returned
-  cache): ``cache.nbytes`` (stock: the DynamicCache's K/V), and ``held_bytes``, every distinct tensor storage
-  reachable from the cache's layers (an independent check);
-- kept K/V: ``sum(cache.kept_tokens())`` x 2 x head_dim x element size, plus their positions (int32 dense,
-  int64 ragged / LagKV), so ``resident / kept`` is the storage's overhead; the wall time of ``generate``.
-
-Targets (in the Markdown, not asserted; the CUDA peak on a GPU, the RSS on the CPU): peak increase <= 1.2x stock
-at every N in after_prefill; blockwise below stock as N grows; resident <= 1.1x kept K/V bytes + positions.
-
-Outputs (``--out``, default ``benchmarks/results``; ``--smoke`` writes only with ``--out``): ``memory.json``
-(machine, command, one row per measurement), ``memory.md`` (tables, targets) and ``memory.png`` (peak increase
-and resident bytes against N), rewritten after every measurement, so a run cut short (``--time-budget``) keeps
-what it measured; configurations not started are listed as skipped. ``readme_section`` is the summary of
-``benchmarks/results/README.md``.
+Each measurement runs in a fresh process forked from a forkserver: the peak RSS (on a GPU the CUDA allocator's
+peak) during ``generate`` over what the process held before it, and the cache's resident bytes against the K/V it
+keeps. Method, settings, targets and outputs: docs/benchmarks.md, "Memory inside a model (memory.py)".
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import json
+import multiprocessing
 import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.common import (LLAMA_256, RESULTS, ROOT, malloc_trim, pyplot, random_llama, rss_kb, run_info, table,
+from benchmarks.common import (LLAMA_256, RESULTS, malloc_trim, pyplot, random_llama, rss_kb, run_info, table,
                                write_results)
 
 MODES = ("after_prefill", "blockwise", "decoding")
@@ -64,16 +25,12 @@ POLICIES = (("keydiff", None), ("snapkv", None), ("snapkv", "adakv"), ("lagkv", 
 BUDGET, BLOCK, NEW_TOKENS, SMOKE_NEW_TOKENS = 0.1, 512, 64, 16
 WARMUP_N, WARMUP_BUDGET = 1024, 0.5  # every path runs (compressions, 2 blocks) above LagKV's protected 16 + 240
 TINY_NS = (4096, 8192, 16384, 32768)
-SMOLLM2_NS = (2048, 4096, 8000 - 64)
-SMOLLM2_CONFIGS = (("after_prefill", "keydiff", None), ("after_prefill", "snapkv", "adakv"),
-                   ("blockwise", "keydiff", None), ("blockwise", "snapkv", "adakv"))
 SMOKE_NS = (512, 1024)
 SMOKE_CONFIGS = (("after_prefill", "keydiff", None), ("blockwise", "snapkv", "adakv"), ("decoding", "lagkv", None))
 TINY = LLAMA_256
 TARGET_PEAK, TARGET_RESIDENT = 1.2, 1.1
 MMAP_THRESHOLD = 128 * 1024  # glibc: a fixed threshold (no dynamic raise), so freed tensors leave the RSS
-MODEL_NAMES = {"tiny": "random Llama (2 layers, 8/2 heads, head_dim 32, fp32)",
-               "smollm2": "SmolLM2-135M-Instruct (30 layers, 9/3 heads, head_dim 64, fp32)"}
+MODEL_NAMES = {"tiny": "random Llama (2 layers, 8/2 heads, head_dim 32, fp32)"}
 
 
 def label(policy, allocation) -> str:
@@ -85,27 +42,18 @@ def config_key(model, mode, policy, allocation) -> str:
     return f"{model}/stock/dynamic" if policy is None else f"{model}/{mode}/{label(policy, allocation)}"
 
 
-def plan(smoke: bool, which=("tiny",), ns=None, modes=None, policies=None) -> list:
+def plan(smoke: bool, ns=None, modes=None, policies=None) -> list:
     """Every measurement as a spec: smallest N first, stock first at each N (a run cut short keeps whole Ns).
-    ``which``: the models ("tiny", "smollm2"); ``ns`` overrides the random Llama's lengths."""
-    if smoke:
-        models = [("tiny", tuple(ns or SMOKE_NS), SMOKE_CONFIGS)]
-    else:
-        models = []
-        if "tiny" in which:
-            models.append(("tiny", tuple(ns or TINY_NS), tuple((m, p, a) for m in MODES for p, a in POLICIES)))
-        if "smollm2" in which:
-            models.append(("smollm2", SMOLLM2_NS, SMOLLM2_CONFIGS))
+    ``ns``, ``modes``, ``policies`` (labels): only these (stock always runs)."""
+    configs = SMOKE_CONFIGS if smoke else [(m, p, a) for m in MODES for p, a in POLICIES]
+    configs = [c for c in configs if (not modes or c[0] in modes) and (not policies or label(c[1], c[2]) in policies)]
     specs = []
-    for model, model_ns, configs in models:
-        configs = [c for c in configs if (not modes or c[0] in modes)
-                   and (not policies or label(c[1], c[2]) in policies)]
-        for n in model_ns:
-            for mode, policy, allocation in [(None, None, None)] + list(configs):
-                specs.append(dict(key=config_key(model, mode, policy, allocation), model=model, N=n, mode=mode,
-                                  policy=policy, allocation=allocation, budget=BUDGET,
-                                  block_size=BLOCK if mode == "blockwise" else None,
-                                  new_tokens=SMOKE_NEW_TOKENS if smoke else NEW_TOKENS))
+    for n in ns or (SMOKE_NS if smoke else TINY_NS):
+        for mode, policy, allocation in [(None, None, None)] + configs:
+            specs.append(dict(key=config_key("tiny", mode, policy, allocation), model="tiny", N=n, mode=mode,
+                              policy=policy, allocation=allocation, budget=BUDGET,
+                              block_size=BLOCK if mode == "blockwise" else None,
+                              new_tokens=SMOKE_NEW_TOKENS if smoke else NEW_TOKENS))
     return specs
 
 
@@ -233,14 +181,6 @@ class AfterPrompt:
         self.hook.remove()
 
 
-def build_model(name: str, device: str):
-    if name == "tiny":
-        return random_llama(**TINY, attn_implementation="sdpa").to(device)
-    from tritonkv.integrations.model import load_smollm2
-
-    return load_smollm2(attn_implementation="sdpa", device=device)[0]
-
-
 def _generate(model, ids, spec, new_tokens, streamer=None):
     """One generate call of ``spec``'s configuration: ``(new_ids, cache)``."""
     import torch
@@ -269,7 +209,7 @@ def worker(spec: dict) -> dict:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     t0 = time.perf_counter()
-    model = build_model(spec["model"], device)
+    model = random_llama(**TINY, attn_implementation="sdpa").to(device)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (1, spec["N"]), generator=torch.Generator().manual_seed(1)).to(device)
     warm = torch.randint(0, vocab, (1, WARMUP_N), generator=torch.Generator().manual_seed(2)).to(device)
@@ -346,70 +286,56 @@ def machine() -> dict:
 
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "transformers.generation.utils",
            "tritonkv", "tritonkv.integrations.transformers"]
-_CTX = []
 
 
+@functools.lru_cache(maxsize=None)
 def _context():
     """The forkserver: a process started once that imports torch, transformers and tritonkv (and runs nothing);
     every measurement is a child forked from it, a fresh process that skips the imports."""
-    if not _CTX:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _CTX.append(ctx)
-    return _CTX[0]
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _child(spec, conn):
+    """The forked process: the row of ``worker(spec)``, or ``spec`` with the traceback as its ``error``."""
     import traceback
 
     try:
-        conn.send(("ok", worker(spec)))
+        conn.send(worker(spec))
     except BaseException:  # noqa: BLE001  (reported in the row)
-        conn.send(("error", traceback.format_exc()[-3000:]))
+        conn.send(dict(spec, error=traceback.format_exc()[-3000:]))
     finally:
         conn.close()
 
 
-def run_one(spec: dict, timeout: float, fork: bool = True) -> dict:
-    """One measurement in a fresh process: a child of the forkserver (``fork``), or ``python -m benchmarks.memory --worker``
-    (a new interpreter that imports everything itself)."""
+def run_one(spec: dict, timeout: float) -> dict:
+    """One measurement in a fresh process, a child of the forkserver; a timeout or a death becomes the row's
+    ``error``."""
     t = time.perf_counter()
-    done = lambda **kw: dict(kw, process_s=round(time.perf_counter() - t, 1), process="fork" if fork else "exec")  # noqa: E731
-    if fork:
-        ctx = _context()
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(spec, send), daemon=True)
-        p.start()
-        send.close()
-        try:
-            if not recv.poll(timeout):
-                p.kill()
-                p.join()
-                return done(**spec, error=f"timed out after {timeout:.0f} s")
-            kind, payload = recv.recv()
-        except EOFError:
-            p.join()
-            return done(**spec, error=f"the process died (exit code {p.exitcode})")
-        p.join()
-        return done(**payload) if kind == "ok" else done(**spec, error=payload)
-    cmd = [sys.executable, "-m", "benchmarks.memory", "--worker", json.dumps(spec)]
+    ctx = _context()
+    recv, send = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_child, args=(spec, send), daemon=True)
+    p.start()
+    send.close()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return done(**spec, error=f"timed out after {timeout:.0f} s")
-    line = next((x for x in reversed(r.stdout.splitlines()) if x.startswith("RESULT ")), None)
-    if r.returncode != 0 or line is None:
-        return done(**spec, error=f"exit {r.returncode}: " + (r.stderr or r.stdout)[-3000:])
-    return done(**json.loads(line[len("RESULT "):]))
+        if recv.poll(timeout):
+            row = recv.recv()
+        else:
+            p.kill()
+            row = dict(spec, error=f"timed out after {timeout:.0f} s")
+    except EOFError:
+        row = None
+    p.join()
+    if row is None:
+        row = dict(spec, error=f"the process died (exit code {p.exitcode})")
+    return dict(row, process_s=round(time.perf_counter() - t, 1), process="fork")
 
 
 def run(args) -> dict:
-    which = args.models or (["tiny", "smollm2"] if args.smollm2 else ["tiny"])
     specs = [dict(s, tensor_peak=args.tensor_peak, prefill_run_max_n=args.prefill_run_max_n)
-             for s in plan(args.smoke, which, args.n, args.modes, args.policies)]
-    if not args.default_malloc:  # read by glibc when the forkserver (or a --exec worker) starts
+             for s in plan(args.smoke, args.n, args.modes, args.policies)]
+    if not args.default_malloc:  # read by glibc when the forkserver starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
     m = machine()
     res = dict(machine=m, command=m["command"], smoke=args.smoke, jobs=args.jobs,
@@ -418,24 +344,12 @@ def run(args) -> dict:
                              warmup_tokens=WARMUP_N, warmup_budget=WARMUP_BUDGET, models=MODEL_NAMES, tiny_config=TINY,
                              targets=dict(peak_after_prefill=TARGET_PEAK, resident_over_kept=TARGET_RESIDENT)),
                configurations=sorted({s["key"] for s in specs}), rows=[], skipped=[], complete=False)
-    old = []
-    if args.merge and args.out and os.path.exists(os.path.join(args.out, "memory.json")):
-        with open(os.path.join(args.out, "memory.json")) as f:
-            prev = json.load(f)
-        todo = {(s["key"], s["N"]) for s in specs}
-        old = [dict(r, commit=r.get("commit") or prev["machine"]["commit"]) for r in prev["rows"]
-               if (r["key"], r["N"]) not in todo]
-        res["configurations"] = sorted(set(res["configurations"]) | set(prev["configurations"]))
-        res["earlier_runs"] = prev.get("earlier_runs", []) + [
-            dict(command=prev["command"], commit=prev["machine"]["commit"], date=prev["machine"]["date"],
-                 wall_s=prev.get("wall_s"), measurements=len(prev["rows"]))]
-    res["rows"] = list(old)
     t0 = time.perf_counter()
 
     def task(spec):
         if time.perf_counter() - t0 > args.time_budget:
             return None
-        return run_one(spec, args.timeout, fork=not args.exec)
+        return run_one(spec, args.timeout)
 
     # measurements run one at a time by default (their wall times are then comparable); --jobs 2 for a smoke run
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -450,7 +364,8 @@ def run(args) -> dict:
             msg = row["error"].strip().splitlines()[-1] if "error" in row else \
                 (f"peak +{row['peak_increase_kb'] / 1024:.1f} MiB, resident "
                  f"{row['after_generate']['resident_bytes'] / 2**20:.2f} MiB, {row['wall_s']:.1f} s")
-            print(f"[{i + 1}/{len(specs)} {time.perf_counter() - t0:.0f}s] {spec['key']} N={spec['N']}: {msg}", flush=True)
+            print(f"[{i + 1}/{len(specs)} {time.perf_counter() - t0:.0f}s] {spec['key']} N={spec['N']}: {msg}",
+                  flush=True)
             res["wall_s"] = round(time.perf_counter() - t0, 1)
             if args.out:
                 write(res, args.out)
@@ -465,10 +380,6 @@ def run(args) -> dict:
 
 def _ok(rows):
     return [r for r in rows if "error" not in r]
-
-
-def _mib(kb):
-    return f"{kb / 1024:.1f}"
 
 
 def _bytes(b):
@@ -505,23 +416,18 @@ def grid_table(rows, model, cell) -> str:
     return "\n".join(table(lines, None, ["configuration"] + [f"N={n}" for n in ns], right=True))
 
 
-def _ratio(r, s, is_stock, field) -> str:
-    """`` (r/s×)`` of ``field`` against stock, or nothing (for stock itself, or without a stock value)."""
-    return f" ({r[field] / s[field]:.2f}×)" if s and s.get(field) and not is_stock else ""
-
-
-def peak_table(rows, model, absolute=False) -> str:
-    if absolute:
-        return grid_table(rows, model, lambda r, s, st: _mib(r["peak_rss_kb"]))
-    return grid_table(rows, model, lambda r, s, st: _mib(r["peak_increase_kb"]) + _ratio(r, s, st, "peak_increase_kb"))
-
-
-def _bytes_table(rows, model, field) -> str:
-    """MiB of ``field`` with the ratio to stock; "" when no row has it."""
+def value_table(rows, model, field, scale=1.0, fmt=".1f", ratio=True) -> str:
+    """``field / scale`` of each measurement, with its ratio to stock at the same N (``ratio``); "" when no row
+    has ``field``."""
     if not any(field in r for r in _ok(rows) if r["model"] == model):
         return ""
-    return grid_table(rows, model, lambda r, s, st: None if field not in r else
-                      f"{r[field] / 2**20:.1f}" + _ratio(r, s, st, field))
+
+    def cell(r, s, is_stock):
+        if field not in r:
+            return None
+        with_ratio = ratio and s and s.get(field) and not is_stock
+        return f"{r[field] / scale:{fmt}}" + (f" ({r[field] / s[field]:.2f}×)" if with_ratio else "")
+    return grid_table(rows, model, cell)
 
 
 def resident_table(rows, model, when) -> str:
@@ -535,10 +441,6 @@ def resident_table(rows, model, when) -> str:
         return (f"{_bytes(st['resident_bytes'])} ({st['resident_over_kept']:.3f}×)"
                 + (f" held {_bytes(st['held_bytes'])} ({st['held_over_kept']:.2f}×)" if held else ""))
     return grid_table(rows, model, cell)
-
-
-def time_table(rows, model) -> str:
-    return grid_table(rows, model, lambda r, s, st: f"{r['wall_s']:.2f}" + _ratio(r, s, st, "wall_s"))
 
 
 def kept_table(rows, model) -> str:
@@ -560,6 +462,9 @@ def targets(data) -> list:
         grid, ns = _grid(rows, model)
         stock = grid.get(f"{model}/stock/dynamic", {})
         for key, g in grid.items():
+            def add(target, ok, detail):
+                out.append(dict(target=target, model=model, configuration=key, status="holds" if ok else "misses",
+                                detail=detail))
             mode = key.split("/")[1]
             ratios = {n: peak_kb(g[n]) / peak_kb(stock[n]) for n in ns if n in g and n in stock}
             tensor = {n: g[n]["tensor_peak_bytes"] / stock[n]["tensor_peak_bytes"] for n in ratios
@@ -567,29 +472,21 @@ def targets(data) -> list:
             detail = ", ".join(f"{n}: {x:.2f}×" + (f" (tensors {tensor[n]:.2f}×)" if n in tensor else "")
                                for n, x in ratios.items())
             if mode == "after_prefill" and ratios:
-                worst = max(ratios.values())
-                out.append(dict(target=f"peak ≤ {TARGET_PEAK}× stock (after_prefill, every N)", model=model,
-                                configuration=key, status="holds" if worst <= TARGET_PEAK else "misses",
-                                detail=detail))
+                add(f"peak ≤ {TARGET_PEAK}× stock (after_prefill, every N)", max(ratios.values()) <= TARGET_PEAK,
+                    detail)
             if mode == "blockwise" and len(ratios) >= 2:
                 xs = [ratios[n] for n in sorted(ratios)]
-                ok = xs[-1] < 1 and xs[-1] < xs[0]
-                out.append(dict(target="blockwise peak below stock as N grows", model=model, configuration=key,
-                                status="holds" if ok else "misses", detail=detail))
-            if mode != "stock":
-                worst = []
-                for n, r in sorted(g.items()):
-                    for when in ("after_prompt", "after_generate"):
-                        st = r.get(when)
-                        if st:  # the larger of what nbytes says and what the cache's storages really hold
-                            worst.append((max(st["resident_over_kept"], st["held_over_kept"]), n, when,
-                                          st["held_over_kept"] > st["resident_over_kept"] + 0.01))
-                if worst:
-                    x, n, when, held = max(worst)
-                    out.append(dict(target=f"resident ≤ {TARGET_RESIDENT}× kept K/V + positions", model=model,
-                                    configuration=key, status="holds" if x <= TARGET_RESIDENT else "misses",
-                                    detail=f"worst {x:.3f}× at N={n} {when.replace('_', ' ')}"
-                                           + (" (the storages held; nbytes says less)" if held else "")))
+                add("blockwise peak below stock as N grows", xs[-1] < 1 and xs[-1] < xs[0], detail)
+            # resident: the larger of what nbytes says and what the cache's storages really hold
+            worst = [(max(st["resident_over_kept"], st["held_over_kept"]), n, when,
+                      st["held_over_kept"] > st["resident_over_kept"] + 0.01)
+                     for n, r in sorted(g.items()) for when in ("after_prompt", "after_generate")
+                     if (st := r.get(when))]
+            if mode != "stock" and worst:
+                x, n, when, held = max(worst)
+                add(f"resident ≤ {TARGET_RESIDENT}× kept K/V + positions", x <= TARGET_RESIDENT,
+                    f"worst {x:.3f}× at N={n} {when.replace('_', ' ')}"
+                    + (" (the storages held; nbytes says less)" if held else ""))
     return out
 
 
@@ -597,26 +494,14 @@ def markdown(data) -> str:
     m = data["machine"]
     rows = data["rows"]
     nt = data["settings"]["new_tokens"]
+    dirty = ", ".join(m.get("tritonkv_modified") or []) if m.get("tritonkv_dirty") else ""
     out = ["# Memory inside a model: tritonkv vs stock `model.generate`", "",
            f"Machine: {m['cpu']}, {m['cores']} cores ({m.get('affinity')} usable), {m.get('mem_total_mb')} MiB; "
            f"torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}"
            f"{' (TRITON_INTERPRET=1)' if m.get('triton_interpret') else ''}; commit `{(m['commit'] or '')[:10]}`"
-           f"{' plus uncommitted changes to ' + ', '.join(m.get('tritonkv_modified') or []) if m.get('tritonkv_dirty') else ''}"
+           f"{' plus uncommitted changes to ' + dirty if m.get('tritonkv_dirty') else ''}"
            f"; {m['date']}; run {data.get('wall_s')} s.",
-           "", f"Command: `{data['command']}`", ""]
-    commits = {}
-    for r in _ok(rows):
-        commits.setdefault(r.get("commit") or m["commit"], []).append(r)
-    if len(commits) > 1:  # a --merge of runs at different commits: say which rows come from which
-        for c, rs in commits.items():
-            where = sorted({r["key"].split("/", 1)[1] if r["policy"] else "stock" for r in rs})
-            cmds = [f"`{e['command']}` ({e['date']})" for e in data.get("earlier_runs", []) if e["commit"] == c]
-            if c == m["commit"]:
-                cmds.append("the command above")
-            how = f" ({'; '.join(cmds)})" if cmds else ""
-            out.append(f"Rows measured at commit `{(c or '')[:10]}`{how}: {', '.join(where)}.")
-        out.append("")
-    out += [
+           "", f"Command: `{data['command']}`", "",
            f"Budget {BUDGET} of the prompt per KV head, blockwise blocks of {BLOCK}, {nt} new tokens (greedy); "
            "every number comes from its own process. **Peak** = the growth of the process's peak RSS "
            "(`ru_maxrss`, reset just before the call) over the RSS before `generate`, in MiB, with the ratio to "
@@ -626,19 +511,19 @@ def markdown(data) -> str:
            "Method: the docstring of `benchmarks/memory.py`."]
     if data.get("smoke"):
         out += ["", "**Smoke run** (tiny N): a check of the program, not a result."]
-    for model in [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(rows))]:
+    for model in [x for x in MODEL_NAMES if any(r["model"] == x for r in _ok(rows))]:
         out += ["", f"## {MODEL_NAMES[model]}", "",
-                "**Peak RSS increase during `generate` (MiB, × stock)**", "", peak_table(rows, model), "",
+                "**Peak RSS increase during `generate` (MiB, × stock)**", "",
+                value_table(rows, model, "peak_increase_kb", 1024), "",
                 "**Absolute peak RSS (MiB; the model and the libraries included)**", "",
-                peak_table(rows, model, absolute=True), ""]
-        tt_ = _bytes_table(rows, model, "tensor_peak_bytes")  # the profiler's live CPU tensors
-        if tt_:
-            out += ["**Peak of live tensor bytes during `generate` (MiB, × stock; the profiler's allocation log, "
-                    "independent of the C heap)**", "", tt_, ""]
-        ct = _bytes_table(rows, model, "cuda_peak_increase_bytes")
-        if ct:
-            out += ["**CUDA peak allocated increase (MiB, × stock; on a GPU the targets read this table)**", "", ct,
-                    ""]
+                value_table(rows, model, "peak_rss_kb", 1024, ratio=False), ""]
+        for field, title in (("tensor_peak_bytes", "Peak of live tensor bytes during `generate` (MiB, × stock; "
+                                                   "the profiler's allocation log, independent of the C heap)"),
+                             ("cuda_peak_increase_bytes", "CUDA peak allocated increase (MiB, × stock; on a GPU the "
+                                                          "targets read this table)")):
+            extra = value_table(rows, model, field, 2**20)
+            if extra:
+                out += [f"**{title}**", "", extra, ""]
         gen_n = sorted({r["N"] for r in _ok(rows) if r["model"] == model and r["policy"]
                         and r.get("after_prompt_source") == "generate"})
         src = f"; at N={', '.join(map(str, gen_n))} the cache inside `generate` right after the prompt" if gen_n else ""
@@ -648,12 +533,11 @@ def markdown(data) -> str:
                 resident_table(rows, model, "after_generate"), "",
                 f"**Kept tokens per KV head: after the prompt / after {nt} tokens (max over heads after {nt})**", "",
                 kept_table(rows, model), "",
-                "**Wall time of `generate` (s, × stock)**", "", time_table(rows, model)]
-    out += ["", "## Targets (checked, not asserted)", "", "| target | model | configuration | status | numbers |",
-            "|---|---|---|---|---|"]
-    for t in targets(data):
-        out.append(f"| {t['target']} | {t['model']} | {t['configuration'].split('/', 1)[1]} | {t['status']} | "
-                   f"{t['detail']} |")
+                "**Wall time of `generate` (s, × stock)**", "", value_table(rows, model, "wall_s", fmt=".2f")]
+    checked = [[t["target"], t["model"], t["configuration"].split("/", 1)[1], t["status"], t["detail"]]
+               for t in targets(data)]
+    out += ["", "## Targets (checked, not asserted)", ""]
+    out += table(checked, None, ["target", "model", "configuration", "status", "numbers"])
     checks = cross_checks(data)
     if checks:
         out += ["", "## Cross-checks", ""] + [f"- {c}" for c in checks]
@@ -674,7 +558,8 @@ def cross_checks(data) -> list:
         a, b = r.get("after_prompt"), r.get("after_prompt_in_generate")
         if a and b and (a["kept_tokens"] != b["kept_tokens"] or a["resident_bytes"] != b["resident_bytes"]):
             out.append(f"`{r['key']}` N={r['N']}: after the prompt, prefill-only holds {a['resident_bytes']} B / "
-                       f"{a['kept_tokens']} tokens, inside generate {b['resident_bytes']} B / {b['kept_tokens']} tokens")
+                       f"{a['kept_tokens']} tokens, inside generate {b['resident_bytes']} B / "
+                       f"{b['kept_tokens']} tokens")
         if not r.get("peak_reset"):
             out.append(f"`{r['key']}` N={r['N']}: the RSS peak could not be reset before the call")
         if r.get("generated") != r.get("new_tokens"):
@@ -685,7 +570,7 @@ def cross_checks(data) -> list:
 def plot(data, path) -> None:
     nt = data["settings"]["new_tokens"]
     plt = pyplot()
-    models = [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(data["rows"]))]
+    models = [x for x in MODEL_NAMES if any(r["model"] == x for r in _ok(data["rows"]))]
     if not models:
         return
     fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.6 * len(models)), squeeze=False)
@@ -701,7 +586,8 @@ def plot(data, path) -> None:
             row[0].plot(ns, [peak_kb(g[n]) / 1024 for n in ns], label=_name(key), **kw)
             row[1].plot(ns, [g[n]["after_generate"]["resident_bytes"] / 2**20 for n in ns], label=_name(key), **kw)
         peak = "CUDA peak allocated" if any("cuda_peak_increase_bytes" in r for r in _ok(data["rows"])) else "peak RSS"
-        for ax, title in zip(row, (f"{peak} increase during generate (MiB)", f"resident cache after {nt} tokens (MiB)")):
+        titles = (f"{peak} increase during generate (MiB)", f"resident cache after {nt} tokens (MiB)")
+        for ax, title in zip(row, titles):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("prompt length N (tokens)")
@@ -720,8 +606,8 @@ def write(data, out_dir) -> str:
 
 
 def readme_section(data, results_dir=RESULTS, rel="") -> str:
-    """The README summary from ``memory.json``: per configuration of the random Llama the peak RSS increase as a
-    multiple of stock at each N, the worst resident / kept, and the SmolLM2 rows when present."""
+    """The README summary from ``memory.json``: per configuration the peak RSS increase as a multiple of stock at
+    each N and the worst resident / kept."""
     m = data["machine"]
     commits = sorted({(r.get("commit") or m["commit"] or "")[:10] for r in _ok(data["rows"])})
     out = [f"Memory inside a model on the CPU ({m['cpu']}), commit{'s' if len(commits) > 1 else ''} "
@@ -731,23 +617,22 @@ def readme_section(data, results_dir=RESULTS, rel="") -> str:
            f"own process; resident = the larger of `cache.nbytes` and the bytes of the storages it holds, over the "
            f"kept K/V + positions (worst over N, after the prompt and after {NEW_TOKENS} tokens). Full tables, method "
            f"and plot: [memory.md]({os.path.join(rel, 'memory.md')}).", ""]
-    for model in [x for x in ("tiny", "smollm2") if any(r["model"] == x for r in _ok(data["rows"]))]:
+    for model in [x for x in MODEL_NAMES if any(r["model"] == x for r in _ok(data["rows"]))]:
         grid, ns = _grid(data["rows"], model)
         stock = grid.get(f"{model}/stock/dynamic", {})
-        out += [f"**{MODEL_NAMES[model]}**", "",
-                "| configuration | " + " | ".join(f"N={n}" for n in ns) + " | resident / kept |",
-                "|---|" + "---:|" * (len(ns) + 1)]
+        lines = []
         for key, g in grid.items():
             if key.endswith("/stock/dynamic"):
-                cells = [f"{_mib(g[n]['peak_increase_kb'])} MiB" if n in g else "—" for n in ns]
-                out.append("| stock (peak increase) | " + " | ".join(cells) + " | 1 |")
+                cells = [f"{g[n]['peak_increase_kb'] / 1024:.1f} MiB" if n in g else "—" for n in ns]
+                lines.append(["stock (peak increase)", *cells, 1])
                 continue
             cells = [f"{g[n]['peak_increase_kb'] / stock[n]['peak_increase_kb']:.2f}×" if n in g and n in stock
                      else "—" for n in ns]
             worst = max(max(r[w]["resident_over_kept"], r[w]["held_over_kept"]) for r in g.values()
                         for w in ("after_prompt", "after_generate") if r.get(w))
-            out.append(f"| {_name(key)} | " + " | ".join(cells) + f" | {worst:.3f} |")
-        out.append("")
+            lines.append([_name(key), *cells, f"{worst:.3f}"])
+        head = ["configuration", *[f"N={n}" for n in ns], "resident / kept"]
+        out += [f"**{MODEL_NAMES[model]}**", "", *table(lines, None, head, right=True), ""]
     held = sum(1 for t in targets(data) if t["status"] == "holds")
     out.append(f"Targets: {held} of {len(targets(data))} checks hold (see the table in memory.md).")
     out.append("")
@@ -759,10 +644,7 @@ def readme_section(data, results_dir=RESULTS, rel="") -> str:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="N = 512, 1024, one policy per mode (writes only with --out)")
-    p.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M-Instruct (slow to load)")
-    p.add_argument("--models", nargs="*", choices=("tiny", "smollm2"),
-                   help="only these models (default: tiny, plus smollm2 with --smollm2)")
-    p.add_argument("--n", type=int, nargs="*", help="prompt lengths of the random Llama")
+    p.add_argument("--n", type=int, nargs="*", help="prompt lengths")
     p.add_argument("--modes", nargs="*", choices=MODES, help="only these modes (stock always runs)")
     p.add_argument("--policies", nargs="*", help="only these labels (keydiff snapkv snapkv+adakv lagkv)")
     p.add_argument("--time-budget", type=float, default=1500.0,
@@ -776,22 +658,12 @@ def parser() -> argparse.ArgumentParser:
                    help="the prefill-only run (resident after the prompt) up to this N; above it the cache inside "
                         "generate right after the prompt is read instead (equal wherever both ran)")
     p.add_argument("--jobs", type=int, default=None, help="measurements at a time (default 1; --smoke: 2)")
-    p.add_argument("--exec", action="store_true",
-                   help="start each measurement as a new interpreter (default: fork it from a forkserver that "
-                        "imported torch, transformers and tritonkv once)")
-    p.add_argument("--merge", action="store_true",
-                   help="keep the rows of <out>/memory.json that this run does not re-measure (e.g. add --smollm2 later)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: none)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     return p
 
 
 def main(argv=None):
     a = parser().parse_args(argv)
-    if a.worker:
-        res = worker(json.loads(a.worker))
-        print("RESULT " + json.dumps(res), flush=True)
-        return res
     if a.out is None and not a.smoke:
         a.out = RESULTS
     if a.jobs is None:

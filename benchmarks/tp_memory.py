@@ -4,25 +4,9 @@
     python -m benchmarks.tp_memory --quick         # smaller prompt, fewer configurations (a smoke run)
     python -m benchmarks.tp_memory --part llama    # only the random Llama (or --part smollm2)
 
-Every rank is a process of this module (``--worker``), gloo on the CPU, the native CPU op bodies. Per
-configuration: SnapKV scoring (W = 32, κ = 7); one budget per head, AdaKV exact, AdaKV ``balance_ranks`` 1.5 /
-1.25 / True; budget 10 % and 25 % of N.
-
-Part ``llama``: a seeded random Llama (4 layers, hidden 256, 16 query / 8 KV heads, head_dim 32, vocab 1024,
-fp32) loaded with ``tp_plan="auto"`` in 2 processes (4 KV heads each), a prompt of N seeded random ids:
-``cache_bytes`` = ``TritonKVCache.nbytes`` per rank after ``prefill`` in ``after_prefill`` mode (kept K/V,
-positions, slack, bookkeeping); ``kept`` = tokens kept per rank; ``attn_err`` = ``mean |o − ô|₁ / |o|₁`` over the
-Q = 64 queries after the prompt, every query head and layer, ``o`` over all the prompt's keys and ``ô`` over the
-kept ones (Q/K/V from one uncompressed TP forward over prompt + Q, captured per layer with RoPE applied, each
-rank compressing its own heads with ``compress(..., process_group=)``: the tokens its cache keeps).
-
-Part ``smollm2``: SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads) on real text (the needle haystack), its
-Q/K/V captured in one process and split by heads over 3 ranks (one KV head each, as a TP plan of 3 would):
-kept bytes per rank (``RaggedKV.nbytes`` over layers) and ``attn_err``. With one head per rank,
-``balance_ranks=True`` is the uniform allocation.
-
-``imbalance`` = max / mean of the bytes over ranks; ``err_vs_exact`` = the error minus exact AdaKV's (negative =
-better).
+Every rank is a process of this module, gloo on the CPU: SnapKV with one budget per head, exact AdaKV and AdaKV
+``balance_ranks``, the bytes each rank holds and the attention error of its kept tokens. Method and columns:
+docs/benchmarks.md, "Tensor-parallel memory (tp_memory.py)".
 """
 from __future__ import annotations
 
@@ -39,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, ROOT, random_llama, run_info, write_results
+from benchmarks.common import RESULTS, ROOT, random_llama, run_info, table, write_results
 
 LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=8, head_dim=32, max_position_embeddings=8192)
@@ -118,70 +102,64 @@ def compress_layers(layers, N, W, budget, alloc, pg, policy):
     return tot_b, tot_k, sum(errs) / len(errs), t
 
 
-def worker_llama(args, pg, rank):
+def rank_inputs(spec: dict, rank: int, world: int):
+    """``(model, ids, layers)`` of this rank: the random Llama loaded with ``tp_plan="auto"``, its prompt and the
+    per-layer Q/K/V of its heads (part ``llama``), or ``(None, None, layers)`` with this rank's share of the heads
+    of SmolLM2's captured Q/K/V (part ``smollm2``)."""
+    if spec["part"] == "smollm2":
+        data = torch.load(spec["tensors"])
+        Hkv = data["layers"][0][1].shape[1]
+        Hl, G = Hkv // world, data["layers"][0][0].shape[1] // Hkv
+        hs, qs = slice(rank * Hl, (rank + 1) * Hl), slice(rank * Hl * G, (rank + 1) * Hl * G)
+        return None, None, [(q[:, qs], k[:, hs], v[:, hs]) for q, k, v in data["layers"]]
     from transformers import AutoModelForCausalLM
+
+    try:
+        from transformers import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(tp_plan="auto"))
+    except (ImportError, TypeError):
+        model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, tp_plan="auto")
+    model.eval()
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, spec["n"] + spec["q"]), generator=torch.Generator().manual_seed(0))
+    return model, ids, capture(model, ids)
+
+
+def worker(spec: dict) -> None:
+    """One rank: per budget and allocation, the rank's cache after the prompt (part ``llama``) and its compressed
+    layers; the rows go to ``<out>/rank<r>.json``."""
+    import torch.distributed as dist
 
     from tritonkv.allocation import AdaKV
     from tritonkv.integrations import transformers as tt
     from tritonkv.policies import SnapKV
 
-    try:
-        from transformers import DistributedConfig
-
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32,
-                                                     distributed_config=DistributedConfig(tp_plan="auto"))
-    except (ImportError, TypeError):
-        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32, tp_plan="auto")
-    model.eval()
-    N, Q = args.n, args.q
-    ids = torch.randint(0, LLAMA["vocab_size"], (1, N + Q), generator=torch.Generator().manual_seed(0))
-    layers = capture(model, ids)
-    policy = SnapKV()
-    rows = []
-    for frac in args.budgets:
-        for name, alloc in ALLOCS:
-            cache = tt.make_cache(model, policy, frac, mode="after_prefill", prompt_length=N,
-                                  allocation=None if alloc is None else AdaKV(**alloc), process_group=pg)
-            t0 = time.perf_counter()
-            tt.prefill(model, ids[:, :N], cache)
-            t_prefill = time.perf_counter() - t0
-            b, k, err, t = compress_layers(layers, N, policy.window, frac, alloc, pg, policy)
-            rows.append(dict(part="llama", budget=frac, allocation=name, rank=rank, cache_bytes=cache.nbytes,
-                             cache_kept=int(sum(int(x.sum()) for x in cache.kept_tokens())), kept_bytes=b, kept=k,
-                             attn_err=err, compress_s=round(t, 4), prefill_s=round(t_prefill, 3)))
-    return rows
-
-
-def worker_smollm2(args, pg, rank, world):
-    from tritonkv.policies import SnapKV
-
-    data = torch.load(args.tensors)
-    N = data["N"]
-    Hkv = data["layers"][0][1].shape[1]
-    Hl, G = Hkv // world, data["layers"][0][0].shape[1] // Hkv
-    hs, qs = slice(rank * Hl, (rank + 1) * Hl), slice(rank * Hl * G, (rank + 1) * Hl * G)
-    layers = [(q[:, qs], k[:, hs], v[:, hs]) for q, k, v in data["layers"]]
-    policy = SnapKV()
-    rows = []
-    for frac in args.budgets:
-        for name, alloc in ALLOCS:
-            b, k, err, t = compress_layers(layers, N, policy.window, frac, alloc, pg, policy)
-            rows.append(dict(part="smollm2", budget=frac, allocation=name, rank=rank, kept_bytes=b, kept=k,
-                             attn_err=err, compress_s=round(t, 4)))
-    return rows
-
-
-def worker(args):
-    import torch.distributed as dist
-
-    rank, world = args.rank, args.world
+    rank, world, N = spec["rank"], spec["world"], spec["n"]
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     pg = dist.group.WORLD
-    rows = worker_llama(args, pg, rank) if args.part == "llama" else worker_smollm2(args, pg, rank, world)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+    model, ids, layers = rank_inputs(spec, rank, world)
+    policy = SnapKV()
+    rows = []
+    for frac in spec["budgets"]:
+        for name, alloc in ALLOCS:
+            row = dict(part=spec["part"], budget=frac, allocation=name, rank=rank)
+            if model is not None:
+                cache = tt.make_cache(model, policy, frac, mode="after_prefill", prompt_length=N,
+                                      allocation=None if alloc is None else AdaKV(**alloc), process_group=pg)
+                t0 = time.perf_counter()
+                tt.prefill(model, ids[:, :N], cache)
+                prefill_s = round(time.perf_counter() - t0, 3)
+                row.update(cache_bytes=cache.nbytes, cache_kept=int(sum(int(x.sum()) for x in cache.kept_tokens())))
+            b, k, err, t = compress_layers(layers, N, policy.window, frac, alloc, pg, policy)
+            row.update(kept_bytes=b, kept=k, attn_err=err, compress_s=round(t, 4))
+            if model is not None:
+                row["prefill_s"] = prefill_s
+            rows.append(row)
+    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
     dist.destroy_process_group()
 
@@ -193,14 +171,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(world: int, extra: list[str], timeout: float) -> list[dict]:
+def launch(world: int, spec: dict, timeout: float = 900) -> list[dict]:
+    """``world`` ranks of ``spec``, each ``python -m benchmarks.tp_memory --worker SPEC`` (gloo over a free local
+    port, one thread, no TRITON_INTERPRET); their rows in rank order."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.tp_memory", "--worker", "--rank", str(r), "--world",
-                                   str(world), "--port", str(port), "--out", out, *extra], env=env, cwd=ROOT,
-                                  start_new_session=True)
+        spec = dict(spec, world=world, port=free_port(), out=out)
+        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.tp_memory", "--worker",
+                                   json.dumps(dict(spec, rank=r))], env=env, cwd=ROOT, start_new_session=True)
                  for r in range(world)]
         deadline = time.monotonic() + timeout
         try:
@@ -234,14 +213,12 @@ def smollm2_tensors(path: str, n: int, q: int) -> None:
 
 def summarise(rows: list[dict]) -> list[dict]:
     """One row per (part, budget, allocation): per-rank bytes, imbalance, error, error minus exact AdaKV's."""
-    out = {}
+    groups = {}
     for r in rows:
-        key = (r["part"], r["budget"], r["allocation"])
-        s = out.setdefault(key, dict(part=r["part"], budget=r["budget"], allocation=r["allocation"], ranks={}))
-        s["ranks"][r["rank"]] = r
+        groups.setdefault((r["part"], r["budget"], r["allocation"]), []).append(r)
     res = []
-    for (part, budget, alloc), s in out.items():
-        ranks = [s["ranks"][k] for k in sorted(s["ranks"])]
+    for (part, budget, alloc), ranks in groups.items():
+        ranks = sorted(ranks, key=lambda r: r["rank"])
         world = len(ranks)
         field = "cache_bytes" if "cache_bytes" in ranks[0] else "kept_bytes"
         by = [r[field] for r in ranks]
@@ -258,28 +235,24 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def markdown(summary: list[dict], meta: dict) -> str:
+    m = meta["machine"]
     lines = ["# Per-rank memory under tensor parallelism (`python -m benchmarks.tp_memory`)", "",
-             f"{meta['machine']['date']}, commit {meta['machine']['commit']}"
-             f"{' (tritonkv modified)' if meta['machine']['tritonkv_dirty'] else ''}, torch "
-             f"{meta['machine']['torch']}, transformers {meta['machine']['transformers']}, gloo on "
-             f"{meta['machine']['cores']} CPU cores. Command: `{meta['command']}`.", ""]
+             f"{m['date']}, commit {m['commit']}{' (tritonkv modified)' if m['tritonkv_dirty'] else ''}, torch "
+             f"{m['torch']}, transformers {m['transformers']}, gloo on {m['cores']} CPU cores. "
+             f"Command: `{meta['command']}`.", ""]
     for part, title in (("llama", f"Random Llama, 2 ranks (tp_plan=\"auto\"), N = {meta['llama_n']}: "
                                   f"`TritonKVCache.nbytes` per rank after the prompt"),
                         ("smollm2", f"SmolLM2-135M-Instruct, 3 ranks (one KV head each), N = {meta['smollm2_n']}: "
                                     f"kept `RaggedKV` bytes per rank, summed over the 30 layers")):
-        rows = [r for r in summary if r["part"] == part]
+        rows = [[f"{r['budget']:g}", r["allocation"], " / ".join(f"{b / 2**10:.0f} KiB" for b in r["bytes"]),
+                 f"{r['imbalance']:.3f}", " / ".join(map(str, r["kept"])), f"{r['attn_err']:.4f}",
+                 f"{r['err_vs_exact']:+.4f}"] for r in summary if r["part"] == part]
         if not rows:
             continue
         lines += [f"## {title}", "", "SnapKV scoring (W = 32, κ = 7); attention error of the next 64 queries over "
-                  "the prompt, mean over layers and query heads.", "",
-                  "| budget | allocation | bytes per rank | max / mean | tokens per rank | attn err | vs exact AdaKV |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in rows:
-            per_rank = " / ".join(f"{b / 2**10:.0f} KiB" for b in r["bytes"])
-            lines.append(f"| {r['budget']:g} | {r['allocation']} | {per_rank}"
-                         f" | {r['imbalance']:.3f} | {' / '.join(map(str, r['kept']))} | {r['attn_err']:.4f} | "
-                         f"{r['err_vs_exact']:+.4f} |")
-        lines.append("")
+                  "the prompt, mean over layers and query heads.", ""]
+        lines += table(rows, None, ["budget", "allocation", "bytes per rank", "max / mean", "tokens per rank",
+                                    "attn err", "vs exact AdaKV"]) + [""]
     lines += ["`balance_ranks=x` caps each rank's share of a layer's total at ⌊x·H_l·b⌋ tokens and gives the rest "
               "to the other ranks' next-best tokens; 1.0 keeps every rank at exactly H_l·b (AdaKV within each rank; "
               "with one KV head per rank, uniform budgets). Exact AdaKV keeps the single-process tokens.", ""]
@@ -288,36 +261,27 @@ def markdown(summary: list[dict], meta: dict) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--tensors", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--n", type=int, default=2048, help=argparse.SUPPRESS)
-    ap.add_argument("--q", type=int, default=64, help=argparse.SUPPRESS)
-    ap.add_argument("--budgets", type=float, nargs="+", default=[0.1, 0.25], help=argparse.SUPPRESS)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--part", choices=("llama", "smollm2", "both"), default="both")
     ap.add_argument("--quick", action="store_true", help="N = 512, budget 0.25 only")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
+        return worker(json.loads(args.worker))
     n = 512 if args.quick else 2048
-    budgets = [0.25] if args.quick else [0.1, 0.25]
-    common = ["--n", str(n), "--q", "64", "--budgets", *map(str, budgets)]
+    spec = dict(n=n, q=64, budgets=[0.25] if args.quick else [0.1, 0.25])
     rows = []
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("llama", "both"):
             d = os.path.join(tmp, "llama")
             random_llama(**LLAMA).save_pretrained(d)
-            rows += launch(2, ["--part", "llama", "--model-dir", d, *common], timeout=900)
+            rows += launch(2, dict(spec, part="llama", model_dir=d))
             print(f"llama done ({time.time() - t0:.0f} s)", flush=True)
         if args.part in ("smollm2", "both"):
             path = os.path.join(tmp, "smollm2.pt")
             smollm2_tensors(path, n, 64)
-            rows += launch(3, ["--part", "smollm2", "--tensors", path, *common], timeout=900)
+            rows += launch(3, dict(spec, part="smollm2", tensors=path))
             print(f"smollm2 done ({time.time() - t0:.0f} s)", flush=True)
     summary = summarise(rows)
     info = run_info()
