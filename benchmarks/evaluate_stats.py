@@ -15,10 +15,6 @@ N_BOOT = 2000
 LEVEL = 0.95
 
 
-def _rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng(seed)
-
-
 def bootstrap_ci(values: Sequence[float], stat: Callable[[np.ndarray], float] = np.mean, *, n_boot: int = N_BOOT,
                  level: float = LEVEL, seed: int = 0) -> Tuple[float, float, float]:
     """``(estimate, lo, hi)``: ``stat`` of ``values`` and its percentile-bootstrap interval (cases resampled with
@@ -29,7 +25,7 @@ def bootstrap_ci(values: Sequence[float], stat: Callable[[np.ndarray], float] = 
     est = float(stat(x)) if n else float("nan")
     if n < 2:
         return est, float("nan"), float("nan")
-    idx = _rng(seed).integers(0, n, size=(n_boot, n))
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
     if x.ndim == 1 and stat is np.mean:  # vectorised fast path
         boots = x[idx].mean(1)
     else:
@@ -157,7 +153,7 @@ def head_wise(a: np.ndarray, b: np.ndarray, *, n_boot: int = N_BOOT, level: floa
         nan = float("nan")
         return {"heads": h, "lower": float((d.mean(0) < 0).mean()) if n else nan, "sig_lower": nan,
                 "sig_higher": nan}
-    idx = _rng(seed).integers(0, n, size=(n_boot, n))
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
     boots = np.stack([d[i].mean(0) for i in idx])  # [n_boot, heads]
     alpha = (1.0 - level) / 2.0
     lo, hi = np.quantile(boots, [alpha, 1.0 - alpha], axis=0)
