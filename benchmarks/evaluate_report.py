@@ -376,7 +376,8 @@ def markdown(recs, summary) -> str:
            f"Per-case records in `*.jsonl.gz` (commits {', '.join(runs) or '–'}; {secs / 3600:.1f} CPU-hours of "
            "measurement). Produced by `benchmarks/evaluate.py`, summarised by `benchmarks/evaluate_report.py`. "
            "Accuracies in %, with 95 % percentile-bootstrap intervals over cases; comparisons are paired on the "
-           "same cases. Method and caveats: the docstrings of both programs.", "", SECOND_LOOK, ""]
+           "same cases. Method and caveats: [docs/benchmarks.md](../../../docs/benchmarks.md#the-quality-benchmark-method).",
+           "", SECOND_LOOK, ""]
     out += ["## Full-cache accuracy (the ≥ 90 % gate)", "",
             "An accuracy enters the claims at a task and context only where the full cache's mean on that accuracy is "
             "≥ 90 %; ✗ marks the ones that do not.", ""]
