@@ -718,13 +718,11 @@ def _kept(cache) -> float:
 
 
 def _seeds(spec: str) -> List[int]:
+    """The seeds of ``0-49``, ``0,3,7`` or both (``0-4,9``)."""
     out: List[int] = []
-    for part in spec.split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            out += list(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
     return out
 
 

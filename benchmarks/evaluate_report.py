@@ -280,16 +280,9 @@ def _overall(comps) -> str:
     if not v:
         return "not measured"
     n_r, n_n, n_i = v.count("reproduced"), v.count("not reproduced"), v.count("inconclusive")
-    if n_r == len(v):
-        head = "reproduced"
-    elif n_r and not n_n:
-        head = "partly reproduced"
-    elif not n_r and not n_n:
-        head = "inconclusive"
-    elif n_n and not n_r:
-        head = "not reproduced"
-    else:
-        head = "mixed"
+    mixes = {(True, False): "partly reproduced", (False, False): "inconclusive", (False, True): "not reproduced",
+             (True, True): "mixed"}  # (any reproduced, any not reproduced)
+    head = "reproduced" if n_r == len(v) else mixes[(n_r > 0, n_n > 0)]
     return f"{head} ({n_r} reproduced, {n_n} not reproduced, {n_i} inconclusive of {len(v)} cells)"
 
 
