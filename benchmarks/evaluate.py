@@ -110,7 +110,6 @@ class Case:
     cands: List[List[int]] = dataclasses.field(default_factory=list)
     answer: int = 0
     cont_ids: List[int] = dataclasses.field(default_factory=list)  # lm: the held-out continuation
-    info: dict = dataclasses.field(default_factory=dict)
 
     @property
     def prompt(self) -> List[int]:
@@ -173,8 +172,7 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         rng.shuffle(order)  # which fact goes where
         ctx = _insert(_hay(tok, source, n_hay, rng), [facts[i] for i in order], depths)
         cands, ans = _choice(tok, keys[ask], [k for i, k in enumerate(keys) if i != ask], rng)
-        info = {"asked": words[ask], "depth": sorted(depths)[order.index(ask)]}
-        return Case(task, seed, source, context, ctx, q, cands, ans, info=info)
+        return Case(task, seed, source, context, ctx, q, cands, ans)
     if task in ("vt1", "vt2"):
         hops = int(task[2])
         names: List[str] = []
@@ -199,7 +197,7 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         chain_stmts = [iter(stmts[c * (hops + 1):(c + 1) * (hops + 1)]) for c in range(3)]
         ctx = _insert(_hay(tok, source, n_hay, rng), [next(chain_stmts[c]) for c in seq], depths)
         cands, ans = _choice(tok, vals[ask], [v for i, v in enumerate(vals) if i != ask], rng)
-        return Case(task, seed, source, context, ctx, q, cands, ans, info={"hops": hops})
+        return Case(task, seed, source, context, ctx, q, cands, ans)
     if task == "cwe":
         words = rng.sample(WORDS, 60)
         common, rest = words[0], words[1:]
@@ -221,8 +219,7 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         listed = [w for w in dict.fromkeys(lst) if w != common]
         rng.shuffle(listed)
         cands, ans = _choice(tok, common, listed, rng)
-        info = {"common": common, "count": lst.count(common), "next": max((lst.count(w) for w in listed), default=0)}
-        return Case(task, seed, source, context, ctx, q, cands, ans, info=info)
+        return Case(task, seed, source, context, ctx, q, cands, ans)
     raise ValueError(f"unknown task {task!r}")
 
 

@@ -1,8 +1,6 @@
 """Statistics for ``benchmarks/evaluate.py``: percentile-bootstrap intervals, paired comparisons, McNemar's exact
-test, and the verdict rule (an interval decides, never a hand-set threshold).
-
-Everything is plain Python + NumPy (no model, no torch), seeded, so a summary recomputed from the same records is
-the same summary.
+test, and the verdict rule (an interval decides, never a hand-set threshold). Plain Python + NumPy (no model, no
+torch), seeded: a summary recomputed from the same records is the same summary.
 """
 from __future__ import annotations
 
@@ -120,16 +118,11 @@ def paired_accuracy(a: Sequence[int], b: Sequence[int], level: float = LEVEL) ->
 
 
 def verdict(lo: float, hi: float, *, better: str = "higher", margin: float = 0.0) -> str:
-    """The verdict of a claim "a beats b" (``better="higher"``: the difference a − b, or a ratio, should exceed
-    ``margin``; ``"lower"``: stay below it) from the interval ``[lo, hi]`` of that difference:
-
-    - ``"reproduced"``: the whole interval is strictly on the claimed side of ``margin``;
-    - ``"not reproduced"``: the whole interval is strictly on the other side;
-    - ``"inconclusive"``: the interval contains or touches ``margin``, or is undefined (a zero-width interval at
-      ``margin``, e.g. two configurations right on the same cases, tells nothing apart).
-
-    ``margin`` is where a claim states its own bound (LagKV: "< 5 % loss" → a ratio of 0.95), never a tolerance
-    picked here."""
+    """The verdict of a claim "a beats b" from the interval ``[lo, hi]`` of a − b (or of a ratio): ``"reproduced"``
+    when it lies strictly on the claimed side of ``margin`` (``better="higher"``: above, ``"lower"``: below), ``"not
+    reproduced"`` strictly on the other side, ``"inconclusive"`` when it contains or touches ``margin`` or is
+    undefined (a zero-width interval at ``margin``, two configurations right on the same cases, tells nothing
+    apart). ``margin`` is a claim's own bound (LagKV's "< 5 % loss": a ratio of 0.95), never a tolerance picked here."""
     if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
         return "inconclusive"
     if better not in ("higher", "lower"):
