@@ -1,53 +1,11 @@
 """The seeds' claims tested with their own metrics, at their budgets, paired over cases.
 
-    OMP_NUM_THREADS=2 python -m benchmarks.evaluate --tasks mk_needle --contexts 2048 --seeds 0-49 --groups criticalkv keydiff
+    OMP_NUM_THREADS=2 python -m benchmarks.evaluate --tasks mk_needle --contexts 2048 --seeds 0-49 --groups keydiff
     python -m benchmarks.evaluate_report       # summaries, claims, plots
 
-SmolLM2-135M-Instruct on the CPU. Every case is generated locally from a seed; every configuration of a claim is
-scored on the same cases, and each (case, configuration, metric) is one line of JSON in
-``benchmarks/results/quality/<task>-<context>.jsonl.gz``, appended as measured (a rerun skips what is there).
-``evaluate_report.py`` turns the lines into intervals, paired tests and verdicts.
-
-Tasks (``build_case``; the prompt, question included, is exactly ``context`` tokens):
-
-- ``needle``: "The pass key for the <word> is <5 digits>. Remember it. <digits> is the pass key for the <word>."
-  at a random depth of a haystack, 9 random distractor keys (``tritonkv.integrations.needle``); ``mk_needle``:
-  four such facts for four words, one asked, the other three keys among the 10 candidates (RULER's NIAH multikey);
-- ``vt1`` / ``vt2``: variable tracking, three chains "VAR A = 12345. … VAR B = VAR A." of 1 or 2 hops; the
-  question asks for the last variable of one chain (the other chains' values are candidates);
-- ``cwe``: a numbered list of words (no haystack), one repeated far more than the others; "What is the most
-  common word?" with 9 listed words as distractors;
-- ``lm``: ``context`` tokens of real text and the next 64 tokens as a held-out continuation.
-
-Choice tasks are scored by likelihood (``acc_ll``: the true answer's summed log-probability ranks first), greedy
-decoding (``acc_greedy``: the greedy answer starts with the true one) and ``kl_answer`` (KL(full ‖ compressed)
-along the true answer's tokens, teacher-forced); ``lm`` by ``kl`` and ``dll`` (mean Δ log-likelihood per token,
-compressed − full). Haystacks: ``synthetic`` (the pass-key filler), ``licenses`` (/usr/share/common-licenses),
-``pydoc`` (``pydoc_data.topics``), ``kjv`` when Debian's ``bible`` CLI is installed.
-
-Settings: ``aware``, the whole prompt is compressed after prefill (the observation window is the question's
-end); ``agnostic``, the context is compressed before the question is seen (CriticalKV §4.1, kvpress), then the
-question is fed through the compressed cache; ``blockwise``, the prompt is fed in blocks of 128, evicting after
-each (KeyDiff Eq. 6).
-
-Cost. One full forward per case serves every after-prefill configuration: a layer's compression after prefill
-depends only on its keys, values and window queries, so each ``TritonKVCache`` is rebuilt from the captured
-tensors through the cache's own code (``TritonKVLayer.update`` + ``after_attention``), exactly as in a forward;
-LagKV's recursive state likewise (``LagKVLayer``). Only block-wise configurations run their own prefill.
-Candidates and the greedy answer are scored in one batched decode loop on the compressed cache (LagKV's state
-cannot be batch-expanded: copied once per candidate).
-
-CriticalKV's metric (``wo_err``): at the first answer token, per query head, ‖(A − A′)·V·W_Oʰ‖₁ with A′ the
-attention over the context compressed before the question plus the question, in every layer, from the full
-forward's tensors; per-head values are kept (``per_head``) for the head-wise claim ("lower in 92 % of heads").
-Its layer-wise analysis (``layer_err``) is measured inside the compressed run: hooks on every ``o_proj`` and the
-final norm record, at the same token, each layer's attention output and the last hidden state; ``value`` is the
-final hidden state's ‖Δ‖₁ against the full cache, ``per_layer`` every layer's (errors propagate, Fig. 5).
-
-SurfaceLogicKV: ``surfacelogic`` reads the shipped INF profile (4 lengths × 5 depths, 1 answer step),
-``surfacelogic_paper`` the one on the paper's grid (6 × 33, 5 steps; the ``profile`` group). LagKV runs at
-L = 128, 512 and 1024 (``lagkv``, ``lagkv_l512``, ``lagkv_l1024``); a partition is compressed only once S + 2L
-tokens are held, so L = 1024 compresses nothing below 2064 tokens.
+SmolLM2-135M-Instruct on the CPU; per-case records in ``benchmarks/results/quality/<task>-<context>.jsonl.gz``. The
+tasks, metrics, settings and how one forward serves every configuration: docs/benchmarks.md ("The quality
+benchmark: method").
 """
 from __future__ import annotations
 
@@ -60,6 +18,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import sys
 import time
 from typing import ClassVar, Dict, List, Sequence, Tuple
@@ -68,8 +27,10 @@ import torch
 
 import tritonkv
 from benchmarks.common import RESULTS, append_jsonl, git, jsonl_files, now, read_jsonl
-from tritonkv.integrations.needle import FILLER, NEEDLE_FOR, QUESTION_FOR, _encode as _enc, _keys
-from tritonkv.integrations.transformers import cache_kwarg, output_cache
+from tritonkv.integrations.model import load_smollm2
+from tritonkv.integrations.needle import FILLER, NEEDLE_FOR, QUESTION_FOR, _encode as _enc, _keys, _kjv_text
+from tritonkv.allocation import get_allocator, head_means_from_queries, sample_positions
+from tritonkv.integrations.transformers import cache_kwarg, make_cache, output_cache, prefill, use_tritonkv
 from tritonkv.policies import POLICIES, KeyDiff, Policy, get_policy
 
 OUT = os.path.join(RESULTS, "quality")
@@ -101,7 +62,6 @@ def source_text(name: str) -> str:
         import pydoc_data.topics as t
         return re.sub(r"\s+", " ", " ".join(t.topics[k] for k in sorted(t.topics)))
     if name == "kjv":
-        from tritonkv.integrations.needle import _kjv_text
         text = _kjv_text()
         if text is None:
             raise ValueError("kjv needs Debian's bible-kjv (the `bible` CLI)")
@@ -118,7 +78,6 @@ def available_sources() -> List[str]:
         out.append("pydoc")
     except ImportError:
         pass
-    import shutil
     if shutil.which("bible"):
         out.append("kjv")
     return out
@@ -151,7 +110,6 @@ class Case:
     cands: List[List[int]] = dataclasses.field(default_factory=list)
     answer: int = 0
     cont_ids: List[int] = dataclasses.field(default_factory=list)  # lm: the held-out continuation
-    info: dict = dataclasses.field(default_factory=dict)
 
     @property
     def prompt(self) -> List[int]:
@@ -177,25 +135,22 @@ def _hay(tok, source: str, n: int, rng: random.Random) -> List[int]:
     return ids[:n]
 
 
-def _insert(hay: List[int], pieces: List[List[int]], depths: List[float]) -> Tuple[List[int], List[int]]:
-    """``hay`` with ``pieces`` inserted at the given depths (sorted, in order); returns (ids, piece starts)."""
+def _insert(hay: List[int], pieces: List[List[int]], depths: List[float]) -> List[int]:
+    """``hay`` with ``pieces`` inserted at the given depths (sorted, in order)."""
     at = sorted(int(round(d * len(hay))) for d in depths)
-    out, starts, prev = [], [], 0
+    out, prev = [], 0
     for a, p in zip(at, pieces):
-        out += hay[prev:a]
-        starts.append(len(out))
-        out += p
+        out += hay[prev:a] + p
         prev = a
-    out += hay[prev:]
-    return out, starts
+    return out + hay[prev:]
 
 
-def _choice(tok, case_args, answer_text: str, distractors: List[str], rng: random.Random, prefix: str = " "):
-    cands_text = [answer_text] + distractors[:9]
-    order = list(range(len(cands_text)))
+def _choice(tok, answer: str, distractors: List[str], rng: random.Random) -> Tuple[List[List[int]], int]:
+    """The answer and the first 9 distractors in a seeded order: (their token ids, the answer's index)."""
+    texts = [answer] + distractors[:9]
+    order = list(range(len(texts)))
     rng.shuffle(order)
-    texts = [cands_text[i] for i in order]
-    return [_enc(tok, prefix + t) for t in texts], order.index(0), texts
+    return [_enc(tok, " " + texts[i]) for i in order], order.index(0)
 
 
 def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic") -> Case:
@@ -215,10 +170,9 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         depths = [rng.uniform(0.05, 0.95) for _ in facts]
         order = list(range(n_keys))
         rng.shuffle(order)  # which fact goes where
-        ctx, starts = _insert(_hay(tok, source, n_hay, rng), [facts[i] for i in order], depths)
-        cands, ans, texts = _choice(tok, None, keys[ask], [k for i, k in enumerate(keys) if i != ask], rng)
-        info = {"asked": words[ask], "depth": sorted(depths)[order.index(ask)]}
-        return Case(task, seed, source, context, ctx, q, cands, ans, info=info)
+        ctx = _insert(_hay(tok, source, n_hay, rng), [facts[i] for i in order], depths)
+        cands, ans = _choice(tok, keys[ask], [k for i, k in enumerate(keys) if i != ask], rng)
+        return Case(task, seed, source, context, ctx, q, cands, ans)
     if task in ("vt1", "vt2"):
         hops = int(task[2])
         names: List[str] = []
@@ -238,45 +192,34 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         n_hay = context - len(q) - sum(map(len, stmts))
         # each chain's statements in order, chains interleaved at random depths
         depths = sorted(rng.uniform(0.05, 0.95) for _ in stmts)
-        per = hops + 1
-        seq = [c for c in range(3) for _ in range(per)]
+        seq = [c for c in range(3) for _ in range(hops + 1)]
         rng.shuffle(seq)
-        used = [0, 0, 0]
-        placed = []
-        for c in seq:
-            placed.append(stmts[c * per + used[c]])
-            used[c] += 1
-        ctx, _ = _insert(_hay(tok, source, n_hay, rng), placed, depths)
-        cands, ans, _ = _choice(tok, None, vals[ask], [v for i, v in enumerate(vals) if i != ask], rng)
-        return Case(task, seed, source, context, ctx, q, cands, ans, info={"hops": hops})
+        chain_stmts = [iter(stmts[c * (hops + 1):(c + 1) * (hops + 1)]) for c in range(3)]
+        ctx = _insert(_hay(tok, source, n_hay, rng), [next(chain_stmts[c]) for c in seq], depths)
+        cands, ans = _choice(tok, vals[ask], [v for i, v in enumerate(vals) if i != ask], rng)
+        return Case(task, seed, source, context, ctx, q, cands, ans)
     if task == "cwe":
         words = rng.sample(WORDS, 60)
         common, rest = words[0], words[1:]
         head = _enc(tok, "Below is a numbered list of words. Some words appear several times.\n")
         q = _enc(tok, "\nQuestion: What is the most common word in the list above?\nAnswer: The most common word is")
-        items, i = [], 1
-        lst: List[str] = []
-        budget = context - len(head) - len(q)
-        toks = 0
+        ctx, lst = list(head), []
+        n_ctx = context - len(q)
         while True:
             w = common if rng.random() < CWE_SHARE else rng.choice(rest)
-            piece = _enc(tok, f"{i}. {w}\n")
-            if toks + len(piece) > budget:
+            piece = _enc(tok, f"{len(lst) + 1}. {w}\n")
+            if len(ctx) + len(piece) > n_ctx:
                 break
-            items.append(piece)
+            ctx += piece
             lst.append(w)
-            toks += len(piece)
-            i += 1
-        ctx = head + [t for p in items for t in p]
-        ctx += _enc(tok, "\n" * 40)[: budget - toks]  # pad to the exact length
-        while len(ctx) < context - len(q):
+        ctx += _enc(tok, "\n" * 40)[: n_ctx - len(ctx)]  # pad to the exact length
+        while len(ctx) < n_ctx:
             ctx += _enc(tok, "\n")
-        ctx = ctx[:context - len(q)]
+        ctx = ctx[:n_ctx]
         listed = [w for w in dict.fromkeys(lst) if w != common]
         rng.shuffle(listed)
-        cands, ans, _ = _choice(tok, None, common, listed, rng)
-        info = {"common": common, "count": lst.count(common), "next": max((lst.count(w) for w in listed), default=0)}
-        return Case(task, seed, source, context, ctx, q, cands, ans, info=info)
+        cands, ans = _choice(tok, common, listed, rng)
+        return Case(task, seed, source, context, ctx, q, cands, ans)
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -296,6 +239,11 @@ class Config:
     def name(self) -> str:
         b = int(self.budget) if float(self.budget).is_integer() and self.budget > 1 else self.budget
         return f"{self.policy}|{self.allocation}|{self.mode}|{self.setting}|{b}"
+
+    @property
+    def size(self):
+        """The budget as ``compress`` and ``make_cache`` take it: tokens per head (int) or a fraction (float)."""
+        return int(self.budget) if self.budget > 1 else float(self.budget)
 
 
 PAPER_PROFILE = "smollm2-135m-instruct-infsc-paper"  # tritonkv/data/<name>.json: the paper's 6 x 33 grid
@@ -335,8 +283,7 @@ GROUPS["compose"] = [Config(p, a, "blockwise", "aware", b) for b in (64,)
 GROUPS["profile"] = ([Config(p, "surfacelogic_paper", "after_prefill", "aware", b) for b in (128, 64)
                       for p in ("snapkv", "surfacelogic")]
                      + [Config("keydiff_critical", "surfacelogic_paper", "blockwise", "aware", 64)])
-WO_GROUP = [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
-            for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")]
+WO_GROUP = GROUPS["criticalkv"]  # the configurations that record the error after W_O
 
 
 class LayerInputs(Policy):
@@ -470,7 +417,6 @@ def _allocation(name: str):
     if name == "uniform":
         return None
     if name == "surfacelogic_paper":
-        from tritonkv.allocation import get_allocator
         return dataclasses.replace(get_allocator("surfacelogic"), profile_name=PAPER_PROFILE)
     return name
 
@@ -479,20 +425,14 @@ def replay_cache(model, cfg: Config, kv, qwin, n: int, inputs: dict, hd=None):
     """A ``TritonKVCache`` for ``cfg`` that has seen the first ``n`` tokens of the captured forward: every layer is
     fed its captured keys/values (``update``) and its window queries (``after_attention``, which compresses as
     after a forward). ``qwin[l]``: the last ``Q_WINDOW`` queries before token ``n``."""
-    from tritonkv.integrations.transformers import make_cache
-
-    L = len(kv)
     if cfg.mode == "lagkv":
         cache = make_cache(model, lagkv_policy(cfg.policy), float(cfg.budget), mode="decoding")
     elif cfg.policy == "full":
         cache = make_cache(model, "streaming_llm", n + 10**6)
     else:
-        budget = int(cfg.budget) if cfg.budget > 1 else float(cfg.budget)
-        alloc = _allocation(cfg.allocation)
-        cache = make_cache(model, _policy_object(model, cfg, hd), budget, mode="after_prefill", allocation=alloc,
-                           prompt_length=n, **inputs)
-    for l in range(L):
-        k, v = kv[l]
+        cache = make_cache(model, _policy_object(model, cfg, hd), cfg.size, mode="after_prefill",
+                           allocation=_allocation(cfg.allocation), prompt_length=n, **inputs)
+    for l, (k, v) in enumerate(kv):
         cache.update(k[:, :, :n].clone(), v[:, :, :n].clone(), l)
         cache.layers[l].after_attention(qwin[l])
     cache.freeze()
@@ -511,8 +451,6 @@ def _dense(cache) -> None:
 @torch.no_grad()
 def feed(model, cache, ids: List[int], logits_to_keep: int = 1) -> torch.Tensor:
     """Feed ``ids`` (batch 1) through ``cache`` at their true positions; returns the last logits ``[T', V]``."""
-    from tritonkv.integrations.transformers import use_tritonkv
-
     seen = int(cache.get_seq_length())
     x = torch.tensor([ids])
     with use_tritonkv(model):
@@ -528,8 +466,6 @@ def score_choices(model, cache, first_logits: torch.Tensor, cands: List[List[int
 
     One decode loop over ``len(cands) + 1`` rows: row i feeds candidate i teacher-forced, the last row its own
     argmax (greedy); the first answer position's logits are ``first_logits`` (shared)."""
-    from tritonkv.integrations.transformers import use_tritonkv
-
     lp0 = torch.log_softmax(first_logits.float(), -1)
     n = len(cands)
     steps = max(max(len(c) for c in cands), greedy_len) - 1
@@ -599,15 +535,11 @@ def wo_errors(model, kv, q_last, qwin_ctx, n_ctx: int, configs: Sequence[Config]
         a = logits.softmax(-1)
         wo = model.model.layers[l].self_attn.o_proj.weight.detach().float()  # [D_model, H_q·D]
         for cfg in configs:
-            pol = _policy_object(model, cfg)
-            alloc = _allocation(cfg.allocation)
-            budget = int(cfg.budget) if cfg.budget > 1 else float(cfg.budget)
-            res = tritonkv.compress((k[:, :, :n_ctx], v[:, :, :n_ctx]), pol, budget, allocation=alloc,
-                                    queries=qwin_ctx[l], layer=l, num_layers=len(kv), **inputs)
-            if isinstance(res, tuple) and hasattr(res, "indices"):
-                idx = res.indices
-            else:
-                idx = res.to_padded(with_positions=True)[3]
+            res = tritonkv.compress((k[:, :, :n_ctx], v[:, :, :n_ctx]), _policy_object(model, cfg), cfg.size,
+                                    allocation=_allocation(cfg.allocation), queries=qwin_ctx[l], layer=l,
+                                    num_layers=len(kv), **inputs)
+            # kept positions [B, H, k], -1 padding where the heads keep different numbers (a RaggedKV)
+            idx = res.indices if isinstance(res, tritonkv.Compressed) else res.to_padded(with_positions=True)[3]
             keep = torch.zeros(B, H, N + 1, dtype=torch.bool)
             keep.scatter_(2, torch.where(idx >= 0, idx, N).to(torch.int64).clamp(max=N), True)
             keep = keep[:, :, :N]
@@ -679,8 +611,7 @@ def compresses(cfg: Config, n: int) -> bool:
     return pol.sink + 2 * pol.lag <= n
 
 
-def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *, full_cache=None,
-             log=print) -> None:
+def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *, log=print) -> None:
     """Measure ``configs`` (and the full cache) on ``case``; records go to ``store`` as they are measured."""
     todo = [c for c in configs if not store.done(case, c) and compresses(c, len(case.prompt))]
     if not todo and store.done(case, FULL):
@@ -688,10 +619,8 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
     lm = case.task == "lm"
     n_ctx, n_all = len(case.ctx_ids), len(case.prompt)
     t0 = time.time()
-    rows = sorted(set(range(n_ctx - Q_WINDOW, n_ctx)) | set(range(n_all - Q_WINDOW, n_all)))
-    from tritonkv.allocation import head_means_from_queries, sample_positions
     pos = sample_positions(n_all, k=200, window=Q_WINDOW, seed=case.seed)
-    rows = sorted(set(rows) | set(pos.tolist()))
+    rows = sorted(set(range(n_ctx - Q_WINDOW, n_ctx)) | set(range(n_all - Q_WINDOW, n_all)) | set(pos.tolist()))
     kv, qs, last_logits, full_outs = capture(model, case.prompt, rows)
     r_index = {r: i for i, r in enumerate(rows)}
     sel = lambda l, rr: qs[l][:, :, [r_index[r] for r in rr]]  # noqa: E731
@@ -699,7 +628,6 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
     qwin_all = [sel(l, range(n_all - Q_WINDOW, n_all)) for l in range(L)]
     qwin_ctx = [sel(l, range(n_ctx - Q_WINDOW, n_ctx)) for l in range(L)]
     hm = torch.stack([head_means_from_queries(sel(l, pos.tolist()), kv[l][0], pos) for l in range(L)])
-    from tritonkv.allocation import get_allocator
     hd = get_allocator("score").hd(hm, kv[0][0].shape[1])  # [L, B, H_kv]
     t_cap = time.time() - t0
     log(f"  capture {t_cap:.1f}s")
@@ -710,11 +638,9 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
         if cfg.allocation == "score":
             inputs["head_means"] = hm
         if cfg.mode == "blockwise":
-            from tritonkv.integrations.transformers import make_cache, prefill
             # W_O comes from each layer's module inside the forward (the cache reads o_proj itself)
             pol = get_policy(cfg.policy) if cfg.policy in POLICIES else _policy_object(model, cfg, hd)
-            cache = make_cache(model, pol, int(cfg.budget) if cfg.budget > 1 else float(cfg.budget),
-                               mode="blockwise", block_size=BLOCK, prompt_length=n_all,
+            cache = make_cache(model, pol, cfg.size, mode="blockwise", block_size=BLOCK, prompt_length=n_all,
                                allocation=_allocation(cfg.allocation))
             first = prefill(model, torch.tensor([case.prompt]), cache)[0, -1].float()
             cache.freeze()
@@ -727,39 +653,35 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
             cache = replay_cache(model, cfg, kv, qwin_all, n_all, inputs, hd)
             first = last_logits
         kept = _kept(cache)  # tokens held per (layer, head) right after the compression (+ the question, agnostic)
-        batched = cfg.mode != "lagkv"
-        metrics: Dict[str, object] = {}
         if lm:
             lp = torch.log_softmax(torch.cat([first[None], feed(model, cache, case.cont_ids[:-1], 0)]), -1)
             ll = lp[torch.arange(CONT), torch.tensor(case.cont_ids)]
             if full_ref is None:
-                metrics = {"ll": float(ll.mean())}
-                return metrics, lp, kept, time.time() - t
+                return {"ll": float(ll.mean())}, lp, time.time() - t
             metrics = {"kl": kl(full_ref[0], lp), "dll": float(ll.mean()) - full_ref[1]}
         else:
             glen = max(len(c) for c in case.cands)
-            s, g, d = score_choices(model, cache, first, case.cands, glen, case.answer, batched)
+            s, g, d = score_choices(model, cache, first, case.cands, glen, case.answer, cfg.mode != "lagkv")
             metrics = {"acc_ll": _top1(s, case.answer), "acc_greedy": _greedy_hit(tok, g, case.cands[case.answer])}
             if full_ref is None:
-                return metrics, d, kept, time.time() - t
+                return metrics, d, time.time() - t
             metrics["kl_answer"] = kl(full_ref, d)
         metrics["kept_per_head"] = kept
         if cfg.setting == "agnostic" and not lm:
             metrics["layer_err"] = layer_err
-        return metrics, None, kept, time.time() - t
+        return metrics, None, time.time() - t
 
     # the full cache (reference for every KL): always recomputed (cheap next to the capture), recorded once
-    m_full, ref, _, sec = run_one(FULL)
+    m_full, ref, sec = run_one(FULL)
     if lm:
         ref = (ref, m_full["ll"])
     if not store.done(case, FULL):
-        store.add(case, FULL, {k: v for k, v in m_full.items()}, sec + t_cap)
+        store.add(case, FULL, m_full, sec + t_cap)
     log(f"  full {m_full} {sec:.1f}s")
     wo_cfgs = [c for c in todo if c in WO_GROUP and not lm]
     if wo_cfgs:
         t = time.time()
-        errs = wo_errors(model, kv, [sel(l, [n_all - 1]) for l in range(L)], qwin_ctx, n_ctx, wo_cfgs,
-                         {})
+        errs = wo_errors(model, kv, [sel(l, [n_all - 1]) for l in range(L)], qwin_ctx, n_ctx, wo_cfgs, {})
         per_cfg_t = (time.time() - t) / len(wo_cfgs)
         wo_metrics = {c.name: {"value": float(torch.tensor(errs[c.name]).mean()),
                                "per_head": [[float(f"{x:.5g}") for x in row] for row in errs[c.name]]}
@@ -768,7 +690,7 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
         wo_metrics, per_cfg_t = {}, 0.0
     for cfg in todo:
         try:
-            m, _, _, sec = run_one(cfg, ref)
+            m, _, sec = run_one(cfg, ref)
         except ValueError as e:  # e.g. a budget below a policy's protected tokens
             log(f"  skip {cfg.name}: {e}")
             store.add(case, cfg, {"error": str(e)[:200]}, 0.0)
@@ -777,8 +699,8 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
             m["wo_err"] = wo_metrics[cfg.name]
             sec += per_cfg_t
         store.add(case, cfg, m, sec)
-        log(f"  {cfg.name} {({k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k != 'wo_err'})}"
-            f"{' wo_err %.4g' % m['wo_err']['value'] if 'wo_err' in m else ''} {sec:.1f}s")
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items() if k != "wo_err"}
+        log(f"  {cfg.name} {shown}{' wo_err %.4g' % m['wo_err']['value'] if 'wo_err' in m else ''} {sec:.1f}s")
 
 
 def _kept(cache) -> float:
@@ -793,17 +715,15 @@ def _kept(cache) -> float:
 
 
 def _seeds(spec: str) -> List[int]:
+    """The seeds of ``0-49``, ``0,3,7`` or both (``0-4,9``)."""
     out: List[int] = []
-    for part in spec.split(","):
-        if "-" in part:
-            a, b = part.split("-")
-            out += list(range(int(a), int(b) + 1))
-        elif part:
-            out.append(int(part))
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
     return out
 
 
-def main(argv=None, model_tok=None):
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="+", default=["mk_needle"], choices=TASKS)
     p.add_argument("--contexts", nargs="+", type=int, default=[2048])
@@ -816,11 +736,8 @@ def main(argv=None, model_tok=None):
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    sources = a.sources or [s for s in available_sources() if s != "kjv"] + (["kjv"] if "kjv" in available_sources() else [])
-    if model_tok is None:
-        from tritonkv.integrations.model import load_smollm2
-        model_tok = load_smollm2()
-    model, tok = model_tok
+    sources = a.sources or available_sources()
+    model, tok = load_smollm2()
     store = Store(a.out)
     configs = [c for g in a.groups if g != "full" for c in GROUPS[g]]
     meta = {"date": now(), "commit": store.commit,

@@ -1,26 +1,10 @@
 """Summaries, paired tests and verdicts from ``benchmarks/evaluate.py``'s per-case records.
 
-Reads every ``benchmarks/results/quality/*.jsonl.gz``; writes ``summary.json`` (every cell with its 95 % bootstrap
-interval, every claim comparison with its paired interval, McNemar test and verdict), ``README.md`` (the same as
-tables) and ``*.png`` (accuracy and error against budget with interval bands) in the same folder, and returns the
-quality section that ``benchmarks/report.py`` puts in ``benchmarks/results/README.md``.
-
-Rules (no hand-set thresholds):
-
-- a comparison pairs two configurations on the cases both have (same task, seed, haystack, context);
-- accuracies: McNemar's exact test and its exact conditional interval of the accuracy difference (it excludes 0
-  exactly when the test's p < 0.05); errors and KL: a paired-bootstrap interval of the mean difference; the
-  verdict is read off the interval (``evaluate_stats.verdict``): strictly on the claimed side → reproduced,
-  strictly on the other side → not reproduced, containing or touching 0 → inconclusive;
-- where a paper states its own bound, the bound is the margin: LagKV "nearly zero loss (< 5 %)" at 2× is a
-  compressed/full accuracy ratio of 0.95, "≈ 90 % of the original performance" at 8× (so at least that at 4×)
-  a ratio of 0.90; CriticalKV's "lower perturbation in 92 % of heads" is compared with the interval of the
-  measured head fraction;
-- an accuracy enters the claims at a task and context only where the full cache scores ≥ 90 % there by that same
-  accuracy (the gate; likelihood and greedy answer are gated apart), and only with at least 10
-  paired cases.
-
     python -m benchmarks.evaluate_report
+
+Writes ``summary.json``, ``README.md`` and ``*.png`` beside the records in ``benchmarks/results/quality/`` and prints
+the quality section of ``benchmarks/results/README.md``. The rules (pairing, tests, the gate, the papers' own
+bounds as margins): docs/benchmarks.md ("The quality benchmark: method").
 """
 from __future__ import annotations
 
@@ -34,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from benchmarks import evaluate_stats as S
-from benchmarks.common import RESULTS, ROOT, jsonl_files, pyplot, read_jsonl
+from benchmarks.common import RESULTS, ROOT, jsonl_files, pyplot, read_jsonl, table
 
 OUT = os.path.join(RESULTS, "quality")
 MIN_CASES = 10
@@ -55,6 +39,11 @@ def index(recs: Sequence[dict]) -> Dict[Tuple, Dict[Tuple, dict]]:
             continue
         out[(r["task"], r["context"], r["config"], r["metric"])][(r["seed"], r["source"])] = r
     return out
+
+
+def _values(idx, task, ctx, cfg, metric) -> List[float]:
+    """The values of one (task, context, configuration, metric) cell, one per case."""
+    return [r["value"] for r in idx.get((task, ctx, cfg, metric), {}).values()]
 
 
 def _bud(b) -> str:
@@ -113,8 +102,7 @@ def compare(idx, task, ctx, metric, a: str, b: str, *, ratio_margin: Optional[fl
 
 
 def full_accuracy(idx, task, ctx, metric: str = "acc_ll") -> Optional[dict]:
-    per = idx.get((task, ctx, FULL, metric), {})
-    vals = [r["value"] for r in per.values()]
+    vals = _values(idx, task, ctx, FULL, metric)
     return S.summarise(vals) if vals else None
 
 
@@ -131,8 +119,12 @@ def _gate(idx, task, ctx, metric) -> bool:
     return f is not None and f["mean"] >= FULL_GATE
 
 
-def _metrics_for(task: str) -> List[str]:
-    return ["kl", "dll"] if task == "lm" else ["acc_ll", "acc_greedy", "kl_answer"]
+def _gated(idx, accuracies_only: bool = False):
+    """Every ``(task, context, metric)`` a claim compares: the task's metrics, accuracies past the gate."""
+    for task, ctx in _tasks(idx):
+        for metric in ["kl", "dll"] if task == "lm" else ["acc_ll", "acc_greedy", "kl_answer"]:
+            if _gate(idx, task, ctx, metric) and (metric in ACC or not accuracies_only):
+                yield task, ctx, metric
 
 
 COMPOSE = cfg_name("keydiff_critical", "surfacelogic", mode="blockwise", budget=64)
@@ -190,50 +182,38 @@ CLAIMS = [
 LAGKV = [(lag, r, margin) for lag in (128, 512, 1024) for r, margin in ((0.5, 0.95), (0.25, 0.90))]
 
 
-def _lagkv(lag: int) -> str:
-    return "lagkv" if lag == 128 else f"lagkv_l{lag}"
+def _lagkv(lag: int, ratio: float) -> str:
+    """The configuration name of LagKV at lag ``L`` and compression ratio ``r``."""
+    return cfg_name("lagkv" if lag == 128 else f"lagkv_l{lag}", mode="lagkv", budget=ratio)
 
 
 def _compressed(idx, task, ctx, cfg) -> bool:
     """Whether ``cfg`` held fewer tokens than the prompt (LagKV compresses nothing below S + 2L tokens)."""
-    kept = [r["value"] for r in idx.get((task, ctx, cfg, "kept_per_head"), {}).values()]
+    kept = _values(idx, task, ctx, cfg, "kept_per_head")
     return bool(kept) and float(np.mean(kept)) < 0.99 * ctx
 
 
 def claim_rows(idx) -> List[dict]:
     out = []
     for c in CLAIMS:
-        comps = []
-        for task, ctx in _tasks(idx):
-            for metric in _metrics_for(task):
-                if not _gate(idx, task, ctx, metric):
-                    continue
-                for a, b in c["pairs"]:
-                    r = compare(idx, task, ctx, metric, a, b)
-                    if r:
-                        comps.append(r)
+        comps = [compare(idx, task, ctx, metric, a, b) for task, ctx, metric in _gated(idx) for a, b in c["pairs"]]
+        comps = [r for r in comps if r]
         out.append(dict(id=c["id"], claim=c["claim"], comparisons=comps, overall=_overall(comps)))
     # LagKV: relative score against the full cache (the paper's own bounds)
     comps = []
-    for task, ctx in _tasks(idx):
-        for metric in _metrics_for(task):
-            if metric not in ACC or not _gate(idx, task, ctx, metric):
-                continue
-            for lag, r_, margin in LAGKV:
-                cfg = cfg_name(_lagkv(lag), mode="lagkv", budget=r_)
-                r = compare(idx, task, ctx, metric, cfg, FULL, ratio_margin=margin) if _compressed(idx, task, ctx,
-                                                                                                   cfg) else None
-                if r:
-                    comps.append(dict(r, lag=lag))
+    for task, ctx, metric in _gated(idx, accuracies_only=True):
+        for lag, r, margin in LAGKV:
+            cfg = _lagkv(lag, r)
+            comp = _compressed(idx, task, ctx, cfg) and compare(idx, task, ctx, metric, cfg, FULL, ratio_margin=margin)
+            if comp:
+                comps.append(dict(comp, lag=lag))
     kl_rows = []
     for task, ctx in _tasks(idx):
         m = "kl" if task == "lm" else "kl_answer"
-        for lag, r_, _ in LAGKV:
-            cfg = cfg_name(_lagkv(lag), mode="lagkv", budget=r_)
-            per = idx.get((task, ctx, cfg, m), {})
-            if len(per) >= MIN_CASES and _compressed(idx, task, ctx, cfg):
-                kl_rows.append(dict(task=task, context=ctx, metric=m, lag=lag, ratio=r_,
-                                    **S.summarise([x["value"] for x in per.values()])))
+        for lag, r, _ in LAGKV:
+            vals = _values(idx, task, ctx, _lagkv(lag, r), m)
+            if len(vals) >= MIN_CASES and _compressed(idx, task, ctx, _lagkv(lag, r)):
+                kl_rows.append(dict(task=task, context=ctx, metric=m, lag=lag, ratio=r, **S.summarise(vals)))
     claim = ("LagKV (S = 16, recursive; L = 128, 512, 1024) keeps ≥ 95 % of the full cache's score at 2× (r = ½: "
              "'nearly zero loss, < 5 %') and ≥ 90 % at 4× (r = ¼; the paper claims ≈ 90 % even at 8×); a cell where L "
              "compresses nothing at that context (S + 2L > prompt) is left out")
@@ -243,11 +223,10 @@ def claim_rows(idx) -> List[dict]:
     for r, ea, eb in _critical_cells(idx, "wo_err", "per_head"):
         comps.append(r)
         hw = S.head_wise(ea, eb)
-        lo, hi = hw["sig_lower"], 1.0 - hw["sig_higher"]
+        lo, hi = hw["sig_lower"], 1.0 - hw["sig_higher"]  # NaN below 2 cases: inconclusive
         heads.append(dict(task=r["task"], context=r["context"], a=r["a"], b=r["b"], n=r["n"], heads=hw["heads"],
-                          fraction=hw["lower"], lo=lo, hi=hi,
-                          vs_paper=S.verdict(lo - 0.92, hi - 0.92) if not np.isnan(lo) else "inconclusive",
-                          verdict=S.verdict(lo - 0.5, hi - 0.5) if not np.isnan(lo) else "inconclusive"))
+                          fraction=hw["lower"], lo=lo, hi=hi, vs_paper=S.verdict(lo - 0.92, hi - 0.92),
+                          verdict=S.verdict(lo - 0.5, hi - 0.5)))
     out.insert(1, dict(id="criticalkv_err",
                        claim="CriticalKV lowers the attention-output perturbation ‖(A − A′)VW_O‖₁ at the first "
                              "decoding token vs SnapKV / AdaKV (mean over heads and cases), and does so in 92 % of the "
@@ -301,16 +280,9 @@ def _overall(comps) -> str:
     if not v:
         return "not measured"
     n_r, n_n, n_i = v.count("reproduced"), v.count("not reproduced"), v.count("inconclusive")
-    if n_r == len(v):
-        head = "reproduced"
-    elif n_r and not n_n:
-        head = "partly reproduced"
-    elif not n_r and not n_n:
-        head = "inconclusive"
-    elif n_n and not n_r:
-        head = "not reproduced"
-    else:
-        head = "mixed"
+    mixes = {(True, False): "partly reproduced", (False, False): "inconclusive", (False, True): "not reproduced",
+             (True, True): "mixed"}  # (any reproduced, any not reproduced)
+    head = "reproduced" if n_r == len(v) else mixes[(n_r > 0, n_n > 0)]
     return f"{head} ({n_r} reproduced, {n_n} not reproduced, {n_i} inconclusive of {len(v)} cells)"
 
 
@@ -342,17 +314,21 @@ def _short(cfg: str) -> str:
     return " ".join(parts)
 
 
+def _vs(x: dict) -> str:
+    return f"{_short(x['a'])} vs {_short(x['b'])}"
+
+
 def comparison_table(comps: Sequence[dict]) -> List[str]:
-    lines = ["| task | ctx | metric | a vs b | n | a | b | difference [95% CI] | McNemar p | verdict |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for c in comps:
         m = c["metric"]
-        diff = (_ci(c["est"], c["lo"], c["hi"], m if c["stat"] == "a − b" else None)
-                if c["stat"] == "a − b" else f"ratio {c['est']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}] vs {c['margin']}")
+        diff = (_ci(c["est"], c["lo"], c["hi"], m) if c["stat"] == "a − b"
+                else f"ratio {c['est']:.3f} [{c['lo']:.3f}, {c['hi']:.3f}] vs {c['margin']}")
         p = f"{c['mcnemar']['p']:.3g} ({c['mcnemar']['n10']}:{c['mcnemar']['n01']})" if "mcnemar" in c else "–"
-        lines.append(f"| {c['task']} | {c['context']} | {m} | {_short(c['a'])} vs {_short(c['b'])} | {c['n']} | "
-                     f"{_fmt(c['mean_a'], m)} | {_fmt(c['mean_b'], m)} | {diff} | {p} | {c['verdict']} |")
-    return lines
+        rows.append([c["task"], c["context"], m, _vs(c), c["n"], _fmt(c["mean_a"], m), _fmt(c["mean_b"], m), diff, p,
+                     c["verdict"]])
+    return table(rows, ["task", "ctx", "metric", "a vs b", "n", "a", "b", "difference [95% CI]", "McNemar p",
+                        "verdict"])
 
 
 def _held(comps, cells) -> List[str]:
@@ -379,6 +355,12 @@ SECOND_LOOK = ("Cases: 50 per task and context in every claim's cells (the n col
                "second look at the same hypotheses that the intervals are not corrected for.")
 
 
+def _full_cell(idx, task, ctx, metric) -> str:
+    """The full cache's accuracy with its interval, ✗ where it fails the gate."""
+    s = full_accuracy(idx, task, ctx, metric)
+    return _ci(s["mean"], s["lo"], s["hi"], metric) + (" ✗" if s["mean"] < FULL_GATE else "") if s else "–"
+
+
 def markdown(recs, summary) -> str:
     idx = index(recs)
     runs = sorted({r.get("commit") for r in recs if r.get("commit")})
@@ -387,21 +369,14 @@ def markdown(recs, summary) -> str:
            f"Per-case records in `*.jsonl.gz` (commits {', '.join(runs) or '–'}; {secs / 3600:.1f} CPU-hours of "
            "measurement). Produced by `benchmarks/evaluate.py`, summarised by `benchmarks/evaluate_report.py`. "
            "Accuracies in %, with 95 % percentile-bootstrap intervals over cases; comparisons are paired on the "
-           "same cases. Method and caveats: the docstrings of both programs.", "", SECOND_LOOK, ""]
+           "same cases. Method and caveats: [docs/benchmarks.md](../../../docs/benchmarks.md#the-quality-benchmark-method).",
+           "", SECOND_LOOK, ""]
     out += ["## Full-cache accuracy (the ≥ 90 % gate)", "",
             "An accuracy enters the claims at a task and context only where the full cache's mean on that accuracy is "
-            "≥ 90 %; ✗ marks the ones that do not.", "", "| task | context | n | acc_ll | acc_greedy |",
-            "|---|---|---|---|---|"]
-    for task, ctx in _tasks(idx):
-        if task == "lm":
-            continue
-        row = []
-        for m in ACC:
-            vals = [r["value"] for r in idx.get((task, ctx, FULL, m), {}).values()]
-            s = S.summarise(vals) if vals else None
-            row.append(_ci(s["mean"], s["lo"], s["hi"], m) + (" ✗" if s["mean"] < FULL_GATE else "") if s else "–")
-        n = len(idx.get((task, ctx, FULL, "acc_ll"), {}))
-        out.append(f"| {task} | {ctx} | {n} | {row[0]} | {row[1]} |")
+            "≥ 90 %; ✗ marks the ones that do not.", ""]
+    rows = [[t, c, len(idx.get((t, c, FULL, "acc_ll"), {})), *(_full_cell(idx, t, c, m) for m in ACC)]
+            for t, c in _tasks(idx) if t != "lm"]
+    out += table(rows, ["task", "context", "n", *ACC])
     out += ["", "## Claims", ""]
     for c in summary["claims"]:
         out += [f"### {c['claim']}", "", f"**Overall: {c['overall']}**", ""]
@@ -411,49 +386,37 @@ def markdown(recs, summary) -> str:
         if c.get("heads"):
             out += ["Head-wise (per (layer, query head), mean error over cases): the fraction of heads where the "
                     "first configuration is lower, bounded below by the heads whose own paired 95 % interval is "
-                    "wholly below 0 and above by 1 − those wholly above 0:", "",
-                    "| task | ctx | a vs b | n | heads | fraction lower [bounds] | ≥ 92 % of heads (the paper) | "
-                    "most heads (> ½) |",
-                    "|---|---|---|---|---|---|---|---|"]
-            for h in c["heads"]:
-                out.append(f"| {h['task']} | {h['context']} | {_short(h['a'])} vs {_short(h['b'])} | {h['n']} | "
-                           f"{h['heads']} | {h['fraction']:.2f} [{h['lo']:.2f}, {h['hi']:.2f}] | {h['vs_paper']} | "
-                           f"{h['verdict']} |")
-            out.append("")
+                    "wholly below 0 and above by 1 − those wholly above 0:", ""]
+            out += table([[h["task"], h["context"], _vs(h), h["n"], h["heads"],
+                           f"{h['fraction']:.2f} [{h['lo']:.2f}, {h['hi']:.2f}]", h["vs_paper"], h["verdict"]]
+                          for h in c["heads"]],
+                         ["task", "ctx", "a vs b", "n", "heads", "fraction lower [bounds]",
+                          "≥ 92 % of heads (the paper)", "most heads (> ½)"]) + [""]
         if c.get("layers"):
-            at = [l for l, *_ in c["layers"][0]["ratios"]]
             out += ["Attention-output error after W_O per layer, inside the compressed run: mean(a) / mean(b) "
-                    "[95 % CI] (below 1: a perturbs less)", "",
-                    "| task | ctx | a vs b | n | " + " | ".join(f"layer {l}" for l in at) + " |",
-                    "|---|---|---|---|" + "---|" * len(at)]
-            for r in c["layers"]:
-                out.append(f"| {r['task']} | {r['context']} | {_short(r['a'])} vs {_short(r['b'])} | {r['n']} | "
-                           + " | ".join(f"{x:.3f} [{lo:.3f}, {hi:.3f}]" for _, x, lo, hi in r["ratios"]) + " |")
-            out.append("")
+                    "[95 % CI] (below 1: a perturbs less)", ""]
+            out += table([[r["task"], r["context"], _vs(r), r["n"]]
+                          + [f"{x:.3f} [{lo:.3f}, {hi:.3f}]" for _, x, lo, hi in r["ratios"]] for r in c["layers"]],
+                         ["task", "ctx", "a vs b", "n"] + [f"layer {l}" for l, *_ in c["layers"][0]["ratios"]]) + [""]
         if c.get("kl"):
-            out += ["| task | ctx | metric | L | r | n | mean [95% CI] |", "|---|---|---|---|---|---|---|"]
-            for k in c["kl"]:
-                out.append(f"| {k['task']} | {k['context']} | {k['metric']} | {k['lag']} | {k['ratio']} | {k['n']} | "
-                           f"{_ci(k['mean'], k['lo'], k['hi'])} |")
-            out.append("")
+            out += table([dict(k, ci=_ci(k["mean"], k["lo"], k["hi"])) for k in c["kl"]],
+                         ["task", "context", "metric", "lag", "ratio", "n", "ci"],
+                         ["task", "ctx", "metric", "L", "r", "n", "mean [95% CI]"]) + [""]
     pes = summary.get("profile_effect") or []
     if pes:
         out += ["## SurfaceLogicKV: what the profile changes in the allocation", "",
                 "Profiles: " + "; ".join(f"`{k}` {v}" for k, v in PROFILES.items()) + ". Budgets at a "
-                f"{pes[0]['prompt']}-token prompt; moved = share of the L·H·b tokens that change (layer, head):", "",
-                "| a vs b | what differs | Spearman of INF | tokens per head | moved | largest per-layer change | "
-                "top-10 heads shared |", "|---|---|---|---|---|---|---|"]
-        for pe in pes:
-            for r in pe["budgets"]:
-                out.append(f"| {_stem(pe['a'])} vs {_stem(pe['b'])} | {pe['differs']} | {pe['spearman']:.2f} | "
-                           f"{r['budget']} | {r['moved']:.1%} | {r['layer_change']:.0%} | {r['top10_shared']}/10 |")
+                f"{pes[0]['prompt']}-token prompt; moved = share of the L·H·b tokens that change (layer, head):", ""]
+        out += table([[f"{_stem(pe['a'])} vs {_stem(pe['b'])}", pe["differs"], f"{pe['spearman']:.2f}", r["budget"],
+                       f"{r['moved']:.1%}", f"{r['layer_change']:.0%}", f"{r['top10_shared']}/10"]
+                      for pe in pes for r in pe["budgets"]],
+                     ["a vs b", "what differs", "Spearman of INF", "tokens per head", "moved",
+                      "largest per-layer change", "top-10 heads shared"])
         out += ["", "End to end (paper-grid profile against the default): the claim *The profile's effect* above.", ""]
-    out += ["## Every cell", "", "| task | ctx | configuration | metric | n | mean [95% CI] |", "|---|---|---|---|---|---|"]
-    for c in summary["cells"]:
-        if c["metric"] in ("kept_per_head",):
-            continue
-        out.append(f"| {c['task']} | {c['context']} | `{c['config']}` | {c['metric']} | {c['n']} | "
-                   f"{_ci(c['mean'], c['lo'], c['hi'], c['metric'])} |")
+    out += ["## Every cell", ""]
+    out += table([[c["task"], c["context"], f"`{c['config']}`", c["metric"], c["n"],
+                   _ci(c["mean"], c["lo"], c["hi"], c["metric"])] for c in summary["cells"]
+                  if c["metric"] != "kept_per_head"], ["task", "ctx", "configuration", "metric", "n", "mean [95% CI]"])
     out.append("")
     return "\n".join(out)
 
@@ -492,14 +455,14 @@ def plots(recs, out_dir: str) -> List[str]:
             for label, t in lines:
                 xs, ys, lo, hi = [], [], [], []
                 for b in budgets:
-                    vals = [r["value"] for r in idx.get((task, ctx, t.replace("{b}", _bud(b)), m), {}).values()]
+                    vals = _values(idx, task, ctx, t.replace("{b}", _bud(b)), m)
                     if len(vals) >= 2:
                         s = S.summarise(vals)
                         xs.append(b), ys.append(s["mean"]), lo.append(s["lo"]), hi.append(s["hi"])
                 if xs:
                     (ln,) = ax.plot(xs, ys, marker="o", label=label)
                     ax.fill_between(xs, lo, hi, color=ln.get_color(), alpha=0.15)
-            f = [r["value"] for r in idx.get((task, ctx, FULL, m), {}).values()] if m in ACC else []
+            f = _values(idx, task, ctx, FULL, m) if m in ACC else []
             if f:
                 ax.axhline(np.mean(f), color="k", ls="--", lw=0.8, label="full cache")
             ax.set_xlabel("budget (tokens per head)" if budgets[0] > 1 else "budget (fraction of the context)")
@@ -540,7 +503,8 @@ def readme_section(summary: dict, rel: str = "quality", plots_dir: Optional[str]
            f"every cell, plots): [{rel}/README.md]({rel}/README.md). A verdict is read off an interval: "
            "reproduced (strictly on the claimed side), not reproduced (strictly on the other side), inconclusive "
            "(contains or touches no difference). These are findings about a 135M-parameter model at 2K–8K tokens, not "
-           "about the papers' 8B models at 32K. " + SECOND_LOOK, "", "| claim | verdict | headline evidence |", "|---|---|---|"]
+           "about the papers' 8B models at 32K. " + SECOND_LOOK, ""]
+    rows = []
     for c in summary["claims"]:
         ev = []
         for x in _headline(c["comparisons"]):
@@ -559,7 +523,8 @@ def readme_section(summary: dict, rel: str = "quality", plots_dir: Optional[str]
         for h in c.get("heads", [])[:2]:
             ev.append(f"{_short(h['a'])} lower in {h['fraction']:.0%} [{h['lo']:.0%}, {h['hi']:.0%}] of "
                       f"{h['heads']} heads (paper's 92 %: {h['vs_paper']})")
-        out.append(f"| {c['claim']} | **{c['overall']}** | {'; '.join(ev) or '–'} |")
+        rows.append([c["claim"], f"**{c['overall']}**", "; ".join(ev) or "–"])
+    out += table(rows, ["claim", "verdict", "headline evidence"])
     pngs = sorted(glob.glob(os.path.join(plots_dir, "*.png"))) if plots_dir else []
     if pngs:
         out += ["", " ".join(f"![{os.path.basename(p)[:-4]}]({rel}/{os.path.basename(p)})" for p in pngs)]

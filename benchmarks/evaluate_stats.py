@@ -1,8 +1,6 @@
 """Statistics for ``benchmarks/evaluate.py``: percentile-bootstrap intervals, paired comparisons, McNemar's exact
-test, and the verdict rule (an interval decides, never a hand-set threshold).
-
-Everything is plain Python + NumPy (no model, no torch), seeded, so a summary recomputed from the same records is
-the same summary.
+test, and the verdict rule (an interval decides, never a hand-set threshold). Plain Python + NumPy (no model, no
+torch), seeded: a summary recomputed from the same records is the same summary.
 """
 from __future__ import annotations
 
@@ -15,10 +13,6 @@ N_BOOT = 2000
 LEVEL = 0.95
 
 
-def _rng(seed: int) -> np.random.Generator:
-    return np.random.default_rng(seed)
-
-
 def bootstrap_ci(values: Sequence[float], stat: Callable[[np.ndarray], float] = np.mean, *, n_boot: int = N_BOOT,
                  level: float = LEVEL, seed: int = 0) -> Tuple[float, float, float]:
     """``(estimate, lo, hi)``: ``stat`` of ``values`` and its percentile-bootstrap interval (cases resampled with
@@ -29,7 +23,7 @@ def bootstrap_ci(values: Sequence[float], stat: Callable[[np.ndarray], float] = 
     est = float(stat(x)) if n else float("nan")
     if n < 2:
         return est, float("nan"), float("nan")
-    idx = _rng(seed).integers(0, n, size=(n_boot, n))
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
     if x.ndim == 1 and stat is np.mean:  # vectorised fast path
         boots = x[idx].mean(1)
     else:
@@ -124,16 +118,11 @@ def paired_accuracy(a: Sequence[int], b: Sequence[int], level: float = LEVEL) ->
 
 
 def verdict(lo: float, hi: float, *, better: str = "higher", margin: float = 0.0) -> str:
-    """The verdict of a claim "a beats b" (``better="higher"``: the difference a − b, or a ratio, should exceed
-    ``margin``; ``"lower"``: stay below it) from the interval ``[lo, hi]`` of that difference:
-
-    - ``"reproduced"``: the whole interval is strictly on the claimed side of ``margin``;
-    - ``"not reproduced"``: the whole interval is strictly on the other side;
-    - ``"inconclusive"``: the interval contains or touches ``margin``, or is undefined (a zero-width interval at
-      ``margin``, e.g. two configurations right on the same cases, tells nothing apart).
-
-    ``margin`` is where a claim states its own bound (LagKV: "< 5 % loss" → a ratio of 0.95), never a tolerance
-    picked here."""
+    """The verdict of a claim "a beats b" from the interval ``[lo, hi]`` of a − b (or of a ratio): ``"reproduced"``
+    when it lies strictly on the claimed side of ``margin`` (``better="higher"``: above, ``"lower"``: below), ``"not
+    reproduced"`` strictly on the other side, ``"inconclusive"`` when it contains or touches ``margin`` or is
+    undefined (a zero-width interval at ``margin``, two configurations right on the same cases, tells nothing
+    apart). ``margin`` is a claim's own bound (LagKV's "< 5 % loss": a ratio of 0.95), never a tolerance picked here."""
     if lo is None or hi is None or math.isnan(lo) or math.isnan(hi):
         return "inconclusive"
     if better not in ("higher", "lower"):
@@ -157,7 +146,7 @@ def head_wise(a: np.ndarray, b: np.ndarray, *, n_boot: int = N_BOOT, level: floa
         nan = float("nan")
         return {"heads": h, "lower": float((d.mean(0) < 0).mean()) if n else nan, "sig_lower": nan,
                 "sig_higher": nan}
-    idx = _rng(seed).integers(0, n, size=(n_boot, n))
+    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
     boots = np.stack([d[i].mean(0) for i in idx])  # [n_boot, heads]
     alpha = (1.0 - level) / 2.0
     lo, hi = np.quantile(boots, [alpha, 1.0 - alpha], axis=0)
