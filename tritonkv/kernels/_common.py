@@ -11,7 +11,8 @@
   ``launch`` then calls the ``@triton.jit`` kernel directly, through the launch cache
   (``_cached_run``: the compiled kernel's launcher called with exactly what ``JITFunction.run`` would
   pass it, without re-binding; ``TRITONKV_LAUNCH_CACHE=0`` turns it off); while tracing it goes
-  through ``wrap_triton`` (``docs/architecture.md``, "Kernels").
+  through ``wrap_triton`` (``docs/architecture.md``, "Kernels"). A repeated eager ``compress`` goes further:
+  ``_plan`` repeats its ops and launches from a record, and the launch cache logs launches for it.
 * ``use_triton`` / ``cpu_kernels``: one op, two devices. Every op body starts with
   ``if not use_triton(x): return <vectorised PyTorch body>``: CUDA tensors run the Triton kernels,
   CPU tensors the PyTorch body — unless the Triton interpreter is on (``TRITON_INTERPRET=1``), where
@@ -110,11 +111,15 @@ class _Recording(threading.local):
 _recorder = _Recording()
 
 
+def _recording_only() -> bool:
+    """The only dispatch mode is the recorder of a plan (``_plan``), which sees the ops of an eager call."""
+    return _recorder.rec is not None and torch._C._len_torch_dispatch_stack() == 1
+
+
 def _eager(args, kwargs) -> bool:
     """A real call: not traced by torch.compile/export, no dispatch mode (but a plan's recorder), only plain
     tensors."""
-    return (not torch.compiler.is_compiling()
-            and (not is_in_torch_dispatch_mode() or _recorder.rec is not None and torch._C._len_torch_dispatch_stack() == 1)
+    return (not torch.compiler.is_compiling() and (not is_in_torch_dispatch_mode() or _recording_only())
             and _PLAIN.issuperset(map(type, args)) and (not kwargs or _PLAIN.issuperset(map(type, kwargs.values()))))
 
 

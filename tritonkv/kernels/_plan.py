@@ -1,19 +1,28 @@
 """Plans: an eager call repeated from a record of what it did (the host side of a CUDA graph).
 
-A small ``compress`` is host-bound: its Python (checks, policy code, launch configuration, Triton's binder)
-takes longer than its kernels. Yet a call is a function of metadata: given the same policy settings, budget,
-shapes, strides, dtypes, devices, address alignments and global switches, it makes the same torch ops and the
-same launches, only on other tensors. ``call(key, tensors, body)`` runs ``body()``; the second time a ``key`` is
-seen it records what ``body()`` does, and from then on a call with that key repeats the record:
+A small ``compress`` is host-bound: its Python (checks, policy and allocator code, launch configuration,
+Triton's binder) takes longer than its kernels. Yet a call is a function of metadata: given the same policy and
+allocator settings, budget, shapes, strides, dtypes, devices, address alignments, small host tables and global
+switches, it makes the same torch ops and the same launches, only on other tensors. ``call(key, tensors, body)``
+runs ``body()``; the second time a ``key`` is seen it records what ``body()`` does, and from then on a call with
+that key repeats the record:
 
 * the record is made under a ``TorchDispatchMode`` that logs every torch op (allocations, views, the odd
   arithmetic op) and by the launch cache (``_common._cached_run``), which logs every launch it makes with the
   compiled kernel, Triton's cache key and every bound argument in signature order;
-* every tensor that an op or a launch reads must be one of ``tensors`` (the call's inputs) or the output of an
-  earlier op; the result must be a tuple of such tensors (a ``NamedTuple``, rebuilt as its type);
-* nothing may read values back to the host (``item``, ``tolist``, ``numpy``, an op whose output shape or value
-  depends on data, a random op), call ``spoil()`` (a warning), go through Triton's own ``run`` or leave the Python dispatcher's view;
-  else the key is never recorded again and every call of it runs ``body()``.
+* every tensor that a launch reads must be one of ``tensors`` (the call's inputs) or made by a logged op; an op
+  may also read a tensor the call neither made nor received (a module's cached table, ``torch.tensor`` of host
+  values), which the plan keeps as a constant (and must not write);
+* values may be read back to the host (``item``, ``tolist``, a bool, an op whose output shape depends on data)
+  only where the key determines them: not from an input (but those whose values ``key`` holds, ``known``), a
+  kernel's output, uninitialised memory, or anything computed from them;
+* no random op, no ``spoil()`` (a warning), no launch through Triton's own ``run``; a table cached per input
+  object (``depends_on``) ties the plan to that object as it is (its identity and version);
+* the result is a tuple of logged tensors (a ``NamedTuple``, rebuilt as its type) or an object whose attributes
+  are logged tensors and plain values (``RaggedKV``);
+
+else the key is never recorded again and every call of it runs ``body()``. Host checks of input values
+(``host_check``) run again on every repeat.
 
 A repeat allocates through the same ops, makes the same views, and calls each compiled kernel's launcher with
 the arguments the launch cache would pass (the same checks first: Triton's cache still maps the key to that
@@ -28,6 +37,7 @@ import os
 import threading
 import weakref
 from typing import NamedTuple
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,7 +58,6 @@ _DETACH = torch.ops.aten.detach.default
 _LIFT = torch.ops.aten.lift_fresh.default
 _UNINITIALISED = frozenset({_EMPTY, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
                             torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default})
-_MUTATING = frozenset()  # ops returning non-tensors that write a tensor (none known)
 
 
 def on() -> bool:
@@ -222,7 +231,7 @@ class _Recorder(TorchDispatchMode):
         dirty = any(self.dirty_tensor(t) for t in ins)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(type(o) is torch.Tensor for o in outs):  # a value read back (an item, a bool): not repeated
-            if dirty or func in _MUTATING:
+            if dirty:
                 self.fail()
             return out
         if func is _LIFT and len(args) == 1 and id(args[0]) not in self.slots:  # torch.tensor(<Python values>)
