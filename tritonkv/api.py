@@ -113,8 +113,9 @@ def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
     if _plan.on():  # the call repeated from its plan (kernels/_plan.py)
         key = _plan_key(kv, policy, budget, allocation, inputs)
         if key is not None:
-            tensors = (kv[0], kv[1], *[v for v in inputs.values() if type(v) is torch.Tensor])
-            known = tuple(i for i, t in enumerate(tensors) if i > 1 and _by_value(t))
+            named = [(n, v) for n, v in inputs.items() if type(v) is torch.Tensor]
+            tensors = (kv[0], kv[1], *[v for _, v in named])
+            known = tuple(i + 2 for i, (n, v) in enumerate(named) if _by_value(n, v))
             return _plan.call(key, tensors, lambda: _compress(kv, policy, budget, allocation, inputs), known)
     return _compress(kv, policy, budget, allocation, inputs)
 
@@ -148,11 +149,13 @@ def _config(obj, names: dict = POLICIES):
     return tuple(out)
 
 
-_BY_VALUE = 1024  # CPU input tensors of at most this many elements enter the plan key by value (profiles, tables)
+# inputs that allocators read on the host (model-level tables): small CPU ones enter the plan key by value, so that
+# calls reading them can be planned (any other value read keeps a call off plans)
+_BY_VALUE = frozenset({"profile", "layer_preference", "hd"})
 
 
-def _by_value(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.numel() <= _BY_VALUE
+def _by_value(name: str, t: torch.Tensor) -> bool:
+    return name in _BY_VALUE and t.is_cpu and t.numel() <= 4096
 
 
 def _plan_key(kv, policy, budget, allocation, inputs: dict):
@@ -175,7 +178,7 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
     for name, v in inputs.items():
         t = type(v)
         if t is torch.Tensor and not v.requires_grad:
-            parts.append((name, tensor_key(v), tuple(v.reshape(-1).tolist()) if _by_value(v) else None))
+            parts.append((name, tensor_key(v), tuple(v.reshape(-1).tolist()) if _by_value(name, v) else None))
         elif t in _KEY_TYPES:
             parts.append((name, t, v))
         else:
