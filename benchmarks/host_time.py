@@ -18,9 +18,12 @@ AdaKV's two totals, read whatever the uninitialised buffers hold; the sizes belo
 
 Each case runs ``--warmup`` calls, then ``--rounds`` rounds of ``--calls`` calls; the minimum over rounds of the
 mean per call is reported (``host_us``), with a calibration: the time of a 1000-iteration empty Python loop on
-the same core (about 15-25 µs on an idle modern core). ``without_triton_run_us`` repeats the measurement with
-``JITFunction.run`` itself stubbed: tritonkv's own host time, without Triton's per-launch binder and cache
-lookup.
+the same core (about 15-25 µs on an idle modern core). From the second call of a case on, ``compress`` is repeated
+from its plan (``tritonkv/kernels/_plan.py``): the warm-up records it, the rounds replay it. Allocations here are
+CPU allocations (``malloc``, for the larger outputs ``mmap`` and page faults), dearer than the CUDA caching
+allocator's. ``without_triton_run_us`` repeats the measurement with ``JITFunction.run`` itself stubbed: tritonkv's
+own host time without Triton's per-launch binder and cache lookup, and without plans (a patched ``run`` keeps
+calls off them), i.e. every layer of the call as it runs the first time a shape is seen.
 
     python -m benchmarks.host_time                          # this checkout's tritonkv
     python -m benchmarks.host_time --compare <git ref> --json benchmarks/results/host_time.json

@@ -24,7 +24,7 @@ def main():
     from benchmarks.host_time import gpu_path_on_cpu
 
     import tritonkv
-    from tritonkv.kernels import _common
+    from tritonkv.kernels import _common, _plan
 
     assert not _common.INTERPRET, "run without TRITON_INTERPRET"
     assert _common._AUDITED is not None, "this Triton's run() is not one the launch cache serves"
@@ -68,6 +68,7 @@ def main():
         return normal[1][1]
 
     _common._cached_run = both
+    _plan._enabled[0] = False  # every launch through ``both``; plans are checked below
 
     def inputs(B, H, N, D, dtype, layout):
         g = torch.Generator().manual_seed(N + D)
@@ -116,8 +117,98 @@ def main():
             _common.launch(_knorm_kernel, (1, 1), k, o, o, 1, 16, 16, skn, 4, 4, 1, 1, 0, 0, TILE=16, BLOCK_D=16,
                            HIST=False, NB=256, HIST_TILE=128, num_warps=4)
     variants = sum(len(k.device_caches[0][0]) for k in _kernels())
-    print(json.dumps(dict(compared=compared[0], served=served[0], variants=variants,
+    _common._cached_run = cached_run
+    replayed = _check_plans(tritonkv, _common, _plan, records, cases, inputs, names, needs)
+    print(json.dumps(dict(compared=compared[0], served=served[0], variants=variants, replayed=replayed,
                           triton=__import__("triton").__version__)))
+
+
+def _canonical(recs, inputs):
+    """The stub records of one call with every tensor replaced by what a launcher reads of it (storage, view,
+    dtype, 16-byte alignment) and its role: the input it views exactly (an alias such as ``detach()`` included), or
+    its first appearance in the call."""
+    def where(t):
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+    known = {where(t): i for i, t in enumerate(inputs)}
+    seen = {}
+    out = []
+    for rec in recs:
+        row = []
+        for x in rec:
+            if isinstance(x, torch.Tensor):
+                w = where(x)
+                role = ("input", known[w]) if w in known else ("made", seen.setdefault(w, len(seen)))
+                row.append(role + w[1:] + (x.data_ptr() % 16,))
+            else:
+                row.append(x)
+        out.append(tuple(row))
+    return out
+
+
+def _layout(out):
+    """A result's structure: its type, its tensors' shapes, dtypes and strides, its other attributes."""
+    items = enumerate(out) if isinstance(out, tuple) else sorted(vars(out).items())
+    return type(out), [(k, (v.shape, v.dtype, v.stride()) if isinstance(v, torch.Tensor) else v) for k, v in items]
+
+
+def _check_plans(tritonkv, _common, _plan, records, cases, inputs, names, needs):
+    """Plans (``kernels/_plan.py``): every launch of a call repeated from its plan against the launches of the
+    same call through Triton's own ``run``, argument by argument (tensors by role). Every call is made twice
+    first (seen, recorded), then once more with Triton's ``run`` and once from the plan, so that a plan
+    served to a call it does not fit (another layout, alignment or dtype of the same shape) shows."""
+    replays = [0]
+    replay = _plan._Plan.replay
+
+    def counted(self, tensors):
+        out = replay(self, tensors)
+        replays[0] += out is not _plan._MISS
+        return out
+
+    _plan._Plan.replay = counted
+    _plan._enabled[0] = True
+    calls = []
+    for case in cases:
+        keys, values, pool = inputs(*case)
+        for name in names:
+            extra = {n: pool[n] for n in needs.get(name, ())}
+            for budget in (0.25, 0.75, 3):
+                calls.append(((keys, values), name, budget, extra))
+        B, H, N = keys.shape[:3]
+        g = torch.Generator().manual_seed(N)
+        for alloc, extra in (("pyramid", dict(layer=1, num_layers=4)),
+                             ("headkv", dict(layer=1, profile=torch.rand(4, H, generator=g))),
+                             ("surfacelogic", dict(layer=2, profile=torch.rand(4, H, generator=g))),
+                             ("cake", dict(layer=1, layer_preference=torch.rand(4, generator=g) + 0.1)),
+                             ("score", dict(layer=1, head_means=torch.rand(4, B, 2 * H, N, generator=g))),
+                             ("adakv", dict(queries=pool["queries"], attn_lse=pool["attn_lse"]))):
+            name = "snapkv" if alloc == "adakv" else "knorm"
+            for budget in (0.3, 0.6):
+                calls.append(((keys, values), name, budget, dict(extra, allocation=alloc)))
+    ok = []
+    for kv, name, budget, extra in calls:
+        try:
+            for _ in range(2):
+                tritonkv.compress(kv, name, budget, **extra)
+            ok.append((kv, name, budget, extra))
+        except ValueError as e:  # LagKV's protected tail exceeds a small budget of a short row
+            assert "protected" in str(e), e
+    for kv, name, budget, extra in ok:
+        tensors = (*kv, *[t for t in extra.values() if isinstance(t, torch.Tensor)])
+        _common._launch_cache[0] = False  # Triton's own run, no plan
+        del records[:]
+        ref = tritonkv.compress(kv, name, budget, **extra)
+        want = _canonical(records, tensors)
+        _common._launch_cache[0] = True
+        del records[:]
+        before = replays[0]
+        got = tritonkv.compress(kv, name, budget, **extra)
+        assert replays[0] == before + 1, (name, budget)
+        assert _canonical(records, tensors) == want, (name, budget, kv[0].shape, kv[0].dtype)
+        assert _layout(got) == _layout(ref), (name, extra.get("allocation"))
+    _plan._Plan.replay = replay
+    assert replays[0] == len(ok) > 200, (replays[0], len(ok))
+    return replays[0]
 
 
 def _kernels():

@@ -1,7 +1,8 @@
 """The eager launch cache (``tritonkv.kernels._common._cached_run``) launches exactly what
 ``JITFunction.run`` launches: ``launch_cache_check.py`` compares the two paths argument by argument for
 every launch of every dense policy over shapes, dtypes and layouts that change Triton's specialisation
-(a subprocess without ``TRITON_INTERPRET``: fake driver, recording stub kernels, no GPU needed)."""
+(a subprocess without ``TRITON_INTERPRET``: fake driver, recording stub kernels, no GPU needed); calls repeated
+from their plans (``tritonkv/kernels/_plan.py``) likewise."""
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ def test_cached_launches_are_the_launches_of_triton_run():
     # every launch compared; all but the first of each specialisation served from the cache
     assert res["compared"] > 1000 and res["variants"] > 50, res
     assert res["served"] >= res["compared"] - 2 * res["variants"], res
+    assert res["replayed"] > 150, res  # calls repeated from their plans, each checked against Triton's run
 
 
 def test_environment_switch_turns_the_cache_off():
@@ -31,3 +33,77 @@ def test_environment_switch_turns_the_cache_off():
             "print(json.dumps(dict(on=_common._launch_cache[0], audited=_common._AUDITED is not None)))")
     assert _run(code, TRITONKV_LAUNCH_CACHE="0") == dict(on=False, audited=True)
     assert _run(code) == dict(on=True, audited=True)
+
+
+PLAN_GUARDS = """
+import json, warnings, torch
+from benchmarks.host_time import gpu_path_on_cpu
+gpu_path_on_cpu()
+import tritonkv
+from tritonkv.kernels import _common, _plan
+from tritonkv.policies import CriticalKV, Knorm, SnapKV
+
+def plans():
+    return sorted(type(p).__name__ if p else str(p) for p in _plan._PLANS.values())
+
+out = {}
+k, v = torch.randn(1, 8, 4, 16), torch.randn(1, 8, 4, 16)  # more heads than tokens: a warning each call
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for _ in range(4):
+        tritonkv.compress((k, v), "knorm", 2)
+out["warned"], out["warning_plans"] = len(w), plans()
+_plan._PLANS.clear()
+
+class Reads(Knorm):  # reads a value back on the host
+    def score_and_hist0(self, keys, values, **kw):
+        keys.sum(-1).tolist()
+        return self.score(keys, values), None
+
+k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+for _ in range(3):
+    tritonkv.compress((k, v), Reads(), 16)
+out["read_plans"] = plans()
+_plan._PLANS.clear()
+for _ in range(3):
+    tritonkv.compress((k, v), "knorm", 16)
+with _common.record_launches(execute=False) as log:  # patches Triton's run: no plan may serve the call
+    tritonkv.compress((k, v), "knorm", 16)
+out["logged"] = len(log)
+q, w = torch.randn(1, 4, 8, 16), torch.randn(64, 64)
+for sink in (0, 4, 0, 4, 0, 4):  # a policy object's settings, nested policies too, are part of the key
+    tritonkv.compress((k, v), Knorm(sink=sink), 16)
+    tritonkv.compress((k, v), CriticalKV(base=SnapKV(window=4 + sink)), 16, queries=q, o_proj=w)
+out["settings_plans"] = plans()
+_plan._PLANS.clear()
+kg = k.clone().requires_grad_()
+for _ in range(3):
+    tritonkv.compress((kg, v), "knorm", 16)
+out["grad_plans"] = plans()
+_plan._PLANS.clear()
+served = []
+replay = _plan._Plan.replay
+_plan._Plan.replay = lambda self, t: served.append(replay(self, t)) or served[-1]
+hm = torch.rand(4, 1, 8, 64)  # more elements than the plan key holds by value
+for m in (hm, hm, hm, hm, torch.rand(4, 1, 8, 64), hm):  # a table cached per head_means object
+    tritonkv.compress((k, v), "knorm", 0.5, allocation="score", layer=1, head_means=m)
+hm.mul_(2)  # changed in place: its version moves on
+tritonkv.compress((k, v), "knorm", 0.5, allocation="score", layer=1, head_means=hm)
+out["served"] = [r is not _plan._MISS and r is not _plan._STALE for r in served]
+print(json.dumps(out))
+"""
+
+
+def test_plans_repeat_only_what_they_may():
+    """A warning, a value read back to the host, a patched Triton ``run`` (``record_launches``) or an input that
+    requires grad keep a call off plans; a policy object's settings are part of the plan key; a plan that used a
+    table cached per input object serves that object only, unchanged."""
+    res = _run(PLAN_GUARDS)
+    assert res["warned"] == 4 and res["warning_plans"] == ["False"], res
+    assert res["read_plans"] == ["False"], res
+    assert res["logged"] == 3, res  # knorm: score + finish + compact
+    assert res["settings_plans"] == ["_Plan"] * 5, res  # "knorm" and four policy objects
+    assert res["grad_plans"] == [], res
+    # served from the plan: the 3rd and 4th calls; not another head_means object (the plan is then recorded again,
+    # for hm, by the 6th call), nor hm changed in place
+    assert res["served"] == [True, True, False, False], res

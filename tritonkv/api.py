@@ -19,8 +19,9 @@ from typing import NamedTuple
 import torch
 
 from ._names import SHARED_NAMES
+from .kernels import _common, _plan
 from .kernels._common import FLOAT_DTYPES, check_kv_tensor
-from .policies import get_policy
+from .policies import POLICIES, get_policy
 from .policies.snapkv import WindowAttentionPolicy
 
 #: The extra inputs ``compress()`` accepts, by name, and what reads them. A policy or allocator
@@ -109,6 +110,83 @@ def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
         positions in ascending order; the input tensors themselves (and ``arange`` indices) when
         ``k >= N``. With ``allocation``: a ``tritonkv.RaggedKV``.
     """
+    if _plan.on():  # the call repeated from its plan (kernels/_plan.py)
+        key = _plan_key(kv, policy, budget, allocation, inputs)
+        if key is not None:
+            named = [(n, v) for n, v in inputs.items() if type(v) is torch.Tensor]
+            tensors = (kv[0], kv[1], *[v for _, v in named])
+            known = tuple(i + 2 for i, (n, v) in enumerate(named) if _by_value(n, v))
+            return _plan.call(key, tensors, lambda: _compress(kv, policy, budget, allocation, inputs), known)
+    return _compress(kv, policy, budget, allocation, inputs)
+
+
+_KEY_TYPES = frozenset({int, float, bool, str, type(None)})
+
+
+def _allocators() -> dict:
+    from .allocation import ALLOCATORS
+
+    return ALLOCATORS
+
+
+def _config(obj, names: dict = POLICIES):
+    """A hashable stand-in for a policy (or allocator: ``names``, their registry) given by name, class or object
+    (its type and attributes), or None when one of its attributes is not a plain value (or such an object)."""
+    if type(obj) is str:
+        return obj, names.get(obj)  # the class the name maps to now
+    if isinstance(obj, type):
+        return obj
+    items = getattr(obj, "__dict__", None)
+    if items is None:
+        return None
+    out = [type(obj)]
+    for name, v in items.items():
+        if type(v) not in _KEY_TYPES:
+            v = _config(v, names) if hasattr(v, "__dataclass_fields__") else None
+            if v is None:
+                return None
+        out.append((name, v))
+    return tuple(out)
+
+
+# inputs that allocators read on the host (model-level tables): small CPU ones enter the plan key by value, so that
+# calls reading them can be planned (any other value read keeps a call off plans)
+_BY_VALUE = frozenset({"profile", "layer_preference", "hd"})
+
+
+def _by_value(name: str, t: torch.Tensor) -> bool:
+    return name in _BY_VALUE and t.is_cpu and t.numel() <= 4096
+
+
+def _plan_key(kv, policy, budget, allocation, inputs: dict):
+    """What an eager ``compress`` call's every decision depends on, or None when it cannot be told from
+    metadata and small host tensors' values (traced, tensor subclasses, inputs that are not tensors or plain
+    values, tensors that require grad)."""
+    if type(kv) is not tuple or len(kv) != 2 or type(budget) not in (int, float):
+        return None
+    keys, values = kv
+    if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or keys.requires_grad
+            or values.requires_grad or not _common.use_triton(keys) or not _common._eager((), None)):
+        return None
+    pk = _config(policy)
+    ak = None if allocation is None else _config(allocation, _allocators())
+    if pk is None or allocation is not None and ak is None:
+        return None
+    tensor_key = _plan.tensor_key
+    parts = [pk, ak, type(budget), budget, tensor_key(keys), tensor_key(values), _common._cpu[0],
+             torch.get_default_dtype()]
+    for name, v in inputs.items():
+        t = type(v)
+        if t is torch.Tensor and not v.requires_grad:
+            parts.append((name, tensor_key(v), tuple(v.reshape(-1).tolist()) if _by_value(name, v) else None))
+        elif t in _KEY_TYPES:
+            parts.append((name, t, v))
+        else:
+            return None
+    return tuple(parts)
+
+
+def _compress(kv, policy, budget, allocation, inputs: dict):
     keys, values = _split_kv(kv)
     pol = get_policy(policy)
     if budget is _REQUIRED:
@@ -223,6 +301,7 @@ def _check_inputs(keys, inputs: dict, pol) -> None:
     and the policy's window)."""
     B, H, N, D = keys.shape
     if H > N:
+        _plan.spoil()  # a plan would not warn again
         warnings.warn(
             f"keys have more heads than tokens (H_kv = {H} > N = {N}): compress() reads keys and values as "
             f"[B, H_kv, N, D] (transformers' cache layout), so keys in [B, N, H_kv, D] are read as {H} heads of "
@@ -266,6 +345,7 @@ def _check_inputs(keys, inputs: dict, pol) -> None:
     msg = queries_layout(keys.shape, q.shape, lse, None if w is None else w.shape, window)
     if not plain:
         raise ValueError(msg)
+    _plan.spoil()
     warnings.warn(msg + f" (a warning, not an error: H_q = {a} may equal the policy's window by chance; pass attn_lse "
                   "or the last W queries to make the layout unambiguous)", UserWarning, stacklevel=3)
 

@@ -19,6 +19,7 @@ from typing import ClassVar, NamedTuple, Optional
 
 import torch
 
+from ..kernels import _plan
 from ..kernels._common import check_int  # noqa: F401  (the library's one integer check; allocators import it here)
 
 ALLOCATORS: dict[str, type["Allocator"]] = {}
@@ -144,6 +145,7 @@ def memo(t, key, fn):
         k = (id(t), t._version, key)
     except (AttributeError, RuntimeError):
         return fn()
+    _plan.depends_on(t)  # a plan recorded now holds for this object as it is now
     hit = _MEMO.get(k)
     if hit is not None and hit[0]() is t:
         return hit[1]

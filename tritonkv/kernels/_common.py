@@ -11,7 +11,8 @@
   ``launch`` then calls the ``@triton.jit`` kernel directly, through the launch cache
   (``_cached_run``: the compiled kernel's launcher called with exactly what ``JITFunction.run`` would
   pass it, without re-binding; ``TRITONKV_LAUNCH_CACHE=0`` turns it off); while tracing it goes
-  through ``wrap_triton`` (``docs/architecture.md``, "Kernels").
+  through ``wrap_triton`` (``docs/architecture.md``, "Kernels"). A repeated eager ``compress`` goes further:
+  ``_plan`` repeats its ops and launches from a record, and the launch cache logs launches for it.
 * ``use_triton`` / ``cpu_kernels``: one op, two devices. Every op body starts with
   ``if not use_triton(x): return <vectorised PyTorch body>``: CUDA tensors run the Triton kernels,
   CPU tensors the PyTorch body — unless the Triton interpreter is on (``TRITON_INTERPRET=1``), where
@@ -33,6 +34,7 @@ import itertools
 import numbers
 import operator
 import os
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -102,9 +104,22 @@ _PLAIN = frozenset({torch.Tensor, int, float, bool, str, type(None)})
 _set_grad_enabled = torch._C._set_grad_enabled
 
 
+class _Recording(threading.local):
+    rec = None  # the ``_plan`` recorder of the call this thread is recording, if any
+
+
+_recorder = _Recording()
+
+
+def _recording_only() -> bool:
+    """The only dispatch mode is the recorder of a plan (``_plan``), which sees the ops of an eager call."""
+    return _recorder.rec is not None and torch._C._len_torch_dispatch_stack() == 1
+
+
 def _eager(args, kwargs) -> bool:
-    """A real call: not traced by torch.compile/export, no dispatch mode, only plain tensors."""
-    return (not torch.compiler.is_compiling() and not is_in_torch_dispatch_mode()
+    """A real call: not traced by torch.compile/export, no dispatch mode (but a plan's recorder), only plain
+    tensors."""
+    return (not torch.compiler.is_compiling() and (not is_in_torch_dispatch_mode() or _recording_only())
             and _PLAIN.issuperset(map(type, args)) and (not kwargs or _PLAIN.issuperset(map(type, kwargs.values()))))
 
 
@@ -146,7 +161,14 @@ def launch(kernel, grid, *args, **kwargs):
         return wrap_triton(kernel)[grid](*args, **kwargs)
     if _launch_cache[0]:
         return _cached_run(kernel, grid, args, kwargs)
-    return kernel.run(*args, grid=grid, warmup=False, **kwargs)  # what kernel[grid](...) calls
+    return _run(kernel, grid, args, kwargs)
+
+
+def _run(kernel, grid, args: tuple, kwargs: dict):
+    """``kernel[grid](*args, **kwargs)``: Triton's own ``run`` (a plan being recorded cannot repeat it)."""
+    if _recorder.rec is not None:
+        _recorder.rec.fail()
+    return kernel.run(*args, grid=grid, warmup=False, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,17 +276,18 @@ def _split(types: tuple):
 
 
 def _cached_run(kernel, grid, args: tuple, kwargs: dict):
-    """``kernel.run(*args, grid=grid, warmup=False, **kwargs)`` through the launch cache (see above)."""
+    """``kernel.run(*args, grid=grid, warmup=False, **kwargs)`` through the launch cache (see above). A plan
+    being recorded (``_plan``) is told of every launch the cache serves or stores, and spoilt by any other."""
     kwnames = tuple(kwargs)
     rkey = (id(kernel), len(args), kwnames)
     rec = _RECIPES.get(rkey)
     if rec is None:
         rec = _RECIPES[rkey] = _recipe(kernel, len(args), kwnames)
     if not rec or _AUDITED[0].run is not _AUDITED[1] or kernel.pre_run_hooks or callable(grid):
-        return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        return _run(kernel, grid, args, kwargs)
     knobs, driver = _AUDITED[2], _AUDITED[3]
     if getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None:
-        return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        return _run(kernel, grid, args, kwargs)
     values = args + rec.tail(kwargs)
     comp = knobs.compilation
     # the constexpr values, the options and what ``run`` adds to them enter Triton's key as they are
@@ -278,7 +301,7 @@ def _cached_run(kernel, grid, args: tuple, kwargs: dict):
     if split is _NOT_PRESENT:
         split = rec.splits[vtypes] = _split(vtypes)
     if split is None or not _CONST_TYPES.issuperset(ctypes):
-        return kernel.run(*args, grid=grid, warmup=False, **kwargs)
+        return _run(kernel, grid, args, kwargs)
     tensors, ints = split[0](var), split[1](var)
     width = 0 if not ints or (_I32[0] <= min(ints) and max(ints) <= _I32[1]) else tuple(map(_int_width, ints))
     device = driver.active.get_current_device()
@@ -300,6 +323,8 @@ def _cached_run(kernel, grid, args: tuple, kwargs: dict):
             compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
                          compiled.packed_metadata, launch_metadata, knobs.runtime.launch_enter_hook,
                          knobs.runtime.launch_exit_hook, *values)
+            if _recorder.rec is not None:
+                _recorder.rec.launched(kernel, cache, tkey, compiled, grid, values, kernel.debug)
             return compiled
     compiled = kernel.run(*args, grid=grid, warmup=False, **kwargs)
     cache, _, _, backend, _ = kernel.device_caches[device]
@@ -308,6 +333,10 @@ def _cached_run(kernel, grid, args: tuple, kwargs: dict):
         if len(rec.launches) >= _MAX_LAUNCHES:
             rec.launches.clear()
         rec.launches[key] = (cache, tkey, compiled)
+        if _recorder.rec is not None:
+            _recorder.rec.launched(kernel, cache, tkey, compiled, grid, values, kernel.debug)
+    elif _recorder.rec is not None:
+        _recorder.rec.fail()
     return compiled
 
 

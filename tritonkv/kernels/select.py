@@ -374,7 +374,7 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     ``budget``; forced uint8 [R, N]; keys/values [B, H, N, D] (last dim unit-stride); out_start
     int64 [R] (first slot of each row in the outputs), or None: the padded layout, row r at
     ``r·k_max``; out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 [R, N]; out_keys/out_values
-    [T, D]. ``hist0``: None, or the int32 ``[R, 1 + C0, NB]`` first radix pass of these scores with
+    [T, D] (contiguous; the outputs may come in any shape of as many elements, such as [B, H, k_max, D]). ``hist0``: None, or the int32 ``[R, 1 + C0, NB]`` first radix pass of these scores with
     these sink/window and no forced tokens (``hist0_of_chunk``; its ticket word is used and reset).
     ``full_rows``: a static promise that the outputs are the padded layout (``out_start[r] =
     r·k_max``, ``T = R·k_max``) and every row keeps ``k_max <= N`` tokens (budgets >= k_max); the
@@ -389,6 +389,9 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
         if out_start is None:
             out_start = torch.arange(R, device=dev, dtype=torch.int64) * k_max
         e = scores.new_empty(0)
+        out_idx, out_lengths = out_idx.view(-1), out_lengths.view(-1)
+        if out_keys is not None:
+            out_keys, out_values = out_keys.view(-1, out_keys.shape[-1]), out_values.view(-1, out_values.shape[-1])
         return _select_torch(scores, budgets, _or(forced, e, torch.uint8), _or(keys, e), _or(values, e), out_start,
                              out_idx, out_lengths, _or(out_mask, e, torch.int8), _or(out_keys, e),
                              _or(out_values, e), sink, window, k_max, full_rows)
@@ -637,11 +640,11 @@ def _budget_args(budget, rows: int, device):
     return None, check_int("budget", budget)
 
 
-def _indices(rows: int, k_max: int, full: bool, device) -> torch.Tensor:
-    """int64 ``[rows·k_max]`` output indices: unwritten when every slot is written (``full``), else -1."""
+def _indices(shape: tuple, full: bool, device) -> torch.Tensor:
+    """int64 output indices of ``shape``: unwritten when every slot is written (``full``), else -1."""
     if full:
-        return torch.empty((rows * k_max,), dtype=torch.int64, device=device)
-    return torch.full((rows * k_max,), -1, dtype=torch.int64, device=device)
+        return torch.empty(shape, dtype=torch.int64, device=device)
+    return torch.full(shape, -1, dtype=torch.int64, device=device)
 
 
 def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 0, forced=None,
@@ -655,7 +658,7 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
     check_protected(budgets, N, k_max, sink, window)
     b, bi = _budget_args(budgets, R, dev)
     full = _full_rows(budgets, N, k_max)
-    idx = _indices(R, k_max, full and R > 0 and N > 0, dev)
+    idx = _indices((R * k_max,), full and R > 0 and N > 0, dev)
     lengths = torch.empty(R, dtype=torch.int32, device=dev)
     mask = torch.empty((R, N) if with_mask else (0,), dtype=torch.int8, device=dev)
     if N > 0 and R > 0:  # no out_start: the padded layout
@@ -710,12 +713,12 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
     keys = keys if keys.stride(-1) == 1 else keys.contiguous()
     values = values if values.stride(-1) == 1 else values.contiguous()
     full = out is None and _full_rows(budgets, N, k_max)
-    if out is None:
+    if out is None:  # allocated in the shapes returned (select_into reads them as [T, D], [T], [R])
         alloc = torch.empty if full else torch.zeros
-        ko = alloc((R * k_max, D), dtype=keys.dtype, device=dev)
-        vo = alloc((R * k_max, values.shape[-1]), dtype=values.dtype, device=dev)
-        idx = _indices(R, k_max, full and R > 0 and N > 0, dev)
-        lengths = torch.empty(R, dtype=torch.int32, device=dev)
+        ko = alloc((B, H, k_max, D), dtype=keys.dtype, device=dev)
+        vo = alloc((B, H, k_max, values.shape[-1]), dtype=values.dtype, device=dev)
+        idx = _indices((B, H, k_max), full and R > 0 and N > 0, dev)
+        lengths = torch.empty((B, H), dtype=torch.int32, device=dev)
         dst = Out(ko, vo, idx, None, lengths)  # no start: the padded layout
     else:
         dst = out
@@ -727,8 +730,7 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
         dst.lengths.zero_()
     if out is not None:
         return out
-    return (dst.keys.view(B, H, k_max, D), dst.values.view(B, H, k_max, values.shape[-1]),
-            dst.indices.view(B, H, k_max), dst.lengths.view(B, H))
+    return dst.keys, dst.values, dst.indices, dst.lengths
 
 
 def _hist0_arg(hist0, rows: int, sink: int, window: int, forced) -> Optional[torch.Tensor]:

@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from ..distributed import group_info
-from ..kernels import select as _select
+from ..kernels import _plan, select as _select
 from ..kernels._common import check_device, check_int, on_host
 from ..kernels.score import _penalty
 from .base import Policy, register_policy
@@ -69,9 +69,14 @@ def head_distinctness(hd, batch: int, heads: int, device) -> torch.Tensor:
     if hd.shape != (heads,) and hd.shape != (batch, heads):
         raise ValueError(f"hd must have shape [H_kv] = [{heads}] or [B, H_kv] = [{batch}, {heads}], "
                          f"got {tuple(hd.shape)}")
-    if on_host(hd) and not all(v > 0 and v < math.inf for v in hd.reshape(-1).tolist()):
-        raise ValueError(f"hd must be finite and > 0 (head distinctness), got {hd.tolist()}")
+    if on_host(hd):
+        _plan.host_check(_check_hd_values, hd)
     return hd.to(device=device, dtype=torch.float32).expand(batch, heads)
+
+
+def _check_hd_values(hd: torch.Tensor) -> None:
+    if not all(v > 0 and v < math.inf for v in hd.reshape(-1).tolist()):
+        raise ValueError(f"hd must be finite and > 0 (head distinctness), got {hd.tolist()}")
 
 
 def _unpenalised_mask(s: torch.Tensor, budgets, k_max: int, sink: int, window: int) -> torch.Tensor:
