@@ -81,6 +81,11 @@ for _ in range(3):
     tritonkv.compress((kg, v), "knorm", 16)
 out["grad_plans"] = plans()
 _plan._PLANS.clear()
+with torch.autocast("cpu", dtype=torch.bfloat16):  # replayed ops would be cast again: autocast keeps plans off
+    for _ in range(3):
+        tritonkv.compress((k, v), "knorm", 16)
+out["autocast_plans"] = plans()
+_plan._PLANS.clear()
 served = []
 replay = _plan._Plan.replay
 _plan._Plan.replay = lambda self, t: served.append(replay(self, t)) or served[-1]
@@ -96,7 +101,7 @@ print(json.dumps(out))
 
 def test_plans_repeat_only_what_they_may():
     """A warning, a value read back to the host, a patched Triton ``run`` (``record_launches``) or an input that
-    requires grad keep a call off plans; a policy object's settings are part of the plan key; a plan that used a
+    requires grad, or autocast, keep a call off plans; a policy object's settings are part of the plan key; a plan that used a
     table cached per input object serves that object only, unchanged."""
     res = _run(PLAN_GUARDS)
     assert res["warned"] == 4 and res["warning_plans"] == ["False"], res
@@ -104,6 +109,7 @@ def test_plans_repeat_only_what_they_may():
     assert res["logged"] == 3, res  # knorm: score + finish + compact
     assert res["settings_plans"] == ["_Plan"] * 5, res  # "knorm" and four policy objects
     assert res["grad_plans"] == [], res
+    assert res["autocast_plans"] == [], res
     # served from the plan: the 3rd and 4th calls; not another head_means object (the plan is then recorded again,
     # for hm, by the 6th call), nor hm changed in place
     assert res["served"] == [True, True, False, False], res

@@ -160,13 +160,14 @@ def _by_value(name: str, t: torch.Tensor) -> bool:
 
 def _plan_key(kv, policy, budget, allocation, inputs: dict):
     """What an eager ``compress`` call's every decision depends on, or None when it cannot be told from
-    metadata and small host tensors' values (traced, tensor subclasses, inputs that are not tensors or plain
-    values, tensors that require grad)."""
+    metadata and small host tensors' values (traced, under autocast, tensor subclasses, inputs that are not tensors
+    or plain values, tensors that require grad)."""
     if type(kv) is not tuple or len(kv) != 2 or type(budget) not in (int, float):
         return None
     keys, values = kv
     if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or keys.requires_grad
-            or values.requires_grad or not _common.use_triton(keys) or not _common._eager((), None)):
+            or values.requires_grad or not _common.use_triton(keys) or not _common._eager((), None)
+            or torch.is_autocast_enabled(keys.device.type)):  # a replayed op would be cast again, not as recorded
         return None
     pk = _config(policy)
     ak = None if allocation is None else _config(allocation, _allocators())
