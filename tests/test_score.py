@@ -388,7 +388,7 @@ def test_first_pass_from_the_penalty_kernel_feeds_the_select(sink, window, chunk
         for _ in range(2):  # the ticket is reset: the same pass serves another select
             with record_launches() as log:
                 idx = ksel.select_kv(s, 30, kv, kv, 30, sink=sink, window=window, hist0=h0)[2]
-            assert torch.equal(idx, want) and [x.name for x in log] == ["_select_finish_kernel",
+            assert torch.equal(idx, want) and [x.name for x in log] == ["_select_finish_kernel", "_select_tail_kernel",
                                                                         "_select_compact_kernel"]
     with on_backend("torch"):
         s, h0 = score_penalty(A, U, hd, 0.3, protect=(sink, window))

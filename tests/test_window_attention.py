@@ -432,9 +432,10 @@ def test_kernels_compile_ahead_of_time():
                       "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}}})
         specs.append({"module": mod, "kernel": "_window_score_kernel", "constexprs": score_c,
                       "signature": {**score_sig, **{c: "constexpr" for c in score_c}}})
-    pool_sig = {"u_ptr": "*fp32", "out_ptr": "*fp32", **i32("H", "N", "n_pool")}
-    for ks, mx, layer in ((7, True, False), (5, False, True)):
-        c = {"KSIZE": ks, "POOL_MAX": mx, "LAYER": layer, "BLOCK": 1024}
+    pool_sig = {"u_ptr": "*fp32", "out_ptr": "*fp32", "h0_ptr": "*i32",
+                **i32("H", "N", "n_pool", "C0", "sink", "window")}
+    for ks, mx, layer, hist in ((7, True, False, True), (5, False, True, False)):  # with the select's first pass
+        c = {"KSIZE": ks, "POOL_MAX": mx, "LAYER": layer, "BLOCK": 1024, "HIST": hist, "NB": 256, "HIST_TILE": 512}
         specs.append({"module": mod, "kernel": "_window_pool_kernel", "constexprs": c,
                       "signature": {**pool_sig, **{k: "constexpr" for k in c}}})
     assert_compiles(*specs)

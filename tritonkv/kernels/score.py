@@ -12,7 +12,7 @@ sum over this rank's H heads.
 One launch on the grid (token chunks, B·H rows), chunked like the shared select. Each program sums the
 H mask rows of its batch row over its chunk (int8 loads), writes its chunk of Ã, and, with
 ``protect=(sink, window)``, the select's first radix pass over what it wrote (``select.hist0_of_chunk``),
-returned as a ``select.Hist0`` for ``select_kv(..., hist0=)``: the final select then runs two launches.
+returned as a ``select.Hist0`` for ``select_kv(..., hist0=)``: the final select then runs three launches.
 
 The arithmetic is PyTorch's for the same formula, operation by operation: ``α / HD`` as the correctly
 rounded reciprocal times α, ``exp`` of ``(−rate)·r``, one product. On the GPU ``exp`` is libdevice's

@@ -9,23 +9,28 @@ pass. Budgets are an int32 device tensor (or one int) that the host never reads.
 Keys: NaN -> -inf, -0 -> +0, fp32 bits -> order-preserving uint32; protected -> 0xFFFFFFFF (a
 genuine +inf maps to 0xFF800000, so it never displaces a protected token). The threshold t (the
 k-th largest key) is found by an MSB radix select over four 8-bit digits (256-bin histograms:
-cheap on every Triton, see ``docs/architecture.md``, "Kernels"). Three launches on the grid
-(chunks, rows), none of them a memset, none of them spinning:
+cheap on every Triton, see ``docs/architecture.md``, "Kernels"). Four launches on the grid
+(chunks, rows), none of them a memset, none of them spinning; every one keeps all programs busy
+(the work a row's last program does alone is proportional to the candidates, never to N):
 
 1. **pass 0** (``_select_hist0_kernel``, or fused into a scoring kernel with ``hist0_of_chunk``):
    each chunk writes the 256-bin histogram of its keys' top byte to its own slot of an int32
    ``hist0 [R, 1 + C0, 256]`` with plain stores; program 0 of a row zeroes slot 0, the row's
-   control block (a ticket).
+   control block (tickets, a counter).
 2. **finish** (``_select_finish_kernel``): every program sums the row's pass-0 slots (the first
    byte of t), histograms the second byte of its chunk's keys that match it into its own slot, and
    takes a ticket (``atomic_add``). The last program of the row (last-block-done: no program waits
    on another, so it also runs under the interpreter, where programs run one after another) sums
-   those slots, finds the last two bytes by two scans of the L2-resident row (by then few keys
-   match: a tile's matches are added with global atomics, only a dense tile is histogrammed), then
-   one ordered scan gives every chunk its first output slot and the number of keys equal to t
-   before it (ties at t go to the lowest indices). It writes them, t and the ties to keep, and
-   resets the ticket.
-3. **compact** (``_select_compact_kernel``): each program recomputes its chunk's keep flags in
+   those slots: the top 16 bits P of t and the keys still to take. It reads no key.
+3. **tail** (``_select_tail_kernel``): every program counts its chunk's keys above P, histograms
+   the third byte of its candidates (keys whose top 16 bits are P) into its slot and appends their
+   indices to a per-row buffer (an atomic reservation per tile). The row's last program picks the
+   third byte from the slots and the fourth from the candidates alone (by then few, except for
+   heavy ties), counts each chunk's candidates above and equal to t, and one ordered scan over the
+   chunks gives every chunk its first output slot and the number of keys equal to t before it
+   (ties at t go to the lowest indices). It writes them, t and the ties to keep, and resets the
+   control block.
+4. **compact** (``_select_compact_kernel``): each program recomputes its chunk's keep flags in
    ``TILE`` steps (a local cumsum from its first slot), writes the kept int64 indices, then copies
    the kept K/V rows in dense batches of ``BATCH`` rows (their indices read back; K and V loaded
    before either is stored), so the gather moves only kept rows.
@@ -139,34 +144,6 @@ def _pick(h, k_rem, NB: tl.constexpr):
     return b.to(tl.uint32), k_rem
 
 
-@triton.jit
-def _row_pass(s_ptr, f_ptr, N, sink, window, prefix, k_rem, scratch_ptr, shift: tl.constexpr, TILE: tl.constexpr,
-              NB: tl.constexpr, HAS_FORCED: tl.constexpr):
-    """One radix pass over the whole row by one program: the byte at ``shift`` of the keys whose
-    bits above ``shift + 8`` equal ``prefix``; returns the prefix extended by that byte and the
-    keys still to take. After two passes the matching keys are few: a tile with at most
-    ``TILE // 32`` of them adds them one by one with global atomics into ``scratch`` (``NB`` ints,
-    read back and re-zeroed by atomic exchanges), a denser one is histogrammed; a tile with none
-    costs its load and compare only."""
-    bins = tl.arange(0, NB)
-    tl.atomic_xchg(scratch_ptr + bins, tl.zeros([NB], dtype=tl.int32), sem="relaxed")
-    acc = tl.zeros([NB], dtype=tl.int32)
-    for t0 in range(0, N, TILE):
-        offs = t0 + tl.arange(0, TILE)
-        mask = offs < N
-        u = _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED)
-        match = mask & ((u >> (shift + 8)) == prefix)
-        n = tl.sum(match.to(tl.int32), 0)
-        if n > TILE // 32:
-            acc += _digit_hist(u, shift, match, NB)
-        elif n > 0:
-            tl.atomic_add(scratch_ptr + ((u >> shift) & 0xFF).to(tl.int32), 1, mask=match, sem="relaxed")
-    tl.debug_barrier()
-    acc += tl.atomic_xchg(scratch_ptr + bins, tl.zeros([NB], dtype=tl.int32), sem="relaxed")
-    b, k_rem = _pick(acc, k_rem, NB)
-    return (prefix << 8) | b, k_rem
-
-
 # CHUNK (tokens per program) and C (programs per row) are runtime arguments: a new N, or a new
 # power-of-two bucket of N, reuses the compiled kernels. Loop steps (TILE) stay constexpr.
 # Scalars that vary with N or the budget are not specialised on (divisibility by 16, == 1), so they
@@ -184,12 +161,10 @@ def _select_hist0_kernel(s_ptr, f_ptr, h0_ptr, N, sink, window, CHUNK, C0,
 
 @triton.jit(do_not_specialize=_RUNTIME)
 def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr, N, sink, window, k_max, CHUNK,
-                          TILE: tl.constexpr, SCAN: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr,
+                          TILE: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr,
                           HAS_FORCED: tl.constexpr, UNIFORM: tl.constexpr):
-    """Pass 1 per chunk, then (last program of each row) passes 2-3 and the chunks' output offsets:
-    ``cnt[r, c] = (first output slot of chunk c, keys == t in chunks < c)`` and ``cnt[r, C] =
-    (t as int32 bits, keys == t to keep)``. The last program scans the row in ``SCAN``-key tiles
-    (``SCAN`` divides ``CHUNK``; many loads in flight: it runs alone on its SM)."""
+    """Pass 1 per chunk; the last program of each row sums the pass-1 slots (no row read) and writes
+    ``cnt[r, C] = (P, k_rem)``: the top 16 bits of t and the keys still to take from those with them."""
     c = tl.program_id(0)
     C = tl.num_programs(0)
     r = tl.program_id(1).to(tl.int64)
@@ -204,32 +179,96 @@ def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr,
         mask = offs < N
         u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
         acc += _digit_hist(u, 16, mask & ((u >> 24) == p0), NB)
-    tl.store(p1_ptr + (r * (C + 1) + c) * NB + tl.arange(0, NB), acc)
+    tl.store(p1_ptr + (r * C + c) * NB + tl.arange(0, NB), acc)
     tl.debug_barrier()  # every thread's slot stores precede the release of the ticket
     ticket = tl.atomic_add(h0_row, 1, sem="acq_rel", scope="gpu")
     if ticket == C - 1:  # the last program of the row: every pass-1 slot is written
-        b1, k_rem = _pick(_sum_slots(p1_ptr + r * (C + 1) * NB, C, NB, SB), k_rem, NB)
-        prefix = (p0 << 8) | b1
-        scratch = p1_ptr + (r * (C + 1) + C) * NB  # slot C of p1: written by no chunk
-        prefix, k_rem = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, scratch, 8, SCAN, NB, HAS_FORCED)
-        t, need_eq = _row_pass(s_row, f_row, N, sink, window, prefix, k_rem, scratch, 0, SCAN, NB, HAS_FORCED)
-        # one ordered scan (SCAN divides CHUNK): at each chunk start, the output slot and the keys == t
-        # before it; the keys == t kept are the first need_eq of the row
+        b1, k_rem = _pick(_sum_slots(p1_ptr + r * C * NB, C, NB, SB), k_rem, NB)
+        state = cnt_ptr + (r * (C + 1) + C) * 2
+        tl.store(state, ((p0 << 8) | b1).to(tl.int32))
+        tl.store(state + 1, k_rem)
+        tl.store(h0_row, 0)  # the ticket is reset: the same hist0 serves the next select too
+
+
+@triton.jit(do_not_specialize=_RUNTIME)
+def _select_tail_kernel(s_ptr, f_ptr, h0_ptr, C0, p2_ptr, cnt_ptr, cand_ptr, N, sink, window, CHUNK,
+                        TILE: tl.constexpr, CT: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr,
+                        HAS_FORCED: tl.constexpr):
+    """Passes 2-3 and the chunks' output offsets, proportional to the candidates (the keys whose top
+    16 bits are P). Each program re-reads its chunk: it counts the keys above P (``cnt[r, c, 0]``),
+    histograms the third byte of its candidates into its slot of ``p2 [R, C, NB]`` and appends their
+    indices to the row's ``cand [R, N]`` (one atomic reservation per tile, in the control block of
+    ``hist0``). The last program of the row (a ticket) picks the third byte from the slots and the
+    fourth from the candidates alone, counts each chunk's candidates > t and == t (global atomics on
+    ``cnt``), then one ordered scan over the chunks (``CB`` at a time) writes ``cnt[r, c] = (first
+    output slot of chunk c, keys == t in chunks < c)`` and ``cnt[r, C] = (t, keys == t to keep)``:
+    ties at t go to the lowest indices. Candidate order in ``cand`` does not matter (integer counts).
+    The last program reads the candidates ``CT`` at a time (its work grows with them, not with N)."""
+    c = tl.program_id(0)
+    C = tl.num_programs(0)
+    r = tl.program_id(1).to(tl.int64)
+    s_row = s_ptr + r * N
+    f_row = f_ptr + r * N
+    ctl = h0_ptr + r * (C0 + 1) * NB  # [1]: this kernel's ticket, [2]: candidates appended
+    cand = cand_ptr + r * N
+    state = cnt_ptr + r * (C + 1) * 2
+    prefix = tl.load(state + C * 2).to(tl.uint32, bitcast=True)
+    k_rem = tl.load(state + C * 2 + 1)
+    acc = tl.zeros([NB], dtype=tl.int32)
+    n_gt = 0
+    for t0 in range(0, CHUNK, TILE):
+        offs = c * CHUNK + t0 + tl.arange(0, TILE)
+        mask = offs < N
+        u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
+        n_gt += tl.sum((mask & ((u >> 16) > prefix)).to(tl.int32), 0)
+        is_c = mask & ((u >> 16) == prefix)
+        n = tl.sum(is_c.to(tl.int32), 0)
+        if n > 0:
+            acc += _digit_hist(u, 8, is_c, NB)
+            at = tl.atomic_add(ctl + 2, n, sem="relaxed")
+            c_i = is_c.to(tl.int32)
+            tl.store(cand + at + tl.cumsum(c_i, 0) - c_i, offs.to(tl.int32), mask=is_c)
+    tl.store(p2_ptr + (r * C + c) * NB + tl.arange(0, NB), acc)
+    tl.store(state + c * 2, n_gt)
+    tl.store(state + c * 2 + 1, 0)
+    tl.debug_barrier()  # every thread's stores precede the release of the ticket
+    ticket = tl.atomic_add(ctl + 1, 1, sem="acq_rel", scope="gpu")
+    if ticket == C - 1:  # the last program of the row: every slot and candidate is written
+        b2, k_rem = _pick(_sum_slots(p2_ptr + r * C * NB, C, NB, SB), k_rem, NB)
+        prefix = (prefix << 8) | b2
+        n_cand = tl.atomic_xchg(ctl + 2, 0, sem="relaxed")  # read and reset for the next select
+        acc = tl.zeros([NB], dtype=tl.int32)
+        for i0 in range(0, n_cand, CT):
+            m = i0 + tl.arange(0, CT) < n_cand
+            offs = tl.load(cand + i0 + tl.arange(0, CT), mask=m, other=0, cache_modifier=".cg")
+            u = _sortable_keys(s_row, f_row, offs, m, N, sink, window, HAS_FORCED)
+            acc += _digit_hist(u, 0, m & ((u >> 8) == prefix), NB)
+        b3, need_eq = _pick(acc, k_rem, NB)
+        t = (prefix << 8) | b3
+        for i0 in range(0, n_cand, CT):
+            m = i0 + tl.arange(0, CT) < n_cand
+            offs = tl.load(cand + i0 + tl.arange(0, CT), mask=m, other=0, cache_modifier=".cg")
+            u = _sortable_keys(s_row, f_row, offs, m, N, sink, window, HAS_FORCED)
+            at = state + (offs // CHUNK) * 2
+            tl.atomic_add(at, 1, mask=m & (u > t), sem="relaxed")
+            tl.atomic_add(at + 1, 1, mask=m & (u == t), sem="relaxed")
+        tl.debug_barrier()  # the counts are complete before the scan reads them
         slot = 0
         eq_seen = 0
-        for t0 in range(0, N, SCAN):
-            offs = t0 + tl.arange(0, SCAN)
-            mask = offs < N
-            u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
-            n_eq = tl.sum((mask & (u == t)).to(tl.int32), 0)
-            if t0 % CHUNK == 0:
-                tl.store(cnt_ptr + (r * (C + 1) + t0 // CHUNK) * 2, slot)
-                tl.store(cnt_ptr + (r * (C + 1) + t0 // CHUNK) * 2 + 1, eq_seen)
-            slot += tl.sum((mask & (u > t)).to(tl.int32), 0) + tl.minimum(tl.maximum(need_eq - eq_seen, 0), n_eq)
-            eq_seen += n_eq
-        tl.store(cnt_ptr + (r * (C + 1) + C) * 2, t.to(tl.int32, bitcast=True))
-        tl.store(cnt_ptr + (r * (C + 1) + C) * 2 + 1, need_eq)
-        tl.store(h0_row, 0)  # the ticket is reset: the same hist0 serves the next select too
+        for c0 in range(0, C, CB):
+            cc = c0 + tl.arange(0, CB)
+            m = cc < C
+            gt = tl.load(state + cc * 2, mask=m, other=0, cache_modifier=".cg")
+            eq = tl.load(state + cc * 2 + 1, mask=m, other=0, cache_modifier=".cg")
+            gt_before = slot + tl.cumsum(gt, 0) - gt
+            eq_before = eq_seen + tl.cumsum(eq, 0) - eq
+            tl.store(state + cc * 2, gt_before + tl.minimum(eq_before, need_eq), mask=m)
+            tl.store(state + cc * 2 + 1, eq_before, mask=m)
+            slot += tl.sum(gt, 0)
+            eq_seen += tl.sum(eq, 0)
+        tl.store(state + C * 2, t.to(tl.int32, bitcast=True))
+        tl.store(state + C * 2 + 1, need_eq)
+        tl.store(ctl + 1, 0)  # the ticket is reset
 
 
 @triton.jit
@@ -330,10 +369,13 @@ def _blocks(n: int, rows: int, chunk: Optional[int]):
     return chunk, min(tile, chunk)
 
 
-MIN_CHUNK = 2048  # = SCAN, so every automatic chunk compiles the same finish kernel
+MIN_CHUNK = 2048  # tokens per program at least (also bounds the pass-0/1/2 slots the last programs sum)
 BATCH = 64  # kept K/V rows copied per step of the compaction (64 x 128 K and V tiles: 32 KB in flight)
 COMPACT_WARPS = 8
-SCAN = 2048  # keys per step of the finish kernel's row scans (8 per thread; divides CHUNK)
+PASS_TILE = 1024  # keys per histogram step of pass 0, finish and tail (a 256-bin histogram costs the same
+# shared atomics per call whatever the keys per thread on Triton 3.6: few large steps)
+CAND_TILE = 512  # candidates per step of the tail's last program (2 per thread; 1024 spills on Triton 3.6)
+CB = 256  # chunks per step of the tail's ordered offset scan
 FINISH_WARPS = 8
 SB = 16  # pass-0/1 slots summed per step
 
@@ -417,14 +459,19 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
         launch(_select_compact_kernel, (max(cdiv(k_max, compact["BATCH"]), 1), R), scores, f, b, scores,
                N, sink, window, kb, 1, CHUNK, *tail, TILE=TILE, PROTECTED_ONLY=True, **compact)
         return
+    pt = min(TILE if INTERPRET else PASS_TILE, CHUNK)  # keys per step of the passes: 4-8 per thread
     if hist0 is None:
         hist0 = hist0_buffer(R, C, dev)
-        launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=TILE, NB=NB,
+        launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=pt, NB=NB,
                HAS_FORCED=forced is not None)
-    p1 = torch.empty((R, C + 1, NB), dtype=torch.int32, device=dev)  # + the finish kernel's scratch
+    p1 = torch.empty((R, C, NB), dtype=torch.int32, device=dev)  # pass-1 slots, then the tail's pass-2 slots
     cnt = torch.empty((R, C + 1, 2), dtype=torch.int32, device=dev)
+    cand = torch.empty((R, N), dtype=torch.int32, device=dev)  # the tail's candidates (indices), at most N a row
     launch(_select_finish_kernel, (C, R), scores, f, b, hist0, hist0.shape[1] - 1, p1, cnt, N, sink, window, kb,
-           CHUNK, TILE=TILE, SCAN=min(TILE if INTERPRET else SCAN, CHUNK), NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
+           CHUNK, TILE=pt, NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
+    launch(_select_tail_kernel, (C, R), scores, f, hist0, hist0.shape[1] - 1, p1, cnt, cand, N, sink, window, CHUNK,
+           TILE=pt, CT=TILE if INTERPRET else CAND_TILE, NB=NB, SB=SB, CB=CB, num_warps=FINISH_WARPS,
+           HAS_FORCED=forced is not None)
     launch(_select_compact_kernel, (C, R), scores, f, b, cnt, N, sink, window, kb, C, CHUNK, *tail,
            TILE=TILE, PROTECTED_ONLY=False, **compact)
 

@@ -34,7 +34,8 @@ holds all G·W query rows of its KV head (in blocks of GB heads × BW rows when 
 2. ``_window_score_kernel``: combines the partial LSEs (or reads ``attn_lse``, natural log, from
    the prefill attention: then K is read once), and writes u[h, j] reduced over rows and heads;
 3. ``_window_pool_kernel`` (only for κ > 1 or ``head_reduce="layer"``): the layer mean and the
-   pooling, which needs neighbours across chunk borders, over the reduced ``[B, H_kv, N]`` rows.
+   pooling, which needs neighbours across chunk borders, over the reduced ``[B, H_kv, N]`` rows;
+   asked (``protect``), also the select's first radix pass over the scores it writes.
 
 ``tl.dot`` takes the native fp16/bf16 operands on the GPU (fp32 accumulation) and fp32 operands
 under the interpreter, whose bf16 arithmetic is wrong, or for fp32 inputs
@@ -55,6 +56,7 @@ import triton.language as tl
 
 from ._common import (INTERPRET, cdiv, check_kv_tensor, finite_rows, launch, next_pow2, row_major, triton_op,
                       use_triton)
+from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 POOLS = ("max", "avg")
 ROW_REDUCE = ("mean", "sum")
@@ -253,9 +255,12 @@ def _head_value(u_ptr, r, j, m, H, N, LAYER: tl.constexpr):
     return v
 
 
-@triton.jit
-def _window_pool_kernel(u_ptr, out_ptr, H, N, n_pool, KSIZE: tl.constexpr, POOL_MAX: tl.constexpr,
-                        LAYER: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["C0", "sink", "window"])
+def _window_pool_kernel(u_ptr, out_ptr, h0_ptr, H, N, n_pool, C0, sink, window, KSIZE: tl.constexpr,
+                        POOL_MAX: tl.constexpr, LAYER: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr,
+                        NB: tl.constexpr, HIST_TILE: tl.constexpr):
+    """Pools ``BLOCK`` scores of row r; ``HIST``: then the select's first radix pass over them
+    (``select.hist0_of_chunk``, chunk = this program's block, ``sink``/``window`` protected)."""
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     j = c * BLOCK + tl.arange(0, BLOCK)
@@ -277,6 +282,9 @@ def _window_pool_kernel(u_ptr, out_ptr, H, N, n_pool, KSIZE: tl.constexpr, POOL_
             acc = acc / KSIZE
         res = tl.where((j < n_pool) & (res == res), acc, res)
     tl.store(out_ptr + r * N + j, res, mask=j < N)
+    if HIST:  # re-read from L1/L2 on a 1-D layout of at least one key per thread
+        tl.debug_barrier()
+        hist0_of_chunk(out_ptr + r * N, out_ptr, h0_ptr, r, c, C0, N, BLOCK, sink, window, HIST_TILE, NB, False)
 
 
 @functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
@@ -447,14 +455,17 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     return pool_torch(u, max(N - W, 0), kernel_size, pool)
 
 
-@triton_op("tritonkv::window_attention_score", mutates_args=())
+@triton_op("tritonkv::window_attention_score", mutates_args={"hist0"})
 def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: torch.Tensor, values: torch.Tensor,
                         scale: float, kernel_size: int, pool: str, row_reduce: str, head_reduce: str,
-                        chunk: int) -> torch.Tensor:
+                        chunk: int, hist0: Optional[torch.Tensor] = None, sink: int = 0,
+                        window: int = 0) -> torch.Tensor:
     """The raw op: keys ``[B, H, N, D]``, queries ``[B, G·H, W, D]`` (last dims unit-stride),
     ``attn_lse`` ``[B, G·H, W]`` or empty (computed here), ``values`` ``[B, H, N, D_v]`` (last dim
     unit-stride) or empty (not read) -> fp32 ``[B, H, N]``. ``chunk``: keys per program (0 =
-    automatic); it changes the grid, not the result beyond rounding."""
+    automatic); it changes the grid, not the result beyond rounding. ``hist0``: None, or the int32
+    ``[B·H, 1 + pool_chunks(N), NB]`` that the pooling kernel fills with the select's first radix
+    pass (``sink``/``window`` protected); only with pooling, and left alone by the PyTorch body."""
     if not use_triton(keys):
         return _window_attention_torch(keys, queries, attn_lse, values, scale, kernel_size, pool, row_reduce,
                                        head_reduce)
@@ -490,10 +501,16 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
            GROUP_MAX=head_reduce == "max", HOIST=hoist, HAS_LSE=attn_lse.numel() > 0,
            ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max", **common)
     if pooled:
-        block = min(next_pow2(N), 4096 if INTERPRET else 1024)
-        launch(_window_pool_kernel, (cdiv(N, block), R), u, out, H, N, max(N - W, 0),
-               KSIZE=kernel_size, POOL_MAX=pool == "max", LAYER=head_reduce == "layer", BLOCK=block)
+        block = _pool_block(N)
+        launch(_window_pool_kernel, (cdiv(N, block), R), u, out, out if hist0 is None else hist0, H, N, max(N - W, 0),
+               cdiv(N, block), sink, window, KSIZE=kernel_size, POOL_MAX=pool == "max", LAYER=head_reduce == "layer",
+               BLOCK=block, HIST=hist0 is not None, NB=NB, HIST_TILE=min(block, 4096 if INTERPRET else 512))
     return out
+
+
+def _pool_block(n: int) -> int:
+    """Tokens per program of the pooling kernel (its chunk, for the select's first pass too)."""
+    return min(next_pow2(n), 4096 if INTERPRET else 1024)
 
 
 def _choice(name: str, value, options) -> str:
@@ -505,7 +522,7 @@ def _choice(name: str, value, options) -> str:
 def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_lse: Optional[torch.Tensor] = None,
                             scale: Optional[float] = None, kernel_size: int = 1, pool: str = "max",
                             row_reduce: str = "mean", head_reduce: str = "mean", chunk: int = 0,
-                            values: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            values: Optional[torch.Tensor] = None, protect=None):
     """Window-attention scores, fp32 ``[B, H_kv, N]`` (higher = keep).
 
     Args:
@@ -524,6 +541,11 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
         values: optional ``[B, H_kv, N, D_v]``, for a policy that also reads values (CriticalKV's
             base): a token whose value has a non-finite element is treated as one whose key has
             (masked out of every softmax, NaN score). The kernels read them with the keys.
+        protect: ``(sink, window)``: returns ``(scores, hist0)``, ``hist0`` the shared select's first
+            radix pass over these scores with those tokens protected (a ``select.Hist0`` for
+            ``select_kv(..., hist0=)``) counted by the pooling kernel, or None where no pooling
+            kernel runs (``kernel_size`` 1 without ``head_reduce="layer"``), the PyTorch body runs
+            or the call is traced.
     """
     check_kv_tensor("keys", keys)
     check_kv_tensor("queries", queries)
@@ -559,6 +581,13 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
         raise ValueError(f"scale must be a positive finite float (the attention scale), got {scale!r}")
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
         raise ValueError(f"kernel_size must be a positive int, got {kernel_size!r}")
-    return window_attention_op(row_major(keys), row_major(queries), attn_lse, values, float(scale), kernel_size,
-                               _choice("pool", pool, POOLS), _choice("row_reduce", row_reduce, ROW_REDUCE),
-                               _choice("head_reduce", head_reduce, HEAD_REDUCE), int(chunk))
+    head_reduce = _choice("head_reduce", head_reduce, HEAD_REDUCE)
+    h0 = None
+    if protect is not None and (kernel_size > 1 or head_reduce == "layer") and use_triton(keys) \
+            and not torch.compiler.is_compiling() and type(keys) is torch.Tensor and keys.numel() > 0:
+        h0 = Hist0(hist0_buffer(B * H, cdiv(N, _pool_block(N)), keys.device), *protect)
+    out = window_attention_op(row_major(keys), row_major(queries), attn_lse, values, float(scale), kernel_size,
+                              _choice("pool", pool, POOLS), _choice("row_reduce", row_reduce, ROW_REDUCE),
+                              head_reduce, int(chunk), None if h0 is None else h0.hist,
+                              *(h0[1:] if h0 else (0, 0)))
+    return out if protect is None else (out, h0)

@@ -12,8 +12,8 @@ scores of tokens that other heads also pick are lowered before the shared top-k:
         kept_h = select(Ã[h], b_h)
 
         r and Ã are one launch (``kernels/score.py``), which also counts the final select's first
-        radix pass: seven launches in all and no host read (with ``attn_lse`` given: the default
-        base's window score, the unpenalised select's three, the penalty, the final select's two).
+        radix pass: nine launches in all and no host read (with ``attn_lse`` given: the default
+        base's window score, the unpenalised select's four, the penalty, the final select's three).
 
     sequential ("greedy"): heads in order of descending HD (ties to the lower h); r[j] counts the
         final selections of the heads already visited. The visiting order is computed on the

@@ -106,7 +106,17 @@ class WindowAttentionPolicy(Policy):
                                                 row_reduce=self.row_reduce, values=values if read_values else None)
         return window_attention_scores(keys, queries, attn_lse=attn_lse, scale=self.scale,
                                        kernel_size=self.kernel_size, pool=self.pool, row_reduce=self.row_reduce,
-                                       head_reduce=self.head_reduce, values=values if read_values else None)
+                                       head_reduce=self.head_reduce, values=values if read_values else None,
+                                       protect=inputs.get("protect"))
+
+    def score_and_hist0(self, keys: torch.Tensor, values: torch.Tensor, *, sink: int, window: int, **inputs):
+        """The scores and, from the pooling kernel (when one runs), the select's first radix pass for this
+        protection (None with ``forced`` tokens, which change the select's keys, or a tensor-parallel layer mean)."""
+        tp_mean = self.head_reduce == "layer" and inputs.get("process_group") is not None
+        if inputs.get("forced") is not None or tp_mean:
+            return self.score(keys, values, **inputs), None
+        out = self.score(keys, values, **inputs, protect=(sink, window))
+        return out if isinstance(out, tuple) else (out, None)
 
 
 @register_policy

@@ -1,0 +1,161 @@
+"""The select's tail stage (``_select_tail_kernel``: the third and fourth radix bytes and the chunks'
+output offsets from the candidates, the keys sharing the threshold's top 16 bits) on candidate-heavy
+rows, kept indices compared exactly with the NumPy oracle: many ties at the threshold spread over
+many chunks, candidates that differ only in their low 16 bits, candidates in one chunk only, rows of
+one value, AdaKV's one-row global select with forced tokens; and the pooling kernel's first radix
+pass (``hist0=``) against a NumPy histogram of the keys."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from helpers import on_backend
+from reference.select import select as ref_select
+from tritonkv.kernels.select import NB, select_indices, select_kv
+
+ULP_RUN = 300  # 1.0 + j·ulp for j < ULP_RUN: every key has the top 16 bits of 1.0
+
+
+def _check(s, k, chunk, sink=0, window=0, forced=None):
+    """Kernel (``chunk`` tokens per program) against the oracle, row by row."""
+    rows, n = s.shape
+    with on_backend("triton"):
+        idx, lengths = select_indices(torch.from_numpy(s), k, min(k, n), sink=sink, window=window, chunk=chunk,
+                                      forced=None if forced is None else torch.from_numpy(forced))
+    for r in range(rows):
+        want = ref_select(s[r], k, sink, window, None if forced is None else forced[r])
+        np.testing.assert_array_equal(idx[r, : lengths[r]].numpy(), want)
+
+
+def _ulps(j: np.ndarray) -> np.ndarray:
+    """fp32 ``1.0 + j·ulp``: keys equal in their top 16 bits, different below."""
+    return (np.float32(1.0).view(np.uint32) + j.astype(np.uint32)).view(np.float32)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_ties_at_the_threshold_spread_over_chunks(seed, data):
+    """Three values over ~19 chunks of 16: the threshold's value is tied in every chunk; the kept ties are
+    the lowest indices, whatever chunk they lie in."""
+    rng = np.random.default_rng(seed)
+    n = data.draw(st.integers(200, 300))
+    s = rng.integers(0, 3, (2, n)).astype(np.float32)
+    sink = data.draw(st.integers(0, 3))
+    window = data.draw(st.integers(0, 5))
+    k = data.draw(st.integers(sink + window, n))
+    _check(s, k, 16, sink, window)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), dup=st.integers(1, 4), data=st.data())
+def test_candidates_that_differ_in_the_low_bits_only(seed, dup, data):
+    """Every key is a candidate (one 16-bit prefix): the last two bytes decide, over shuffled chunks; with
+    ``dup`` > 1 the values repeat (ties inside the candidates)."""
+    rng = np.random.default_rng(seed)
+    n = data.draw(st.integers(100, ULP_RUN))
+    s = np.stack([_ulps(rng.permutation(n) // dup) for _ in range(2)])
+    k = data.draw(st.integers(0, n))
+    _check(s, k, 16)
+
+
+@pytest.mark.parametrize("chunk_of_run", [0, 5, 11])
+def test_candidates_in_one_chunk_only(chunk_of_run):
+    """Far-apart values everywhere but one chunk of 16 keys a few ulps apart (two of them tied): each budget
+    whose threshold falls inside that chunk keeps its top m of them."""
+    rng = np.random.default_rng(chunk_of_run)
+    n = 192
+    s = np.where(rng.random(n) < 0.5, 10.0 + rng.random(n), -10.0 - rng.random(n)).astype(np.float32)
+    j = np.arange(16)
+    j[3] = j[9]  # a tie inside the run
+    s[chunk_of_run * 16:(chunk_of_run + 1) * 16] = _ulps(rng.permutation(j))
+    above = int((s > 2.0).sum())
+    for m in (0, 1, 2, 7, 9, 10, 15, 16):
+        _check(s[None], above + m, 16)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, float("nan")])
+def test_rows_of_one_value(value):
+    """The worst case (every key a candidate, every key tied): the lowest indices win; -0 == +0 (a row of
+    both is one value); NaN ranks as -inf (a row of NaN is one value)."""
+    n = 257
+    s = np.full((2, n), value, np.float32)
+    if value == 0.0:
+        s[1, ::3] = -0.0
+    for k in (0, 1, 100, n - 1, n):
+        _check(s, k, 16)
+    _check(s, 50, 16, sink=2, window=3)
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["normal", "ties", "ulps"]), data=st.data())
+def test_adakv_global_select_with_forced_tokens(seed, kind, data):
+    """AdaKV's second select: one row of H·N scores (a batch row's heads side by side) with each head's
+    protected and top tokens forced, many chunks per row; the forced tokens and then the best of the rest."""
+    rng = np.random.default_rng(seed)
+    H, N = 4, data.draw(st.integers(40, 80))
+    if kind == "normal":
+        s = rng.standard_normal((1, H * N)).astype(np.float32)
+    elif kind == "ties":
+        s = rng.integers(-1, 2, (1, H * N)).astype(np.float32)
+    else:
+        s = _ulps(rng.integers(0, 40, (1, H * N)))
+    forced = rng.random((1, H * N)) < data.draw(st.sampled_from([0.0, 0.1, 0.4]))
+    f = int(forced.sum())
+    k = data.draw(st.integers(f, H * N))
+    _check(s, k, 16, forced=forced)
+
+
+def _hist0_of(s: np.ndarray, sink: int, window: int) -> np.ndarray:
+    """NumPy histogram of the top byte of the select's keys (from the spec: NaN -> -inf, -0 -> +0, order-
+    preserving uint32 bits, protected tokens the maximum key), ``[R, NB]``."""
+    s = np.where(np.isnan(s), -np.inf, s).astype(np.float32)
+    s = np.where(s == 0, np.float32(0.0), s).astype(np.float32)
+    b = s.view(np.uint32).astype(np.uint64)
+    u = np.where(b >> 31 != 0, (~b) & 0xFFFFFFFF, b | 0x80000000)
+    n = s.shape[1]
+    pos = np.arange(n)
+    u = np.where((pos < sink) | (pos >= n - window), 0xFFFFFFFF, u)
+    return np.stack([np.bincount((row >> 24).astype(np.int64), minlength=NB) for row in u])
+
+
+@pytest.mark.parametrize("head_reduce,kernel_size", [("mean", 7), ("layer", 1), ("max", 3)])
+def test_pooling_kernel_counts_the_first_pass(head_reduce, kernel_size):
+    """The pooling kernel's ``hist0`` is the first radix pass of the scores it returns (its slots sum to the
+    NumPy histogram), and a select fed with it keeps what a select counting its own pass keeps."""
+    from tritonkv.kernels.window_attention import window_attention_scores
+
+    g = torch.Generator().manual_seed(7)
+    B, H, G, N, D, W = 1, 2, 2, 150, 16, 8
+    keys = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    values = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    queries = torch.randn(B, H * G, W, D, generator=g).to(torch.bfloat16)
+    sink, window = 2, W
+    with on_backend("triton"):
+        s, h0 = window_attention_scores(keys, queries, kernel_size=kernel_size, head_reduce=head_reduce,
+                                        protect=(sink, window))
+        assert torch.equal(s, window_attention_scores(keys, queries, kernel_size=kernel_size,
+                                                      head_reduce=head_reduce))
+        want = _hist0_of(s.view(B * H, N).numpy(), sink, window)
+        np.testing.assert_array_equal(h0.hist[:, 1:].sum(1).numpy(), want)
+        plain = select_kv(s, 40, keys, values, 40, sink=sink, window=window)
+        for _ in range(2):  # the control block is reset: the same pass serves another select
+            got = select_kv(s, 40, keys, values, 40, sink=sink, window=window, hist0=h0)
+            assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    for r in range(B * H):
+        np.testing.assert_array_equal(plain[2].view(B * H, 40)[r].numpy(), ref_select(s.view(B * H, N)[r].numpy(),
+                                                                                     40, sink, window))
+    with on_backend("torch"):
+        assert window_attention_scores(keys, queries, kernel_size=kernel_size, head_reduce=head_reduce,
+                                       protect=(sink, window))[1] is None
+
+
+def test_no_pooling_kernel_no_first_pass():
+    """κ = 1 with a per-KV-head reduction runs no pooling kernel: no ``hist0`` (the select counts it)."""
+    from tritonkv.kernels.window_attention import window_attention_scores
+
+    g = torch.Generator().manual_seed(8)
+    keys = torch.randn(1, 2, 40, 16, generator=g)
+    queries = torch.randn(1, 2, 4, 16, generator=g)
+    with on_backend("triton"):
+        s, h0 = window_attention_scores(keys, queries, protect=(0, 4))
+    assert h0 is None and s.shape == (1, 2, 40)
