@@ -106,7 +106,7 @@ def test_plans_repeat_only_what_they_may():
     res = _run(PLAN_GUARDS)
     assert res["warned"] == 4 and res["warning_plans"] == ["False"], res
     assert res["read_plans"] == ["False"], res
-    assert res["logged"] == 3, res  # knorm: score + finish + compact
+    assert res["logged"] == 4, res  # knorm: score + finish + tail + compact
     assert res["settings_plans"] == ["_Plan"] * 5, res  # "knorm" and four policy objects
     assert res["grad_plans"] == [], res
     assert res["autocast_plans"] == [], res
