@@ -598,3 +598,29 @@ def test_compress_with_adakv_keeps_the_oracles_selection(backend, data):
             assert torch.equal(K[r // H, r % H, :len(kept)], keys[r // H, r % H, kept])
         if mode == "exact" and 0 < b < M:  # the static size: H·(b + sink + window) per batch row + 16 per row
             assert out.keys.shape[0] == B * H * (b + sink + window + 16)
+
+
+@pytest.mark.parametrize("name", ["knorm", "snapkv"])
+def test_adakv_reuses_the_scoring_kernels_first_pass(name):
+    """With a scoring kernel that counts the select's first radix pass (Knorm, SnapKV's pooling kernel), AdaKV's
+    per-head select reuses it: the kept tokens are those of the same scores given as they are (no first pass to
+    reuse; checked against the oracles above), over budgets that leave many ties and every edge of the per-head
+    select."""
+    from tritonkv.policies import Knorm, SnapKV
+
+    B, H, N, D = 2, 3, 70, 16
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    keys[:, :, 10:30] = keys[:, :, 10:11]  # equal scores across the threshold
+    inputs = {"queries": torch.randn(B, 2 * H, 6, D, generator=g)} if name == "snapkv" else {}
+    pol = SnapKV(window=6) if name == "snapkv" else Knorm(sink=3)
+    with on_backend("triton"):
+        scores = pol.score(keys, values, **inputs)
+        for budget in (pol.sink + pol.window + 1, 20, 45, N - 1):
+            for alpha in (0.2, 1.0):
+                got = tritonkv.compress((keys, values), pol, budget, allocation=AdaKV(alpha=alpha), **inputs)
+                want = tritonkv.compress((keys, values), _Given(scores, pol.sink, pol.window), budget,
+                                         allocation=AdaKV(alpha=alpha))
+                assert torch.equal(got.lengths, want.lengths), (budget, alpha)
+                assert all(torch.equal(a, b) for a, b in zip(got.to_padded(with_positions=True),
+                                                             want.to_padded(with_positions=True))), (budget, alpha)

@@ -118,11 +118,12 @@ def _allocated_cases():
 # the Triton launches and torch-side device ops of an allocated compress, after a first call (which computes the
 # model-level tables on the host and, for inputs on the device, reads them back once)
 ALLOCATED = {
-    # AdaKV: the per-head top-⌊α·b⌋ select (its mask), the global top-H·(b + sink + window) select, whose winners
-    # are copied into ragged rows: 11 launches, no torch op (the dense SnapKV: 5 launches, its pooling kernel
-    # counting its select's first pass; both AdaKV selects count their own)
-    "snapkv+adakv": (["_window_score_kernel", "_window_pool_kernel", *SELECT, *SELECT, "_ragged_from_kept_kernel"], []),
-    "knorm+adakv": (["_knorm_kernel", *SELECT, *SELECT, "_ragged_from_kept_kernel"], []),
+    # AdaKV: the per-head top-⌊α·b⌋ select (its mask; its first pass counted by the scoring kernel, as in the dense
+    # policy), the global top-H·(b + sink + window) select, whose winners are copied into ragged rows: 10 launches,
+    # no torch op (the dense SnapKV: 5)
+    "snapkv+adakv": (["_window_score_kernel", "_window_pool_kernel", *SELECT[1:], *SELECT, "_ragged_from_kept_kernel"],
+                     []),
+    "knorm+adakv": (["_knorm_kernel", *SELECT[1:], *SELECT, "_ragged_from_kept_kernel"], []),
     # one budget for every head: the dense launches, rows at r·cap (positions -1, row starts, next positions)
     "knorm+uniform": (["_knorm_kernel", *SELECT[1:]], ["full", "arange", "full"]),
     "knorm+pyramid": (["_knorm_kernel", *SELECT[1:]], ["full", "arange", "full"]),
@@ -137,11 +138,11 @@ def test_allocated_compress_never_syncs():
     """``compress`` with an allocator reads no device value back once its model-level tables are computed: the
     RaggedKV is sized from host ints (AdaKV: ``H·(b + sink + window)`` per batch row; host tables: their values;
     SCORE: its layer totals, read back once per ``head_means`` tensor; AdaKV's paper mode: a static bound), so the
-    call can be captured in a CUDA graph. The launches are those of ``ALLOCATED`` (SnapKV + AdaKV: 11 Triton
+    call can be captured in a CUDA graph. The launches are those of ``ALLOCATED`` (SnapKV + AdaKV: 10 Triton
     launches and no torch op; the dense SnapKV: 5)."""
     keys, values, cases = _allocated_cases()
     dense, ops, _ = dry(lambda: tritonkv.compress((keys, values), "snapkv", 0.25, **cases["snapkv+adakv"][2]))
-    assert len(ALLOCATED["snapkv+adakv"][0]) <= 2 * (len(dense) + len(ops)) + 1  # 11 <= 2 x 5 + 1
+    assert len(ALLOCATED["snapkv+adakv"][0]) <= 2 * (len(dense) + len(ops))  # 10 <= 2 x 5
     for name, (pol, alloc, inputs) in cases.items():
         tritonkv.compress((keys, values), pol, 0.25, allocation=alloc, **inputs)  # the tables, once
         names, ops, syncs = dry(lambda: tritonkv.compress((keys, values), pol, 0.25, allocation=alloc, **inputs))

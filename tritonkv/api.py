@@ -462,9 +462,9 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs):
             out.extra = max(min(longest + p, N) - min(max(budgets), N), 0)
         return out
     kept = getattr(alloc, "kept", None)
-    scores, sel = score(kept is None or not plain or tp is not None)
-    if plain and kept is not None and tp is None:
-        kept = kept(scores, ctx, **rest)
+    scores, sel = score(True)
+    if plain and kept is not None and tp is None:  # the first radix pass serves the allocator's per-head select
+        kept = kept(scores, ctx, **rest, **({} if sel.get("hist0") is None else {"hist0": sel["hist0"]}))
         if kept is not None:
             return RaggedKV.from_kept(kept.indices, keys, values, longest=kept.longest)
     plan = alloc.plan(ctx, scores, **rest)

@@ -74,13 +74,16 @@ def _from_rows(s: torch.Tensor, b: int, avail: int, alpha: float, mode: str) -> 
     return won.view(B, H, M).sum(-1).to(torch.int32)
 
 
-def adakv_kept(scores: torch.Tensor, b: int, *, sink: int = 0, window: int = 0, alpha: float = 0.2) -> torch.Tensor:
+def adakv_kept(scores: torch.Tensor, b: int, *, sink: int = 0, window: int = 0, alpha: float = 0.2,
+               hist0=None) -> torch.Tensor:
     """int64 ``[B, H·(b + sink + window)]``: each batch row's kept tokens in exact mode, as ascending flat indices
     ``h·N + j`` into ``scores [B, H, N]``, for a selectable budget ``0 < b < avail = N − sink − window``.
 
     One global top-``H·(b + sink + window)`` of the row's ``H·N`` scores with each head's protected tokens and
     top-``⌊α·b⌋`` selectable ones forced (found by one per-head select): head ``h``'s entries are its protected
-    tokens and its ``adakv_budgets`` winners, in the same order (``RaggedKV.from_kept`` turns them into rows)."""
+    tokens and its ``adakv_budgets`` winners, in the same order (``RaggedKV.from_kept`` turns them into rows).
+    ``hist0``: the scoring kernel's first radix pass of ``scores`` with this sink and window (a
+    ``kernels.select.Hist0``), which the per-head select then reuses."""
     B, H, N = scores.shape
     p = sink + window
     if not 0 < b < N - p:
@@ -89,7 +92,7 @@ def adakv_kept(scores: torch.Tensor, b: int, *, sink: int = 0, window: int = 0, 
     s = scores.to(torch.float32).contiguous()
     forced = None
     if f + p > 0:  # each head's protected tokens and its top f
-        forced = select_indices(s, f + p, f + p, sink=sink, window=window, with_mask=True)[2]
+        forced = select_indices(s, f + p, f + p, sink=sink, window=window, with_mask=True, hist0=hist0)[2]
         forced = forced.view(torch.uint8).view(B, H * N)
     k = H * (b + p)
     return select_indices(s.view(B, H * N), k, k, forced=forced)[0]
@@ -206,13 +209,14 @@ class AdaKV(Allocator):
         b, avail = ctx["b"], ctx["avail"]
         return max(min(b, avail), 0) if b >= avail or b <= 0 else None
 
-    def kept(self, scores, ctx, **inputs) -> Optional[Kept]:
-        """Exact mode in one process: the kept tokens themselves (``adakv_kept``), else None."""
+    def kept(self, scores, ctx, hist0=None, **inputs) -> Optional[Kept]:
+        """Exact mode in one process: the kept tokens themselves (``adakv_kept``; ``hist0``: the scoring kernel's
+        first radix pass, for its per-head select), else None."""
         b, avail, p = ctx["b"], ctx["avail"], ctx["sink"] + ctx["window"]
         if self.mode != "exact" or ctx["tp"] is not None or not 0 < b < avail:
             return None
         f = min(floor_eps(self.alpha * b), b)
-        return Kept(adakv_kept(scores, b, sink=ctx["sink"], window=ctx["window"], alpha=self.alpha),
+        return Kept(adakv_kept(scores, b, sink=ctx["sink"], window=ctx["window"], alpha=self.alpha, hist0=hist0),
                     p + min(avail, ctx["H"] * b - (ctx["H"] - 1) * f))
 
     def bound(self, ctx, **inputs):

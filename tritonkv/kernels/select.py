@@ -695,9 +695,9 @@ def _indices(shape: tuple, full: bool, device) -> torch.Tensor:
 
 
 def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 0, forced=None,
-                   with_mask: bool = False, chunk: Optional[int] = None):
+                   with_mask: bool = False, chunk: Optional[int] = None, hist0: Optional[Hist0] = None):
     """Kept indices only. Returns ``(indices int64 [..., k_max] padded with -1, lengths int32 [...])``
-    and, with ``with_mask``, a bool keep-mask shaped like ``scores``."""
+    and, with ``with_mask``, a bool keep-mask shaped like ``scores``. ``hist0``: as for ``select_kv``."""
     s = _scores_2d(scores)
     R, N = s.shape
     dev = s.device
@@ -708,9 +708,10 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
     idx = _indices((R * k_max,), full and R > 0 and N > 0, dev)
     lengths = torch.empty(R, dtype=torch.int32, device=dev)
     mask = torch.empty((R, N) if with_mask else (0,), dtype=torch.int8, device=dev)
+    h0 = _hist0_arg(hist0, R, sink, window, forced)
     if N > 0 and R > 0:  # no out_start: the padded layout
         select_into(s, b, _forced_2d(forced, (R, N), dev), None, None, None, idx, lengths, mask if with_mask else None,
-                    None, None, None, sink, window, k_max, bi, full, chunk or 0)
+                    None, None, h0, sink, window, k_max, bi, full, chunk or 0)
     else:
         lengths.zero_()
         mask.zero_()
