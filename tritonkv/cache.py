@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .kernels import select as _select
 from .kernels._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_device, check_kv_tensor, launch, next_pow2,
-                              triton_op, use_triton)
+                              on_host, triton_op, use_triton)
 
 
 @triton.jit
@@ -86,6 +86,13 @@ def _ragged_append_torch(k, v, keys, values, positions, row_start, length, next_
         return
     slot = row_start[:R] + length
     room = slot < row_start[1:R + 1]
+    if on_host(room) and bool(room.all()):  # eagerly on the CPU, every row has room (the usual step): plain copies
+        keys.index_copy_(0, slot, k.reshape(R, D))
+        values.index_copy_(0, slot, v.reshape(R, D))
+        positions.index_copy_(0, slot, next_position)
+        next_position.add_(1)
+        length.add_(1)
+        return
     pick, any_room = _select.redirect_invalid(room)
     dst = torch.where(any_room, slot[pick], 0)
     slot0 = [t[:1].clone() for t in (keys, values, positions)]
@@ -195,8 +202,10 @@ def _ragged_from_kept_torch(kept, keys, values, out_keys, out_values, positions,
     src = kept.reshape(-1)[((row // H) * K + lo[row] + j).clamp(0, max(B * K - 1, 0))] - (row % H) * N
     src = torch.where(valid, src, 0)
     positions.copy_(torch.where(valid, src, -1))
-    out_keys.copy_(keys[row // H, row % H, src])
-    out_values.copy_(values[row // H, row % H, src])
+    for t, out in ((keys, out_keys), (values, out_values)):  # a plain row gather: fast on the CPU
+        flat = _select._rows(t, src.new_zeros(R, 0))[0]
+        sb, sh, sn, _ = t.stride()
+        torch.index_select(flat, 0, (row // H) * sb + (row % H) * sh + src * sn, out=out)
 
 
 _UPLOADS: dict = {}  # (device, values) -> (pinned host copy, device copy)

@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, check_kv_tensor, finite_rows, launch, next_pow2, row_major, triton_op,
+from ._common import (INTERPRET, cdiv, check_kv_tensor, finite_rows, launch, next_pow2, on_host, row_major, triton_op,
                       use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
@@ -401,6 +401,7 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     kfin = finite_rows(keys)[0]  # [B, H, N]
     if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
         kfin &= finite_rows(values)[0]
+    every_in = on_host(kfin) and bool(kfin.all()) and bool(left_in.all())  # eagerly: nothing to mask
     pos = (N - W + torch.arange(W, device=dev)).repeat(G)[:, None]  # [G·W, 1] position of each row
     first = max(N - W + 1, 0)  # keys before this one are visible to every row
     chunk = max(1, TORCH_BLOCK // (B * H * G * W))
@@ -409,7 +410,8 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     def logits(t0: int, t1: int):
         """Logits of keys [t0, t1), −inf where not visible; (block, c, visibility of columns c…)."""
         s = q @ keys[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, G·W, n]
-        s.masked_fill_(~(kfin[:, :, None, t0:t1] & left_in), float("-inf"))
+        if not every_in:
+            s.masked_fill_(~(kfin[:, :, None, t0:t1] & left_in), float("-inf"))
         c = min(max(first - t0, 0), t1 - t0)
         vis = torch.arange(t0 + c, t1, device=dev) <= pos  # [G·W, n − c]
         s[..., c:].masked_fill_(~vis, float("-inf"))

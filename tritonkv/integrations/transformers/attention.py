@@ -35,6 +35,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
+from ...kernels._common import on_host
 from .storage import SENTINEL
 
 ATTN_IMPLEMENTATION = "tritonkv"
@@ -109,6 +110,46 @@ def block_attention(query, key, value, scaling):
     return out
 
 
+def held_suffix(pos):
+    """Per batch row and head (nested lists ``[B][H_kv]``), how many slots hold a token, when those are the row's
+    last slots (every ``SENTINEL`` slot before them: a padded view of per-head rows); None when some row has a
+    gap after its first token, or off the CPU (the check reads values back)."""
+    if not on_host(pos):
+        return None
+    held = pos != SENTINEL
+    count = held.sum(-1)
+    S = pos.shape[-1]
+    if not torch.equal(held, torch.arange(S, device=pos.device) >= (S - count)[..., None]):
+        return None
+    return count.tolist()
+
+
+def suffix_attention(query, key, value, lengths, scaling):
+    """Attention of a block of T queries over rows whose tokens are each (batch row, KV head)'s last
+    ``lengths[b][h]`` (>= T) slots, in position order, the block's own T tokens last (``held_suffix``): per row,
+    ``block_attention`` of its G query heads over those slots alone (no per-head mask, no slot of another row's
+    length). Returns ``[B, T, H_q, D]``."""
+    B, Hq, T, D = query.shape
+    H, S = key.shape[1], key.shape[2]
+    G = Hq // H
+    out = query.new_empty(B, T, Hq, value.shape[-1])
+    chunk = _chunk(T, S)
+    for c0 in range(0, T, chunk):
+        c = min(chunk, T - c0)
+        s = S - T + c0 + c  # slots up to the chunk's last query
+        mask = torch.ones(c, s, dtype=torch.bool, device=query.device).tril(s - c)  # a row's: its last columns
+        mask = torch.zeros(c, s, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+        for b in range(B):
+            for h in range(H):
+                s0 = S - lengths[b][h]
+                heads = slice(h * G, (h + 1) * G)
+                o = F.scaled_dot_product_attention(query[b:b + 1, heads, c0:c0 + c], key[b:b + 1, h:h + 1, s0:s],
+                                                   value[b:b + 1, h:h + 1, s0:s], attn_mask=mask[:, s0:],
+                                                   scale=scaling, enable_gqa=G > 1)
+                out[b, c0:c0 + c, heads] = o[0].transpose(0, 1)
+    return out
+
+
 def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = True):
     """Attention of ``query`` ``[B, H_q, T, D]`` over slots ``key``/``value`` ``[B, H_kv, S, D]`` whose sequence
     indices are ``pos`` int32 ``[B, H_kv, S]``; the queries are at sequence indices ``qpos`` int ``[T]``. A query
@@ -150,6 +191,25 @@ def decode_sdpa(query, key, value, scaling):
     H = key.shape[1]
     out = F.scaled_dot_product_attention(query.reshape(B, H, Hq // H, D), key, value, scale=scaling)
     return out.reshape(B, 1, Hq, -1)
+
+
+def ragged_decode_sdpa(query, kv, scaling):
+    """One query token per head over per-head (ragged) rows ``kv`` (a ``RaggedKV`` on the CPU, whose tokens all
+    precede the query): per row, SDPA of its G query heads packed as G rows over the row's slots, read in place
+    (no padded copy); an empty row gives zeros (as ``decode_attention``). ``[B, 1, H_q, D]``."""
+    B, Hq, _, D = query.shape
+    H = kv.num_heads
+    G = Hq // H
+    q = query.reshape(B, H, G, D)
+    out = query.new_zeros(B, 1, Hq, kv.values.shape[1])
+    for r, (start, n) in enumerate(zip(kv.row_start.tolist(), kv.length.tolist())):
+        if n == 0:
+            continue
+        b, h = divmod(r, H)
+        k, v = kv.keys[start:start + n], kv.values[start:start + n]
+        o = F.scaled_dot_product_attention(q[b, h][None, None], k[None, None], v[None, None], scale=scaling)
+        out[b, 0, h * G:(h + 1) * G] = o[0, 0]
+    return out
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):

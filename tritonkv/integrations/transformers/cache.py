@@ -25,8 +25,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ...api import Compressed, check_input_names, compress, resolve_budget
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
-from .attention import block_attention, causal_attention, check_compilable, decode_sdpa, hand_over, masked_attention
-from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
+from ...kernels._common import on_host
+from .attention import (block_attention, causal_attention, check_compilable, decode_sdpa, hand_over, held_suffix,
+                        masked_attention, ragged_decode_sdpa, suffix_attention)
+from .storage import SENTINEL, DenseStore, RaggedStore, left_padded, padded_width, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
 
@@ -38,17 +40,28 @@ def _compiling() -> bool:
 class _MaskedPolicy(Policy):
     """``base`` restricted to the slots that hold real tokens: other slots score -inf and the sink is not the first
     slots (the cache forces the first real tokens of each row through the select kernel's ``forced`` mask). Used
-    only while a layer holds pads or ragged gaps; otherwise the cache calls the policy itself."""
+    only while a layer holds pads or ragged gaps; otherwise the cache calls the policy itself. Its selection is
+    the base's: ``Policy.select`` (a plain top-k of the scores, which ``compress`` may fuse with an allocator's,
+    e.g. AdaKV's winners), or through ``_MaskedSelectPolicy`` a selection of the base's own."""
 
     def __init__(self, base: Policy, valid: torch.Tensor):
         self.base, self.valid = base, valid
         self.name, self.needs = base.name, base.needs
+
+    @staticmethod
+    def wrap(base: Policy, valid: torch.Tensor) -> "_MaskedPolicy":
+        plain = type(base).select is Policy.select
+        return (_MaskedPolicy if plain else _MaskedSelectPolicy)(base, valid)
 
     def protected(self, n, budget):
         return 0, self.base.protected(n, budget)[1]
 
     def score(self, keys, values, **inputs):
         return torch.where(self.valid, self.base.score(keys, values, **inputs).float(), float("-inf"))
+
+
+class _MaskedSelectPolicy(_MaskedPolicy):
+    """``_MaskedPolicy`` of a base with its own ``select`` (a score-transform policy: CriticalKV, SCORE)."""
 
     def select(self, *args, **kwargs):
         return self.base.select(*args, **kwargs)
@@ -229,7 +242,7 @@ class TritonKVLayer(CacheLayerMixin):
             out = key_states
         else:
             if self.store.ragged:  # a prefill block over per-head rows: a padded working view for this forward
-                self.store = self.store.to_dense()
+                self.store = self.store.to_dense(free=T)
                 self.has_invalid = True
             pos = torch.arange(self.seen, self.seen + T, device=self.device, dtype=torch.int32)
             if self.store.n == 0 and not self.store.static:
@@ -339,8 +352,10 @@ class TritonKVLayer(CacheLayerMixin):
         """Attention of ``query`` ``[B, H_q, T, D]`` over this layer (see ``attention.py``): ``[B, T, H_q, D]``."""
         B, Hq, T, D = query.shape
         st = self.store
-        if st.ragged:  # T == 1: the split-K decode kernel over the per-head rows
-            return decode_attention(query, st.kv, scale=scaling).transpose(1, 2).contiguous()
+        if st.ragged:  # T == 1: the split-K decode kernel over the per-head rows (on the CPU: SDPA per row)
+            if self.cache._use_kernel(query) or not on_host(query):
+                return decode_attention(query, st.kv, scale=scaling).transpose(1, 2).contiguous()
+            return ragged_decode_sdpa(query, st.kv, scaling)
         if _compiling():  # the whole static capacity, by position
             qpos = self.seen_dev - T + torch.arange(T, device=query.device)
             if T == 1 and self.cache._use_kernel(query):
@@ -356,8 +371,12 @@ class TritonKVLayer(CacheLayerMixin):
                     return decode_attention(query, (key, value), scale=scaling).transpose(1, 2).contiguous()
                 return decode_sdpa(query, key, value, scaling)
             return block_attention(query, key, value, scaling)
+        pos = st.view()[2]
+        lengths = held_suffix(pos) if self.pads is None else None
+        if lengths is not None and min(min(row) for row in lengths) >= T:  # per-head rows, each ending in the block
+            return suffix_attention(query, key, value, lengths, scaling)
         qpos = torch.arange(self.seen - T, self.seen, device=query.device)
-        return masked_attention(query, key, value, st.view()[2], qpos, scaling)
+        return masked_attention(query, key, value, pos, qpos, scaling)
 
     def after_attention(self, query) -> None:
         """Keep the recent queries for window policies; compress when the schedule says so (eager only)."""
@@ -390,20 +409,23 @@ class TritonKVLayer(CacheLayerMixin):
             self.store = self.store.to_dense()
             self.has_invalid = True
         keys, values, pos = self.store.view()
-        if self.has_invalid:
+        if self.has_invalid and held_suffix(pos) is None:
             keys, values, pos = _compact(keys, values, pos)
         ahead = self._next_block()
         out = self._select(keys, values, pos, k, invalid=self.has_invalid, queries=self.queries, seq_len=self.seen,
-                           padded=ahead > 0)
+                           padded=ahead)
         if isinstance(out, RaggedStore):
             self.store = out
             self.has_invalid, self.allocated = False, True
+        elif isinstance(out, DenseStore):  # per-head rows in their padded working view, room for the next block
+            if self.store.static:
+                self.store.replace(*out.view(), 0)
+            else:
+                self.store = out
+            self.has_invalid, self.allocated = True, True
         else:
             self.store.replace(*out, max(self._slack(out[0].shape[2]), ahead))
-            if ahead and self.cache.allocation is not None:  # per-head rows padded, as their working view would be
-                self.has_invalid, self.allocated = True, True
-            else:
-                self.has_invalid = bool((out[2] == SENTINEL).any())
+            self.has_invalid = bool((out[2] == SENTINEL).any())
         self._compressed()
 
     def _next_block(self) -> int:
@@ -424,19 +446,20 @@ class TritonKVLayer(CacheLayerMixin):
         cache.compressions += 1
 
     def _select(self, keys, values, pos, k: int, *, invalid: bool, queries, seq_len: int, offset: int = 0,
-                row: Optional[int] = None, padded: bool = False):
+                row: Optional[int] = None, padded: int = 0):
         """Run the policy (and allocator) over the slots ``keys``/``values`` ``[B, H, N, D]`` at sequence indices
         ``pos`` (``invalid``: some hold no token). Returns ``(keys, values, pos)`` of the kept slots, or a
         ``RaggedStore`` (per-head budgets) that holds no empty slot. ``offset``: subtracted from the positions the
         policy sees (a padded row's pads), ``seq_len``: the tokens of the sequence (allocators' tables), ``row``: the
-        batch row these slots belong to (its slice of batched inputs). ``padded``: per-head rows come back as
-        ``(keys, values, pos)`` padded to the longest row (``SENTINEL`` after each row's tokens), not ragged."""
+        batch row these slots belong to (its slice of batched inputs). ``padded`` (the next prompt block's tokens):
+        per-head rows come back in their padded working view (``RaggedStore.to_dense``'s layout) with room for that
+        block and the slack, a ``DenseStore``, not ragged."""
         cache = self.cache
         policy, forced = cache.policy, None
         if invalid:
             valid = pos != SENTINEL
             sink = policy.protected(pos.shape[2], k)[0]
-            policy = _MaskedPolicy(policy, valid)
+            policy = _MaskedPolicy.wrap(policy, valid)
             if sink:  # a padded row's sink is its first real tokens: forced, not +inf scores
                 forced = valid & (valid.to(torch.int32).cumsum(-1) <= sink)
         seen_pos = pos if not offset else torch.where(pos != SENTINEL, pos - offset, SENTINEL)
@@ -457,8 +480,10 @@ class TritonKVLayer(CacheLayerMixin):
         if isinstance(out, Compressed):
             return out.keys, out.values, pos.gather(2, out.indices)
         if padded:  # the layout RaggedStore.to_dense gives
-            K, V, _, p = out.to_padded(with_positions=True)
-            return K, V, torch.where(p >= 0, pos.gather(2, p.clamp(min=0)), SENTINEL)
+            width = padded_width(out)
+            K, V, p, held = left_padded(out, max(self._slack(width), padded), width)
+            P = torch.where(held & (p >= 0), pos.gather(2, p.clamp(min=0)), SENTINEL)
+            return DenseStore(K, V, P, width)
         # a RaggedKV (per-head budgets): stored as it is, no padding back
         return RaggedStore.from_selection(out, pos, self.seen, self._slack(k))
 
@@ -502,8 +527,7 @@ class TritonKVLayer(CacheLayerMixin):
                 out = self._select(kb, vb, pb, k, invalid=self.row_alloc[b] or bool((pb == SENTINEL).any()),
                                    queries=q, seq_len=real, offset=self.pads[b], row=b)
                 if isinstance(out, RaggedStore):  # its rows as they are (an allocator may give a head empty slots)
-                    kb, vb, pb = out.padded()
-                    held = torch.arange(pb.shape[2], device=pb.device) < out.kv.lengths[..., None]
+                    kb, vb, pb, held = out.padded()
                 else:
                     kb, vb, pb = out
                     held = pb != SENTINEL

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from ...cache import RaggedKV
+from ...kernels._common import on_host
 
 SENTINEL = 2**31 - 1  # ``pos`` of a slot that holds no token (empty, or a pad): attended by nobody
 MIN_SLACK = 16
@@ -39,6 +40,45 @@ def slack_for(kept: int, decode_every: Optional[int] = None) -> int:
 
 def _nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _zero_rows(t: torch.Tensor, held: torch.Tensor) -> None:
+    """Zero, in place, the slots of ``t`` ``[R, W, D]`` that ``held`` ``[R, W]`` marks False (on the CPU by index:
+    several times faster than a masked fill broadcast over D)."""
+    if on_host(held):
+        t.view(-1, t.shape[-1]).index_fill_(0, (~held).view(-1).nonzero().squeeze(1), 0)
+    else:
+        t.masked_fill_(~held[..., None], 0)
+
+
+def padded_width(kv: RaggedKV) -> int:
+    """The width of ``kv``'s padded view (``to_padded()``'s): its longest row (one host read); with tensor
+    parallelism (``TPRaggedKV``) the layer's longest row over the ranks."""
+    return (int(kv.length.max()) if kv.length.numel() else 0) + getattr(kv, "extra", 0)
+
+
+def left_padded(kv: RaggedKV, free: int = 0, width: Optional[int] = None):
+    """``(K, V, positions, held)`` ``[B, H, W + free, ...]`` of the ragged rows of ``kv``, each row's tokens in its
+    last slots before the ``free`` ones (W = ``width``, default ``padded_width``): K and V zero outside the rows,
+    positions int64 as ``kv`` holds them (-1 outside), ``held`` bool marks the rows' slots. One row gather."""
+    B, H, D = kv.batch, kv.num_heads, kv.head_dim
+    R, dev = B * H, kv.device
+    width = padded_width(kv) if width is None else width
+    j = torch.arange(width + free, device=dev)
+    lead = width - kv.length.to(torch.int64).clamp(max=width)[:, None]  # empty slots before each row's tokens
+    held = (j >= lead) & (j < width)
+    if kv.keys.shape[0] == 0 or R == 0:
+        K = kv.keys.new_zeros(R, width + free, D)
+        V, p = kv.values.new_zeros(R, width + free, kv.values.shape[1]), torch.full_like(j, -1).expand(R, -1)
+    else:
+        src = (kv.row_start[:R, None] + j - lead).clamp(0, kv.keys.shape[0] - 1).view(-1)
+        K = kv.keys.index_select(0, src).view(R, width + free, D)  # index_select: a plain row gather (fast on CPU)
+        V = kv.values.index_select(0, src).view(R, width + free, -1)
+        for t in (K, V):
+            _zero_rows(t, held)
+        p = torch.where(held, kv.positions.index_select(0, src).view(R, -1), -1)
+    return (K.view(B, H, width + free, D), V.view(B, H, width + free, -1), p.reshape(B, H, width + free),
+            held.view(B, H, width + free))
 
 
 class DenseStore:
@@ -157,18 +197,22 @@ class RaggedStore:
         return cls.from_selection(kv, pos, seen, slack)
 
     def padded(self):
-        """``(keys, values, pos)`` ``[B, H, longest row, D]``: each row's tokens first, ``SENTINEL`` after."""
-        return self.to_dense().view()
+        """``(keys, values, pos, held)`` ``[B, H, longest row, D]``: each row's tokens last, ``SENTINEL`` slots
+        before them; ``held`` (bool ``[B, H, longest row]``) marks the row's slots (a kept slot may hold no token)."""
+        K, V, pos, held = left_padded(self.kv)
+        return K, V, torch.where(held & (pos >= 0), pos, SENTINEL).to(torch.int32), held
 
     def append(self, keys, values) -> None:
         """One new token per row, in place (``RaggedKV.append``)."""
         self.kv.append(keys, values)
         self.n += 1
 
-    def to_dense(self) -> DenseStore:
-        """The padded working view (rows padded with ``SENTINEL`` slots) for a prefill block or a re-compression."""
-        K, V, _, p = self.kv.to_padded(with_positions=True)
-        return DenseStore.wrap(K, V, torch.where(p >= 0, p, SENTINEL).to(torch.int32))
+    def to_dense(self, free: int = 0) -> DenseStore:
+        """The padded working view for a prefill block or a re-compression: each row's tokens last, ``SENTINEL``
+        slots before them (the layout a policy sees of a layer with gaps, ``cache._compact``'s), and ``free``
+        empty slots after the longest row (a prefill block is then written in place)."""
+        K, V, p, held = left_padded(self.kv, free)
+        return DenseStore(K, V, torch.where(held & (p >= 0), p, SENTINEL).to(torch.int32), K.shape[2] - free)
 
     def kept_tokens(self) -> torch.Tensor:
         return self.kv.lengths.to(torch.int64)
