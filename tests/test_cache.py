@@ -317,7 +317,7 @@ BAD = [
     ("values shape", lambda: RaggedKV.from_selection(S0, 4, K0, V0[:, :1]), ValueError, ["values"]),
     ("budgets count", lambda: RaggedKV.from_selection(S0, torch.tensor([1, 2, 3]), K0, V0), ValueError, ["budgets"]),
     ("slack", lambda: RaggedKV.from_selection(S0, 4, K0, V0, slack=-1), ValueError, ["slack"]),
-    ("total", lambda: RaggedKV.from_selection(S0, 4, K0, V0, total=2.5), ValueError, ["total"]),
+    ("total", lambda: RaggedKV.from_selection(S0, 4, K0, V0, total=2.5), TypeError, ["total"]),  # check_int
     ("capacity count", lambda: RaggedKV.allocate(torch.tensor([1]), 4, 1, 2, 16), ValueError, ["capacity"]),
     ("allocate dtype", lambda: RaggedKV.allocate(torch.tensor([1, 1]), 4, 1, 2, 16, torch.int8), TypeError, ["dtype"]),
 ]

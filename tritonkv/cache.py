@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from .kernels import select as _select
-from .kernels._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_device, check_kv_tensor, launch, next_pow2,
-                              on_host, triton_op, use_triton)
+from .kernels._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch,
+                              next_pow2, on_host, triton_op, use_triton)
 
 
 @triton.jit
@@ -237,12 +237,6 @@ def _starts(cap: torch.Tensor) -> torch.Tensor:
     return torch.cat([cap.new_zeros(1), cap.cumsum(0)]).to(torch.int64)
 
 
-def _check_int(name: str, x, lo: int = 0) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {x!r}")
-    return x
-
-
 class RaggedKV:
     """One layer's compressed KV cache with per-row lengths and slack (see the module docstring).
 
@@ -257,8 +251,8 @@ class RaggedKV:
 
     def __init__(self, keys, values, positions, row_start, length, next_position, *, batch: int, num_heads: int,
                  max_capacity: int, slack: int = 16, align: int = 16, free: int = 0):
-        R = _check_int("batch", batch, 1) * _check_int("num_heads", num_heads, 1)
-        _check_int("max_capacity", max_capacity)
+        R = check_int("batch", batch, 1) * check_int("num_heads", num_heads, 1)
+        check_int("max_capacity", max_capacity)
         check_kv_tensor("keys", keys, ndim=2)
         check_kv_tensor("values", values, ndim=2)
         if values.shape != keys.shape or values.dtype != keys.dtype:
@@ -292,9 +286,9 @@ class RaggedKV:
         (static int, default ``total_capacity``) must bound every row's capacity. ``row_start`` is a
         device cumsum: nothing is read back.
         """
-        R = _check_int("B", B, 1) * _check_int("H", H, 1)
-        total_capacity = _check_int("total_capacity", total_capacity)
-        _check_int("D", D, 1)
+        R = check_int("B", B, 1) * check_int("H", H, 1)
+        total_capacity = check_int("total_capacity", total_capacity)
+        check_int("D", D, 1)
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
         if not isinstance(capacity, torch.Tensor) or capacity.numel() != R or capacity.dtype.is_floating_point:
@@ -307,7 +301,7 @@ class RaggedKV:
                    torch.full((T,), -1, dtype=torch.int64, device=device), row_start,
                    torch.zeros(R, dtype=torch.int32, device=device), torch.zeros(R, dtype=torch.int64, device=device),
                    batch=B, num_heads=H, max_capacity=total_capacity if max_capacity is None else int(max_capacity),
-                   slack=_check_int("slack", slack), align=_check_int("align", align, 1))
+                   slack=check_int("slack", slack), align=check_int("align", align, 1))
 
     @classmethod
     def from_selection(cls, scores, budgets, keys, values, sink: int = 0, window: int = 0, slack: int = 16,
@@ -364,7 +358,7 @@ class RaggedKV:
         dev = keys.device
         check_device("values", values, dev, "keys")
         check_device("kept", kept, dev, "keys")
-        slack, longest = _check_int("slack", slack), min(_check_int("longest", longest), N)
+        slack, longest = check_int("slack", slack), min(check_int("longest", longest), N)
         R = B * H
         T = B * kept.shape[1] + R * slack
         keys = keys if keys.stride(-1) == 1 else keys.contiguous()
@@ -386,13 +380,13 @@ class RaggedKV:
             raise ValueError(f"values must have the shape and dtype of keys {tuple(keys.shape)} {keys.dtype}, "
                              f"got {tuple(values.shape)} {values.dtype}")
         check_device("values", values, keys.device, "keys")
-        slack, align = _check_int("slack", slack), _check_int("align", align, 1)
+        slack, align = check_int("slack", slack), check_int("align", align, 1)
         B, H, N, D = keys.shape
         R = B * H
         dev = keys.device
-        k_max = N if k_max is None else min(_check_int("k_max", k_max), N)
+        k_max = N if k_max is None else min(check_int("k_max", k_max), N)
         if total is not None:
-            _check_int("total", total)
+            check_int("total", total)
         if isinstance(budgets, tuple):  # host ints, one per row: the layout is computed on the host
             if len(budgets) != R:
                 raise ValueError(f"budgets must have {R} entries (one per batch row and KV head), got {len(budgets)}")
@@ -421,7 +415,7 @@ class RaggedKV:
                 return cls(out.keys, out.values, out.indices, torch.arange(0, (R + 1) * cap, cap, device=dev),
                            out.lengths, torch.full((R,), N, dtype=torch.int64, device=dev), batch=B, num_heads=H,
                            max_capacity=max(cap, 1), slack=slack, align=align, free=cap - k)
-        total = R * k_max if total is None else _check_int("total", total)
+        total = R * k_max if total is None else check_int("total", total)
         T = max(total + R * (slack + align - 1), 1)  # static: worst-case slack + rounding on every row
         want = _select.budget_tensor(budgets, R, dev).to(torch.int64).clamp(0, k_max)
         row_start = _starts(_round_up(want + slack, align)).clamp(max=T)
@@ -502,7 +496,7 @@ class RaggedKV:
     def repack(self, slack: Optional[int] = None) -> "RaggedKV":
         """Re-lay rows with ``capacity = round_up(length + max(slack, 1), align)`` (copies the cache;
         one host read for the new static sizes)."""
-        slack = max(self.slack if slack is None else _check_int("slack", slack), 1)
+        slack = max(self.slack if slack is None else check_int("slack", slack), 1)
         R = self.length.numel()
         length = self.length.to(torch.int64)
         cap = _round_up(length + slack, self.align)
@@ -528,7 +522,7 @@ class RaggedKV:
         """
         if cap is None:
             cap = int(self.length.max()) if self.length.numel() else 0
-        cap = _check_int("cap", cap)
+        cap = check_int("cap", cap)
         B, H, D = self.batch, self.num_heads, self.head_dim
         j = torch.arange(cap, device=self.device)
         valid = j[None, :] < self.length[:, None]
