@@ -416,7 +416,8 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     ``budget``; forced uint8 [R, N]; keys/values [B, H, N, D] (last dim unit-stride); out_start
     int64 [R] (first slot of each row in the outputs), or None: the padded layout, row r at
     ``r·k_max``; out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 [R, N]; out_keys/out_values
-    [T, D] (contiguous; the outputs may come in any shape of as many elements, such as [B, H, k_max, D]). ``hist0``: None, or the int32 ``[R, 1 + C0, NB]`` first radix pass of these scores with
+    [T, D] (contiguous; the outputs may come in any shape of as many elements, such as [B, H, k_max, D]).
+    ``hist0``: None, or the int32 ``[R, 1 + C0, NB]`` first radix pass of these scores with
     these sink/window and no forced tokens (``hist0_of_chunk``; its ticket word is used and reset).
     ``full_rows``: a static promise that the outputs are the padded layout (``out_start[r] =
     r·k_max``, ``T = R·k_max``) and every row keeps ``k_max <= N`` tokens (budgets >= k_max); the
