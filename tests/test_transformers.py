@@ -379,3 +379,33 @@ def test_compiled_decode_loop_cuda(which):
     counters.clear()
     _compiled_loop_matches_eager(model, tok, steps=8, mode="reduce-overhead")
     assert counters["inductor"]["cudagraph_skips"] == 0  # it really ran as CUDA graphs
+
+
+@pytest.mark.parametrize("free", [0, 3])
+def test_left_padded_view_of_per_head_rows(free):
+    """``storage.left_padded``: each row's tokens right-aligned before ``free`` empty slots (zeros, position -1),
+    the same tokens as ``RaggedKV.to_padded`` holds left-aligned; rows that hold nothing, down to a view of width
+    0 (a block-wise layer whose every row is empty), keep explicit shapes."""
+    from tritonkv.cache import RaggedKV
+    from tritonkv.integrations.transformers.storage import left_padded
+
+    B, H, N, D = 2, 3, 12, 4
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    budgets = torch.tensor([0, 5, 2, 7, 1, 4])
+    kv = RaggedKV.from_selection(torch.randn(B, H, N, generator=g), budgets, keys, values)
+    K, V, P, held = left_padded(kv, free)
+    K0, V0, _, P0 = kv.to_padded(with_positions=True)
+    W = int(budgets.max())
+    assert K.shape == (B, H, W + free, D) and held.shape == P.shape == (B, H, W + free)
+    for r, n in enumerate(budgets.tolist()):
+        b, h = divmod(r, H)
+        assert held[b, h].tolist() == [W - n <= j < W for j in range(W + free)]
+        assert torch.equal(K[b, h, W - n:W], K0[b, h, :n]) and torch.equal(V[b, h, W - n:W], V0[b, h, :n])
+        assert torch.equal(P[b, h, W - n:W], P0[b, h, :n])
+        assert not K[b, h][~held[b, h]].any() and (P[b, h][~held[b, h]] == -1).all()
+    empty = RaggedKV.from_selection(torch.randn(B, H, N, generator=g), torch.zeros(B * H, dtype=torch.int64),
+                                    keys, values)
+    K, V, P, held = left_padded(empty, free)
+    assert K.shape == (B, H, free, D) and V.shape == (B, H, free, D) and P.shape == (B, H, free)
+    assert not held.any() and (P == -1).all()

@@ -61,24 +61,24 @@ def left_padded(kv: RaggedKV, free: int = 0, width: Optional[int] = None):
     """``(K, V, positions, held)`` ``[B, H, W + free, ...]`` of the ragged rows of ``kv``, each row's tokens in its
     last slots before the ``free`` ones (W = ``width``, default ``padded_width``): K and V zero outside the rows,
     positions int64 as ``kv`` holds them (-1 outside), ``held`` bool marks the rows' slots. One row gather."""
-    B, H, D = kv.batch, kv.num_heads, kv.head_dim
+    B, H, D, Dv = kv.batch, kv.num_heads, kv.head_dim, kv.values.shape[1]
     R, dev = B * H, kv.device
     width = padded_width(kv) if width is None else width
-    j = torch.arange(width + free, device=dev)
+    S = width + free  # slots per row (explicit sizes below: S may be 0)
+    j = torch.arange(S, device=dev)
     lead = width - kv.length.to(torch.int64).clamp(max=width)[:, None]  # empty slots before each row's tokens
     held = (j >= lead) & (j < width)
     if kv.keys.shape[0] == 0 or R == 0:
-        K = kv.keys.new_zeros(R, width + free, D)
-        V, p = kv.values.new_zeros(R, width + free, kv.values.shape[1]), torch.full_like(j, -1).expand(R, -1)
+        K = kv.keys.new_zeros(R, S, D)
+        V, p = kv.values.new_zeros(R, S, Dv), torch.full_like(j, -1).expand(R, S)
     else:
         src = (kv.row_start[:R, None] + j - lead).clamp(0, kv.keys.shape[0] - 1).view(-1)
-        K = kv.keys.index_select(0, src).view(R, width + free, D)  # index_select: a plain row gather (fast on CPU)
-        V = kv.values.index_select(0, src).view(R, width + free, -1)
+        K = kv.keys.index_select(0, src).view(R, S, D)  # index_select: a plain row gather (fast on CPU)
+        V = kv.values.index_select(0, src).view(R, S, Dv)
         for t in (K, V):
             _zero_rows(t, held)
-        p = torch.where(held, kv.positions.index_select(0, src).view(R, -1), -1)
-    return (K.view(B, H, width + free, D), V.view(B, H, width + free, -1), p.reshape(B, H, width + free),
-            held.view(B, H, width + free))
+        p = torch.where(held, kv.positions.index_select(0, src).view(R, S), -1)
+    return K.view(B, H, S, D), V.view(B, H, S, Dv), p.reshape(B, H, S), held.view(B, H, S)
 
 
 class DenseStore:
