@@ -291,3 +291,46 @@ def table(rows, cols, head=None, right: bool = False, align: str = "") -> list:
     rule = ("|" + "".join("---:|" if a == "r" else "---|" for a in align) if align
             else "|---|" + ("---:|" if right else "---|") * (len(head) - 1))
     return ["| " + " | ".join(map(str, head)) + " |", rule] + ["| " + " | ".join(map(str, r)) + " |" for r in cells]
+
+
+# --- bmem ---
+# fresh processes (memory.py, tp_memory.py)
+
+
+def _in_process(target, spec, conn):
+    """The body of one of ``in_processes``' children: ``target(spec)`` sent back, or ``spec`` with the traceback as
+    its ``error``."""
+    import traceback
+
+    try:
+        conn.send(target(spec))
+    except BaseException:  # noqa: BLE001  (reported in the row)
+        conn.send(dict(spec, error=traceback.format_exc()[-3000:]))
+    finally:
+        conn.close()
+
+
+def in_processes(ctx, target, specs, timeout: float) -> list:
+    """``target(spec)`` for each of ``specs``, all at once, each in a fresh process of the multiprocessing context
+    ``ctx``: the results in order. A process that raises, dies or is still running ``timeout`` seconds after the
+    start (then killed) gives ``dict(spec, error=...)``."""
+    procs = []
+    for spec in specs:
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_in_process, args=(target, spec, send), daemon=True)
+        p.start()
+        send.close()
+        procs.append((spec, p, recv))
+    deadline = time.monotonic() + timeout
+    out = []
+    for spec, p, recv in procs:
+        ready = recv.poll(max(deadline - time.monotonic(), 0))
+        try:
+            row = recv.recv() if ready else dict(spec, error=f"timed out after {timeout:.0f} s")
+        except EOFError:  # it died before sending its result
+            row = None
+        if not ready:
+            p.kill()
+        p.join()
+        out.append(dict(spec, error=f"the process died (exit code {p.exitcode})") if row is None else row)
+    return out

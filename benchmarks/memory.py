@@ -10,15 +10,16 @@ keeps. Method, settings, targets and outputs: docs/benchmarks.md, "Memory inside
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
+import itertools
 import multiprocessing
 import os
+import resource
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.common import (LLAMA_256, RESULTS, malloc_trim, pyplot, random_llama, rss_kb, run_info, table,
-                               write_results)
+from benchmarks.common import (LLAMA_256, RESULTS, in_processes, malloc_trim, pyplot, random_llama, rss_kb, run_info,
+                               table, write_results)
 
 MODES = ("after_prefill", "blockwise", "decoding")
 POLICIES = (("keydiff", None), ("snapkv", None), ("snapkv", "adakv"), ("lagkv", None))
@@ -27,10 +28,9 @@ WARMUP_N, WARMUP_BUDGET = 1024, 0.5  # every path runs (compressions, 2 blocks) 
 TINY_NS = (4096, 8192, 16384, 32768)
 SMOKE_NS = (512, 1024)
 SMOKE_CONFIGS = (("after_prefill", "keydiff", None), ("blockwise", "snapkv", "adakv"), ("decoding", "lagkv", None))
-TINY = LLAMA_256
 TARGET_PEAK, TARGET_RESIDENT = 1.2, 1.1
 MMAP_THRESHOLD = 128 * 1024  # glibc: a fixed threshold (no dynamic raise), so freed tensors leave the RSS
-MODEL_NAMES = {"tiny": "random Llama (2 layers, 8/2 heads, head_dim 32, fp32)"}
+MODEL, MODEL_NAME = "tiny", "random Llama (2 layers, 8/2 heads, head_dim 32, fp32)"  # the one model measured
 
 
 def label(policy, allocation) -> str:
@@ -42,19 +42,19 @@ def config_key(model, mode, policy, allocation) -> str:
     return f"{model}/stock/dynamic" if policy is None else f"{model}/{mode}/{label(policy, allocation)}"
 
 
+STOCK = config_key(MODEL, None, None, None)
+
+
 def plan(smoke: bool, ns=None, modes=None, policies=None) -> list:
     """Every measurement as a spec: smallest N first, stock first at each N (a run cut short keeps whole Ns).
     ``ns``, ``modes``, ``policies`` (labels): only these (stock always runs)."""
     configs = SMOKE_CONFIGS if smoke else [(m, p, a) for m in MODES for p, a in POLICIES]
     configs = [c for c in configs if (not modes or c[0] in modes) and (not policies or label(c[1], c[2]) in policies)]
-    specs = []
-    for n in ns or (SMOKE_NS if smoke else TINY_NS):
-        for mode, policy, allocation in [(None, None, None)] + configs:
-            specs.append(dict(key=config_key("tiny", mode, policy, allocation), model="tiny", N=n, mode=mode,
-                              policy=policy, allocation=allocation, budget=BUDGET,
-                              block_size=BLOCK if mode == "blockwise" else None,
-                              new_tokens=SMOKE_NEW_TOKENS if smoke else NEW_TOKENS))
-    return specs
+    return [dict(key=config_key(MODEL, mode, policy, allocation), model=MODEL, N=n, mode=mode, policy=policy,
+                 allocation=allocation, budget=BUDGET, block_size=BLOCK if mode == "blockwise" else None,
+                 new_tokens=SMOKE_NEW_TOKENS if smoke else NEW_TOKENS)
+            for n in ns or (SMOKE_NS if smoke else TINY_NS)
+            for mode, policy, allocation in [(None, None, None)] + configs]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -62,8 +62,6 @@ def plan(smoke: bool, ns=None, modes=None, policies=None) -> list:
 
 
 def _maxrss_kb() -> int:
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
@@ -82,11 +80,7 @@ def tensor_peak(prof) -> int:
     profiler's memory events (allocations +, frees -) in time order, at its maximum."""
     ev = sorted(((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                  if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")), key=lambda x: x[0])
-    live = peak = 0
-    for _, b in ev:
-        live += b
-        peak = max(peak, live)
-    return peak
+    return max([0, *itertools.accumulate(b for _, b in ev)])
 
 
 def held_bytes(cache) -> int:
@@ -107,15 +101,15 @@ def held_bytes(cache) -> int:
                 storages[(o.device.type, o.device.index, st.data_ptr())] = st.nbytes()
             return
         if isinstance(o, dict):
-            for v in o.values():
-                visit(v, depth + 1)
+            children = o.values()
         elif isinstance(o, (list, tuple)):
-            for v in o:
-                visit(v, depth + 1)
+            children = o
         elif type(o).__module__.startswith(("tritonkv", "transformers.cache_utils")) and hasattr(o, "__dict__"):
-            for k, v in vars(o).items():
-                if k != "cache":
-                    visit(v, depth + 1)
+            children = [v for k, v in vars(o).items() if k != "cache"]
+        else:
+            return
+        for v in children:
+            visit(v, depth + 1)
 
     for layer in cache.layers:
         visit(layer, 0)
@@ -137,16 +131,15 @@ def cache_stats(cache) -> dict:
 
     out = dict(held_bytes=held_bytes(cache))
     if isinstance(cache, TritonKVCache):
-        kept = [int(k.sum()) for k in cache.kept_tokens()]
-        kv = pos = 0
-        for layer, k in zip(cache.layers, kept):
-            kv += k * 2 * layer._shape[2] * layer.dtype.itemsize  # _shape: (B, H_kv, D)
-            pos += k * _pos_size(layer)
-        heads = [c.numel() for c in cache.kept_tokens()]
-        out.update(resident_bytes=int(cache.nbytes), kept_tokens=sum(kept), kept_kv_bytes=kv, kept_pos_bytes=pos,
-                   kept_per_head_max=max(int(c.max()) for c in cache.kept_tokens()),
-                   kept_per_head_mean=round(sum(kept) / sum(heads), 1), slots=cache.stored_tokens(),
-                   compressions=cache.compressions)
+        per_head = cache.kept_tokens()
+        kept = [int(k.sum()) for k in per_head]
+        pairs = list(zip(cache.layers, kept))
+        out.update(resident_bytes=int(cache.nbytes), kept_tokens=sum(kept),
+                   kept_kv_bytes=sum(k * 2 * layer._shape[2] * layer.dtype.itemsize for layer, k in pairs),
+                   kept_pos_bytes=sum(k * _pos_size(layer) for layer, k in pairs),  # _shape: (B, H_kv, D)
+                   kept_per_head_max=max(int(c.max()) for c in per_head),
+                   kept_per_head_mean=round(sum(kept) / sum(c.numel() for c in per_head), 1),
+                   slots=cache.stored_tokens(), compressions=cache.compressions)
     else:  # DynamicCache: every token, keys and values only
         layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]
         res = sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
@@ -155,8 +148,9 @@ def cache_stats(cache) -> dict:
                    kept_per_head_max=max(layer.keys.shape[2] for layer in layers),
                    kept_per_head_mean=float(layers[0].keys.shape[2]), slots=[layer.keys.shape[2] for layer in layers],
                    compressions=0)
-    out["resident_over_kept"] = round(out["resident_bytes"] / (out["kept_kv_bytes"] + out["kept_pos_bytes"]), 4)
-    out["held_over_kept"] = round(out["held_bytes"] / (out["kept_kv_bytes"] + out["kept_pos_bytes"]), 4)
+    kept_bytes = out["kept_kv_bytes"] + out["kept_pos_bytes"]
+    out.update(resident_over_kept=round(out["resident_bytes"] / kept_bytes, 4),
+               held_over_kept=round(out["held_bytes"] / kept_bytes, 4))
     return out
 
 
@@ -188,9 +182,8 @@ def _generate(model, ids, spec, new_tokens, streamer=None):
 
     gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=streamer,
                pad_token_id=model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0)
-    mask = torch.ones_like(ids)
     if spec["policy"] is None:
-        out = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **gen)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **gen)
         return out.sequences[:, ids.shape[1]:], tt.output_cache(out)
     kw = dict(block_size=spec["block_size"]) if spec["block_size"] else {}
     out, cache = tt.generate(model, ids, policy=spec["policy"], budget=spec["budget"], mode=spec["mode"],
@@ -199,31 +192,28 @@ def _generate(model, ids, spec, new_tokens, streamer=None):
 
 
 def worker(spec: dict) -> dict:
+    """The row of ``spec``, measured in this process: set-up times, the peaks of the measured call, the cache after
+    the prompt and after ``generate``."""
     t_import = time.perf_counter()
     import torch
 
     from tritonkv.integrations import transformers as tt
 
     t_import = time.perf_counter() - t_import
-
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     t0 = time.perf_counter()
-    model = random_llama(**TINY, attn_implementation="sdpa").to(device)
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (1, spec["N"]), generator=torch.Generator().manual_seed(1)).to(device)
-    warm = torch.randint(0, vocab, (1, WARMUP_N), generator=torch.Generator().manual_seed(2)).to(device)
+    model = random_llama(**LLAMA_256, attn_implementation="sdpa").to("cuda" if cuda else "cpu")
+    ids, warm = (torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+                 .to(model.device) for n, seed in ((spec["N"], 1), (WARMUP_N, 2)))
     load_s = time.perf_counter() - t0
     t = time.perf_counter()
     with torch.no_grad():
         _generate(model, warm, dict(spec, budget=WARMUP_BUDGET), 2)  # lazy imports, one-time set-up of this path
     warmup_s = time.perf_counter() - t
     gc.collect()
-    trimmed = malloc_trim()
     res = dict(spec, pid=os.getpid(), device=torch.cuda.get_device_name() if cuda else "cpu",
-               threads=torch.get_num_threads(),
-               import_s=round(t_import, 2), load_s=round(load_s, 2), warmup_s=round(warmup_s, 2),
-               malloc_trim=trimmed, maxrss_before_reset_kb=_maxrss_kb())
+               threads=torch.get_num_threads(), import_s=round(t_import, 2), load_s=round(load_s, 2),
+               warmup_s=round(warmup_s, 2), malloc_trim=malloc_trim(), maxrss_before_reset_kb=_maxrss_kb())
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -241,10 +231,9 @@ def worker(spec: dict) -> dict:
     peak = _maxrss_kb()
     res.update(rss_base_kb=base, peak_rss_kb=peak, peak_increase_kb=peak - base, generated=int(new.shape[1]))
     if cuda:
-        res.update(cuda_base_bytes=cuda_base, cuda_peak_bytes=torch.cuda.max_memory_allocated(),
-                   cuda_peak_increase_bytes=torch.cuda.max_memory_allocated() - cuda_base)
-    res["after_generate"] = cache_stats(cache)
-    res["after_prompt_in_generate"] = probe.stats
+        cuda_peak = torch.cuda.max_memory_allocated()
+        res.update(cuda_base_bytes=cuda_base, cuda_peak_bytes=cuda_peak, cuda_peak_increase_bytes=cuda_peak - cuda_base)
+    res.update(after_generate=cache_stats(cache), after_prompt_in_generate=probe.stats)
     del cache, new
     gc.collect()
     if spec.get("tensor_peak") and not cuda:  # the same call again, its tensor allocations logged
@@ -273,66 +262,19 @@ def worker(spec: dict) -> dict:
 
 
 def machine() -> dict:
-    """``benchmarks.common.run_info`` with the usable cores and the memory."""
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) // 1024
-    except (OSError, StopIteration):
-        pass
-    return dict(run_info(), affinity=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                mem_total_mb=mem)
+    """``benchmarks.common.run_info`` with the usable cores and the memory (Linux, as are the RSS readings)."""
+    with open("/proc/meminfo") as f:
+        mem = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) // 1024
+    return dict(run_info(), affinity=len(os.sched_getaffinity(0)), mem_total_mb=mem)
 
 
 PRELOAD = ["torch", "transformers", "transformers.models.llama.modeling_llama", "transformers.generation.utils",
            "tritonkv", "tritonkv.integrations.transformers"]
 
 
-@functools.lru_cache(maxsize=None)
-def _context():
-    """The forkserver: a process started once that imports torch, transformers and tritonkv (and runs nothing);
-    every measurement is a child forked from it, a fresh process that skips the imports."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def _child(spec, conn):
-    """The forked process: the row of ``worker(spec)``, or ``spec`` with the traceback as its ``error``."""
-    import traceback
-
-    try:
-        conn.send(worker(spec))
-    except BaseException:  # noqa: BLE001  (reported in the row)
-        conn.send(dict(spec, error=traceback.format_exc()[-3000:]))
-    finally:
-        conn.close()
-
-
-def run_one(spec: dict, timeout: float) -> dict:
-    """One measurement in a fresh process, a child of the forkserver; a timeout or a death becomes the row's
-    ``error``."""
-    t = time.perf_counter()
-    ctx = _context()
-    recv, send = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_child, args=(spec, send), daemon=True)
-    p.start()
-    send.close()
-    try:
-        if recv.poll(timeout):
-            row = recv.recv()
-        else:
-            p.kill()
-            row = dict(spec, error=f"timed out after {timeout:.0f} s")
-    except EOFError:
-        row = None
-    p.join()
-    if row is None:
-        row = dict(spec, error=f"the process died (exit code {p.exitcode})")
-    return dict(row, process_s=round(time.perf_counter() - t, 1), process="fork")
-
-
 def run(args) -> dict:
+    """Every measurement of ``args``, ``args.jobs`` at a time (one by default: their wall times then compare), the
+    results rewritten after each (with ``args.out``); none starts after ``args.time_budget`` seconds."""
     specs = [dict(s, tensor_peak=args.tensor_peak, prefill_run_max_n=args.prefill_run_max_n)
              for s in plan(args.smoke, args.n, args.modes, args.policies)]
     if not args.default_malloc:  # read by glibc when the forkserver starts
@@ -341,26 +283,29 @@ def run(args) -> dict:
     res = dict(machine=m, command=m["command"], smoke=args.smoke, jobs=args.jobs,
                malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
                settings=dict(budget=BUDGET, block_size=BLOCK, new_tokens=SMOKE_NEW_TOKENS if args.smoke else NEW_TOKENS,
-                             warmup_tokens=WARMUP_N, warmup_budget=WARMUP_BUDGET, models=MODEL_NAMES, tiny_config=TINY,
+                             warmup_tokens=WARMUP_N, warmup_budget=WARMUP_BUDGET, models={MODEL: MODEL_NAME},
+                             tiny_config=LLAMA_256,
                              targets=dict(peak_after_prefill=TARGET_PEAK, resident_over_kept=TARGET_RESIDENT)),
                configurations=sorted({s["key"] for s in specs}), rows=[], skipped=[], complete=False)
+    # the forkserver: a process started once that imports PRELOAD (and runs nothing); every measurement is a child
+    # forked from it, a fresh process that skips the imports (a timeout or a death becomes the row's error)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     t0 = time.perf_counter()
 
     def task(spec):
         if time.perf_counter() - t0 > args.time_budget:
-            return None
-        return run_one(spec, args.timeout)
+            return None  # not started
+        t = time.perf_counter()
+        row = in_processes(ctx, worker, [spec], args.timeout)[0]
+        return dict(row, process_s=round(time.perf_counter() - t, 1), process="fork")
 
-    # measurements run one at a time by default (their wall times are then comparable); --jobs 2 for a smoke run
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(task, spec) for spec in specs]
-        for i, (spec, fut) in enumerate(zip(specs, futures)):
-            row = fut.result()
+        for i, (spec, row) in enumerate(zip(specs, pool.map(task, specs))):
             if row is None:
                 res["skipped"].append(dict(key=spec["key"], N=spec["N"]))
                 continue
-            row["commit"] = res["machine"]["commit"]
-            res["rows"].append(row)
+            res["rows"].append(dict(row, commit=m["commit"]))
             msg = row["error"].strip().splitlines()[-1] if "error" in row else \
                 (f"peak +{row['peak_increase_kb'] / 1024:.1f} MiB, resident "
                  f"{row['after_generate']['resident_bytes'] / 2**20:.2f} MiB, {row['wall_s']:.1f} s")
@@ -386,16 +331,13 @@ def _bytes(b):
     return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 1024:.0f} KiB"
 
 
-def _grid(rows, model):
-    """``{key: {N: row}}`` and the sorted Ns of ``model``'s measurements (stock first, then as planned)."""
+def _grid(rows):
+    """``{key: {N: row}}`` of the measurements (stock first, then in the order of ``plan``) and their sorted Ns."""
     grid = {}
     for r in _ok(rows):
-        if r["model"] == model:
-            grid.setdefault(r["key"], {})[r["N"]] = r
-    order = [label(p, a) for p, a in POLICIES]
-    keys = sorted(grid, key=lambda k: (not k.endswith("/stock/dynamic"),
-                                       MODES.index(k.split("/")[1]) if k.split("/")[1] in MODES else 0,
-                                       order.index(k.split("/")[2]) if k.split("/")[2] in order else 0))
+        grid.setdefault(r["key"], {})[r["N"]] = r
+    order = [STOCK] + [config_key(MODEL, m, p, a) for m in MODES for p, a in POLICIES]
+    keys = sorted(grid, key=lambda k: order.index(k) if k in order else len(order))
     return {k: grid[k] for k in keys}, sorted({n for g in grid.values() for n in g})
 
 
@@ -404,22 +346,25 @@ def _name(key):
     return "stock (DynamicCache, sdpa)" if mode == "stock" else f"{mode} · {pol}"
 
 
-def grid_table(rows, model, cell) -> str:
-    """One line per configuration of ``model``, one column per N: ``cell(row, stock_row, is_stock)`` (the stock row
-    None where stock was not measured at that N) gives the text, or None for "—"."""
-    grid, ns = _grid(rows, model)
-    stock = grid.get(f"{model}/stock/dynamic", {})
+def grid_table(rows, cell, last=None, stock_name=None) -> str:
+    """One line per configuration, one column per N: ``cell(row, stock_row, is_stock)`` (the stock row None where
+    stock was not measured at that N) gives the text, or None for "—". ``last = (title, f(key, {N: row}))``: one
+    more column; ``stock_name``: the stock line's name."""
+    grid, ns = _grid(rows)
+    stock = grid.get(STOCK, {})
     lines = []
     for key, g in grid.items():
-        cells = [cell(g[n], stock.get(n), key.endswith("/stock/dynamic")) if n in g else None for n in ns]
-        lines.append([_name(key)] + ["—" if c is None else c for c in cells])
-    return "\n".join(table(lines, None, ["configuration"] + [f"N={n}" for n in ns], right=True))
+        cells = [cell(g[n], stock.get(n), key == STOCK) if n in g else None for n in ns]
+        name = stock_name if stock_name and key == STOCK else _name(key)
+        lines.append([name] + ["—" if c is None else c for c in cells] + ([last[1](key, g)] if last else []))
+    head = ["configuration"] + [f"N={n}" for n in ns] + ([last[0]] if last else [])
+    return "\n".join(table(lines, None, head, right=True))
 
 
-def value_table(rows, model, field, scale=1.0, fmt=".1f", ratio=True) -> str:
+def value_table(rows, field, scale=1.0, fmt=".1f", ratio=True) -> str:
     """``field / scale`` of each measurement, with its ratio to stock at the same N (``ratio``); "" when no row
     has ``field``."""
-    if not any(field in r for r in _ok(rows) if r["model"] == model):
+    if not any(field in r for r in _ok(rows)):
         return ""
 
     def cell(r, s, is_stock):
@@ -427,10 +372,10 @@ def value_table(rows, model, field, scale=1.0, fmt=".1f", ratio=True) -> str:
             return None
         with_ratio = ratio and s and s.get(field) and not is_stock
         return f"{r[field] / scale:{fmt}}" + (f" ({r[field] / s[field]:.2f}×)" if with_ratio else "")
-    return grid_table(rows, model, cell)
+    return grid_table(rows, cell)
 
 
-def resident_table(rows, model, when) -> str:
+def resident_table(rows, when) -> str:
     """Resident bytes (``when``: after_prompt / after_generate) with resident / kept and, where it differs by more
     than 1 %, the bytes actually held (the storage walk)."""
     def cell(r, s, st):
@@ -440,12 +385,7 @@ def resident_table(rows, model, when) -> str:
         held = abs(st["held_bytes"] - st["resident_bytes"]) > 0.01 * st["resident_bytes"]
         return (f"{_bytes(st['resident_bytes'])} ({st['resident_over_kept']:.3f}×)"
                 + (f" held {_bytes(st['held_bytes'])} ({st['held_over_kept']:.2f}×)" if held else ""))
-    return grid_table(rows, model, cell)
-
-
-def kept_table(rows, model) -> str:
-    return grid_table(rows, model, lambda r, s, st: f"{r['after_prompt']['kept_per_head_mean']:g} / "
-                      f"{r['after_generate']['kept_per_head_mean']:g} (max {r['after_generate']['kept_per_head_max']})")
+    return grid_table(rows, cell)
 
 
 def peak_kb(r) -> float:
@@ -454,39 +394,39 @@ def peak_kb(r) -> float:
     return r["cuda_peak_increase_bytes"] / 1024 if "cuda_peak_increase_bytes" in r else r["peak_increase_kb"]
 
 
+def worst_resident(g) -> tuple:
+    """``(resident / kept, N, when, held)`` at its worst over ``{N: row}``, after the prompt and after ``generate``:
+    the larger of what ``nbytes`` says and what the cache's storages hold (``held``: the storages, by over 1 %)."""
+    return max((max(st["resident_over_kept"], st["held_over_kept"]), n, when,
+                st["held_over_kept"] > st["resident_over_kept"] + 0.01)
+               for n, r in sorted(g.items()) for when in ("after_prompt", "after_generate") if (st := r.get(when)))
+
+
 def targets(data) -> list:
     """``[{target, model, configuration, status, detail}]`` for the three targets."""
     out = []
-    rows = data["rows"]
-    for model in sorted({r["model"] for r in _ok(rows)}):
-        grid, ns = _grid(rows, model)
-        stock = grid.get(f"{model}/stock/dynamic", {})
-        for key, g in grid.items():
-            def add(target, ok, detail):
-                out.append(dict(target=target, model=model, configuration=key, status="holds" if ok else "misses",
-                                detail=detail))
-            mode = key.split("/")[1]
-            ratios = {n: peak_kb(g[n]) / peak_kb(stock[n]) for n in ns if n in g and n in stock}
-            tensor = {n: g[n]["tensor_peak_bytes"] / stock[n]["tensor_peak_bytes"] for n in ratios
-                      if g[n].get("tensor_peak_bytes") and stock[n].get("tensor_peak_bytes")}
-            detail = ", ".join(f"{n}: {x:.2f}×" + (f" (tensors {tensor[n]:.2f}×)" if n in tensor else "")
-                               for n, x in ratios.items())
-            if mode == "after_prefill" and ratios:
-                add(f"peak ≤ {TARGET_PEAK}× stock (after_prefill, every N)", max(ratios.values()) <= TARGET_PEAK,
-                    detail)
-            if mode == "blockwise" and len(ratios) >= 2:
-                xs = [ratios[n] for n in sorted(ratios)]
-                add("blockwise peak below stock as N grows", xs[-1] < 1 and xs[-1] < xs[0], detail)
-            # resident: the larger of what nbytes says and what the cache's storages really hold
-            worst = [(max(st["resident_over_kept"], st["held_over_kept"]), n, when,
-                      st["held_over_kept"] > st["resident_over_kept"] + 0.01)
-                     for n, r in sorted(g.items()) for when in ("after_prompt", "after_generate")
-                     if (st := r.get(when))]
-            if mode != "stock" and worst:
-                x, n, when, held = max(worst)
-                add(f"resident ≤ {TARGET_RESIDENT}× kept K/V + positions", x <= TARGET_RESIDENT,
-                    f"worst {x:.3f}× at N={n} {when.replace('_', ' ')}"
-                    + (" (the storages held; nbytes says less)" if held else ""))
+    grid, ns = _grid(data["rows"])
+    stock = grid.get(STOCK, {})
+    for key, g in grid.items():
+        def add(target, ok, detail):
+            out.append(dict(target=target, model=MODEL, configuration=key, status="holds" if ok else "misses",
+                            detail=detail))
+        mode = key.split("/")[1]
+        ratios = {n: peak_kb(g[n]) / peak_kb(stock[n]) for n in ns if n in g and n in stock}
+        tensor = {n: g[n]["tensor_peak_bytes"] / stock[n]["tensor_peak_bytes"] for n in ratios
+                  if g[n].get("tensor_peak_bytes") and stock[n].get("tensor_peak_bytes")}
+        detail = ", ".join(f"{n}: {x:.2f}×" + (f" (tensors {tensor[n]:.2f}×)" if n in tensor else "")
+                           for n, x in ratios.items())
+        if mode == "after_prefill" and ratios:
+            add(f"peak ≤ {TARGET_PEAK}× stock (after_prefill, every N)", max(ratios.values()) <= TARGET_PEAK, detail)
+        if mode == "blockwise" and len(ratios) >= 2:
+            xs = [ratios[n] for n in sorted(ratios)]
+            add("blockwise peak below stock as N grows", xs[-1] < 1 and xs[-1] < xs[0], detail)
+        if mode != "stock":
+            x, n, when, held = worst_resident(g)
+            add(f"resident ≤ {TARGET_RESIDENT}× kept K/V + positions", x <= TARGET_RESIDENT,
+                f"worst {x:.3f}× at N={n} {when.replace('_', ' ')}"
+                + (" (the storages held; nbytes says less)" if held else ""))
     return out
 
 
@@ -511,29 +451,30 @@ def markdown(data) -> str:
            "Method: the docstring of `benchmarks/memory.py`."]
     if data.get("smoke"):
         out += ["", "**Smoke run** (tiny N): a check of the program, not a result."]
-    for model in [x for x in MODEL_NAMES if any(r["model"] == x for r in _ok(rows))]:
-        out += ["", f"## {MODEL_NAMES[model]}", "",
-                "**Peak RSS increase during `generate` (MiB, × stock)**", "",
-                value_table(rows, model, "peak_increase_kb", 1024), "",
-                "**Absolute peak RSS (MiB; the model and the libraries included)**", "",
-                value_table(rows, model, "peak_rss_kb", 1024, ratio=False), ""]
-        for field, title in (("tensor_peak_bytes", "Peak of live tensor bytes during `generate` (MiB, × stock; "
-                                                   "the profiler's allocation log, independent of the C heap)"),
-                             ("cuda_peak_increase_bytes", "CUDA peak allocated increase (MiB, × stock; on a GPU the "
-                                                          "targets read this table)")):
-            extra = value_table(rows, model, field, 2**20)
-            if extra:
-                out += [f"**{title}**", "", extra, ""]
-        gen_n = sorted({r["N"] for r in _ok(rows) if r["model"] == model and r["policy"]
-                        and r.get("after_prompt_source") == "generate"})
+    if _ok(rows):
+        gen_n = sorted({r["N"] for r in _ok(rows) if r["policy"] and r.get("after_prompt_source") == "generate"})
         src = f"; at N={', '.join(map(str, gen_n))} the cache inside `generate` right after the prompt" if gen_n else ""
-        out += [f"**Resident cache after the prompt (prefill-only run{src}; × kept K/V + positions)**", "",
-                resident_table(rows, model, "after_prompt"), "",
-                f"**Resident cache after {nt} generated tokens (× kept K/V + positions)**", "",
-                resident_table(rows, model, "after_generate"), "",
-                f"**Kept tokens per KV head: after the prompt / after {nt} tokens (max over heads after {nt})**", "",
-                kept_table(rows, model), "",
-                "**Wall time of `generate` (s, × stock)**", "", value_table(rows, model, "wall_s", fmt=".2f")]
+        sections = [("Peak RSS increase during `generate` (MiB, × stock)",
+                     value_table(rows, "peak_increase_kb", 1024)),
+                    ("Absolute peak RSS (MiB; the model and the libraries included)",
+                     value_table(rows, "peak_rss_kb", 1024, ratio=False)),
+                    ("Peak of live tensor bytes during `generate` (MiB, × stock; the profiler's allocation log, "
+                     "independent of the C heap)", value_table(rows, "tensor_peak_bytes", 2**20)),
+                    ("CUDA peak allocated increase (MiB, × stock; on a GPU the targets read this table)",
+                     value_table(rows, "cuda_peak_increase_bytes", 2**20)),
+                    (f"Resident cache after the prompt (prefill-only run{src}; × kept K/V + positions)",
+                     resident_table(rows, "after_prompt")),
+                    (f"Resident cache after {nt} generated tokens (× kept K/V + positions)",
+                     resident_table(rows, "after_generate")),
+                    (f"Kept tokens per KV head: after the prompt / after {nt} tokens (max over heads after {nt})",
+                     grid_table(rows, lambda r, s, st: f"{r['after_prompt']['kept_per_head_mean']:g} / "
+                                f"{r['after_generate']['kept_per_head_mean']:g} "
+                                f"(max {r['after_generate']['kept_per_head_max']})")),
+                    ("Wall time of `generate` (s, × stock)", value_table(rows, "wall_s", fmt=".2f"))]
+        out += ["", f"## {MODEL_NAME}"]
+        for title, text in sections:
+            if text:  # a table of a field no row has (the tensor or CUDA peaks) is left out
+                out += ["", f"**{title}**", "", text]
     checked = [[t["target"], t["model"], t["configuration"].split("/", 1)[1], t["status"], t["detail"]]
                for t in targets(data)]
     out += ["", "## Targets (checked, not asserted)", ""]
@@ -568,32 +509,31 @@ def cross_checks(data) -> list:
 
 
 def plot(data, path) -> None:
-    nt = data["settings"]["new_tokens"]
+    """Peak increase and resident bytes after ``generate`` against N, one line per configuration."""
     plt = pyplot()
-    models = [x for x in MODEL_NAMES if any(r["model"] == x for r in _ok(data["rows"]))]
-    if not models:
+    rows = _ok(data["rows"])
+    nt = data["settings"]["new_tokens"]
+    if plt is None or not rows:
         return
-    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.6 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
     styles = {"after_prefill": "-", "blockwise": "--", "decoding": ":"}
     colors = {"keydiff": "tab:blue", "snapkv": "tab:orange", "snapkv+adakv": "tab:green", "lagkv": "tab:red"}
-    for row, model in zip(axes, models):
-        grid, _ = _grid(data["rows"], model)
-        for key, g in grid.items():
-            _, mode, pol = key.split("/")
-            ns = sorted(g)
-            kw = dict(color="black", lw=2.2, marker="s") if mode == "stock" else \
-                dict(color=colors.get(pol, "grey"), ls=styles.get(mode, "-"), marker="o", ms=3)
-            row[0].plot(ns, [peak_kb(g[n]) / 1024 for n in ns], label=_name(key), **kw)
-            row[1].plot(ns, [g[n]["after_generate"]["resident_bytes"] / 2**20 for n in ns], label=_name(key), **kw)
-        peak = "CUDA peak allocated" if any("cuda_peak_increase_bytes" in r for r in _ok(data["rows"])) else "peak RSS"
-        titles = (f"{peak} increase during generate (MiB)", f"resident cache after {nt} tokens (MiB)")
-        for ax, title in zip(row, titles):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("prompt length N (tokens)")
-            ax.set_title(f"{title}\n{MODEL_NAMES[model]}", fontsize=9)
-            ax.grid(alpha=0.3, which="both")
-        row[1].legend(fontsize=6, ncol=2)
+    for key, g in _grid(rows)[0].items():
+        _, mode, pol = key.split("/")
+        ns = sorted(g)
+        kw = dict(color="black", lw=2.2, marker="s") if mode == "stock" else \
+            dict(color=colors.get(pol, "grey"), ls=styles.get(mode, "-"), marker="o", ms=3)
+        axes[0].plot(ns, [peak_kb(g[n]) / 1024 for n in ns], label=_name(key), **kw)
+        axes[1].plot(ns, [g[n]["after_generate"]["resident_bytes"] / 2**20 for n in ns], label=_name(key), **kw)
+    peak = "CUDA peak allocated" if any("cuda_peak_increase_bytes" in r for r in rows) else "peak RSS"
+    titles = (f"{peak} increase during generate (MiB)", f"resident cache after {nt} tokens (MiB)")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt length N (tokens)")
+        ax.set_title(f"{title}\n{MODEL_NAME}", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes[1].legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -617,25 +557,16 @@ def readme_section(data, results_dir=RESULTS, rel="") -> str:
            f"own process; resident = the larger of `cache.nbytes` and the bytes of the storages it holds, over the "
            f"kept K/V + positions (worst over N, after the prompt and after {NEW_TOKENS} tokens). Full tables, method "
            f"and plot: [memory.md]({os.path.join(rel, 'memory.md')}).", ""]
-    for model in [x for x in MODEL_NAMES if any(r["model"] == x for r in _ok(data["rows"]))]:
-        grid, ns = _grid(data["rows"], model)
-        stock = grid.get(f"{model}/stock/dynamic", {})
-        lines = []
-        for key, g in grid.items():
-            if key.endswith("/stock/dynamic"):
-                cells = [f"{g[n]['peak_increase_kb'] / 1024:.1f} MiB" if n in g else "—" for n in ns]
-                lines.append(["stock (peak increase)", *cells, 1])
-                continue
-            cells = [f"{g[n]['peak_increase_kb'] / stock[n]['peak_increase_kb']:.2f}×" if n in g and n in stock
-                     else "—" for n in ns]
-            worst = max(max(r[w]["resident_over_kept"], r[w]["held_over_kept"]) for r in g.values()
-                        for w in ("after_prompt", "after_generate") if r.get(w))
-            lines.append([_name(key), *cells, f"{worst:.3f}"])
-        head = ["configuration", *[f"N={n}" for n in ns], "resident / kept"]
-        out += [f"**{MODEL_NAMES[model]}**", "", *table(lines, None, head, right=True), ""]
-    held = sum(1 for t in targets(data) if t["status"] == "holds")
-    out.append(f"Targets: {held} of {len(targets(data))} checks hold (see the table in memory.md).")
-    out.append("")
+    if _ok(data["rows"]):
+        def cell(r, s, is_stock):
+            if is_stock:
+                return f"{r['peak_increase_kb'] / 1024:.1f} MiB"
+            return f"{r['peak_increase_kb'] / s['peak_increase_kb']:.2f}×" if s else None
+        worst = ("resident / kept", lambda key, g: 1 if key == STOCK else f"{worst_resident(g)[0]:.3f}")
+        out += [f"**{MODEL_NAME}**", "", grid_table(data["rows"], cell, worst, "stock (peak increase)"), ""]
+    checks = targets(data)
+    out += [f"Targets: {sum(t['status'] == 'holds' for t in checks)} of {len(checks)} checks hold (see the table in "
+            "memory.md).", ""]
     if os.path.exists(os.path.join(results_dir, "memory.png")):
         out.append(f"![peak and resident memory vs N]({os.path.join(rel, 'memory.png')})")
     return "\n".join(out).strip()
@@ -664,10 +595,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     a = parser().parse_args(argv)
-    if a.out is None and not a.smoke:
-        a.out = RESULTS
-    if a.jobs is None:
-        a.jobs = 2 if a.smoke else 1
+    a.out = a.out or (None if a.smoke else RESULTS)
+    a.jobs = a.jobs or (2 if a.smoke else 1)
     res = run(a)
     if a.out:
         print("wrote", write(res, a.out) + ".{json,md,png}")

@@ -4,7 +4,7 @@
     python -m benchmarks.tp_memory --quick         # smaller prompt, fewer configurations (a smoke run)
     python -m benchmarks.tp_memory --part llama    # only the random Llama (or --part smollm2)
 
-Every rank is a process of this module, gloo on the CPU: SnapKV with one budget per head, exact AdaKV and AdaKV
+Every rank is a process of its own, gloo on the CPU: SnapKV with one budget per head, exact AdaKV and AdaKV
 ``balance_ranks``, the bytes each rank holds and the attention error of its kept tokens. Method and columns:
 docs/benchmarks.md, "Tensor-parallel memory (tp_memory.py)".
 """
@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
+import multiprocessing
 import os
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-from benchmarks.common import RESULTS, ROOT, random_llama, run_info, table, write_results
+from benchmarks.common import RESULTS, in_processes, random_llama, run_info, table, write_results
 
 LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=16,
              num_key_value_heads=8, head_dim=32, max_position_embeddings=8192)
@@ -56,25 +53,21 @@ def capture(model, ids):
 
 def attn_error(q, k, v, kept) -> float:
     """mean over query heads and queries of |o − ô|₁/|o|₁: ``q [B, Hq, Q, D]`` attends over the prompt ``k, v [B, H,
-    N, D]`` (o) and over the kept tokens of ``kept`` (ô)."""
+    N, D]`` (o) and over the kept tokens of ``kept`` (ô; a ``Compressed`` or a ``RaggedKV``)."""
     from tritonkv.api import Compressed
 
     B, Hq, Q, D = q.shape
     H = k.shape[1]
-    G = Hq // H
     scale = D ** -0.5
-    qq = q.float().reshape(B, H, G * Q, D)
+    qq = q.float().reshape(B, H, Hq // H * Q, D)
     o = torch.softmax(qq @ k.float().transpose(-1, -2) * scale, -1) @ v.float()
     if isinstance(kept, Compressed):
-        kk, vv, mask = kept.keys.float(), kept.values.float(), None
+        kk, vv, lengths = kept.keys, kept.values, torch.full((B, H), kept.keys.shape[2])
     else:
         kk, vv, lengths = kept.to_padded(int(kept.length.max()))
-        kk, vv = kk.float(), vv.float()
-        mask = torch.arange(kk.shape[2])[None, None, :] < lengths[..., None]  # [B, H, cap]
-    s = qq @ kk.transpose(-1, -2) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask[:, :, None, :], float("-inf"))
-    oh = torch.softmax(s, -1) @ vv
+    mask = torch.arange(kk.shape[2])[None, None, :] < lengths[..., None]  # [B, H, cap]
+    s = (qq @ kk.float().transpose(-1, -2) * scale).masked_fill(~mask[:, :, None, :], float("-inf"))
+    oh = torch.softmax(s, -1) @ vv.float()
     err = (o - oh).abs().sum(-1) / o.abs().sum(-1).clamp_min(1e-30)  # [B, H, G·Q]
     return float(err.mean())
 
@@ -96,7 +89,7 @@ def compress_layers(layers, N, W, budget, alloc, pg, policy):
                                  process_group=pg, layer=li, num_layers=len(layers))
         t += time.perf_counter() - t0
         dense = isinstance(kept, Compressed)
-        tot_b += sum(t.numel() * t.element_size() for t in kept) if dense else kept.nbytes
+        tot_b += sum(x.numel() * x.element_size() for x in kept) if dense else kept.nbytes
         tot_k += int(kept.indices.numel()) if dense else int(kept.length.sum())
         errs.append(attn_error(q[:, :, N:], kp, vp, kept))
     return tot_b, tot_k, sum(errs) / len(errs), t
@@ -121,14 +114,13 @@ def rank_inputs(spec: dict, rank: int, world: int):
                                                      distributed_config=DistributedConfig(tp_plan="auto"))
     except (ImportError, TypeError):
         model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, tp_plan="auto")
-    model.eval()
     ids = torch.randint(0, LLAMA["vocab_size"], (1, spec["n"] + spec["q"]), generator=torch.Generator().manual_seed(0))
-    return model, ids, capture(model, ids)
+    return model.eval(), ids, capture(model, ids)
 
 
-def worker(spec: dict) -> None:
+def worker(spec: dict) -> dict:
     """One rank: per budget and allocation, the rank's cache after the prompt (part ``llama``) and its compressed
-    layers; the rows go to ``<out>/rank<r>.json``."""
+    layers, as ``{"rows": [...]}``."""
     import torch.distributed as dist
 
     from tritonkv.allocation import AdaKV
@@ -146,22 +138,18 @@ def worker(spec: dict) -> None:
     rows = []
     for frac in spec["budgets"]:
         for name, alloc in ALLOCS:
-            row = dict(part=spec["part"], budget=frac, allocation=name, rank=rank)
+            row, timed = dict(part=spec["part"], budget=frac, allocation=name, rank=rank), {}
             if model is not None:
                 cache = tt.make_cache(model, policy, frac, mode="after_prefill", prompt_length=N,
                                       allocation=None if alloc is None else AdaKV(**alloc), process_group=pg)
                 t0 = time.perf_counter()
                 tt.prefill(model, ids[:, :N], cache)
-                prefill_s = round(time.perf_counter() - t0, 3)
+                timed["prefill_s"] = round(time.perf_counter() - t0, 3)
                 row.update(cache_bytes=cache.nbytes, cache_kept=int(sum(int(x.sum()) for x in cache.kept_tokens())))
             b, k, err, t = compress_layers(layers, N, policy.window, frac, alloc, pg, policy)
-            row.update(kept_bytes=b, kept=k, attn_err=err, compress_s=round(t, 4))
-            if model is not None:
-                row["prefill_s"] = prefill_s
-            rows.append(row)
-    with open(os.path.join(spec["out"], f"rank{rank}.json"), "w") as f:
-        json.dump(rows, f)
+            rows.append(dict(row, kept_bytes=b, kept=k, attn_err=err, compress_s=round(t, 4), **timed))
     dist.destroy_process_group()
+    return dict(rows=rows)
 
 
 # -- driver side -------------------------------------------------------------------------------------------------
@@ -172,33 +160,17 @@ def free_port() -> int:
 
 
 def launch(world: int, spec: dict, timeout: float = 900) -> list[dict]:
-    """``world`` ranks of ``spec``, each ``python -m benchmarks.tp_memory --worker SPEC`` (gloo over a free local
-    port, one thread, no TRITON_INTERPRET); their rows in rank order."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    with tempfile.TemporaryDirectory() as out:
-        spec = dict(spec, world=world, port=free_port(), out=out)
-        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.tp_memory", "--worker",
-                                   json.dumps(dict(spec, rank=r))], env=env, cwd=ROOT, start_new_session=True)
-                 for r in range(world)]
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-        rows = []
-        for r, p in enumerate(procs):
-            if p.returncode != 0:
-                raise SystemExit(f"rank {r} exited with {p.returncode}")
-            with open(os.path.join(out, f"rank{r}.json")) as f:
-                rows += json.load(f)
-        return rows
+    """``world`` ranks of ``spec``, each a fresh process (spawned; gloo over a free local port, one thread, no
+    TRITON_INTERPRET: the native CPU op bodies); their rows in rank order."""
+    os.environ.pop("TRITON_INTERPRET", None)  # read by the ranks when they start
+    os.environ["OMP_NUM_THREADS"] = "1"
+    spec = dict(spec, world=world, port=free_port())
+    ranks = in_processes(multiprocessing.get_context("spawn"), worker, [dict(spec, rank=r) for r in range(world)],
+                         timeout)
+    for r in ranks:
+        if "error" in r:
+            raise SystemExit(f"rank {r['rank']}: {r['error']}")
+    return [row for r in ranks for row in r["rows"]]
 
 
 def smollm2_tensors(path: str, n: int, q: int) -> None:
@@ -214,11 +186,10 @@ def smollm2_tensors(path: str, n: int, q: int) -> None:
 def summarise(rows: list[dict]) -> list[dict]:
     """One row per (part, budget, allocation): per-rank bytes, imbalance, error, error minus exact AdaKV's."""
     groups = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["rank"]):
         groups.setdefault((r["part"], r["budget"], r["allocation"]), []).append(r)
     res = []
     for (part, budget, alloc), ranks in groups.items():
-        ranks = sorted(ranks, key=lambda r: r["rank"])
         world = len(ranks)
         field = "cache_bytes" if "cache_bytes" in ranks[0] else "kept_bytes"
         by = [r[field] for r in ranks]
@@ -227,10 +198,9 @@ def summarise(rows: list[dict]) -> list[dict]:
                         kept=[r["kept"] for r in ranks], kept_bytes=[r["kept_bytes"] for r in ranks],
                         imbalance=max(by) / (sum(by) / world), attn_err=err,
                         compress_s=max(r["compress_s"] for r in ranks)))
+    exact = {(r["part"], r["budget"]): r["attn_err"] for r in res if r["allocation"] == "adakv"}
     for r in res:
-        exact = next(x for x in res if x["part"] == r["part"] and x["budget"] == r["budget"]
-                     and x["allocation"] == "adakv")
-        r["err_vs_exact"] = r["attn_err"] - exact["attn_err"]
+        r["err_vs_exact"] = r["attn_err"] - exact[r["part"], r["budget"]]
     return res
 
 
@@ -261,13 +231,10 @@ def markdown(summary: list[dict], meta: dict) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--part", choices=("llama", "smollm2", "both"), default="both")
     ap.add_argument("--quick", action="store_true", help="N = 512, budget 0.25 only")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
-    if args.worker:
-        return worker(json.loads(args.worker))
     n = 512 if args.quick else 2048
     spec = dict(n=n, q=64, budgets=[0.25] if args.quick else [0.1, 0.25])
     rows = []

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,6 +73,32 @@ def test_records_compressed_and_plain(tmp_path):
 def test_table():
     assert common.table([{"a": 1, "b": None}], ["a", "b"]) == ["| a | b |", "|---|---|", "| 1 | – |"]
     assert common.table([["x", 2]], None, ["name", "n"], right=True) == ["| name | n |", "|---|---:|", "| x | 2 |"]
+
+
+def _child_row(spec):
+    if spec["do"] == "raise":
+        raise ValueError("bad spec")
+    if spec["do"] == "die":
+        os._exit(3)
+    if spec["do"] == "hang":
+        time.sleep(60)
+    return dict(spec, pid=os.getpid())
+
+
+def test_in_processes():
+    """Each spec in a fresh process of its own, results in order; a raise, a death and a timeout become the row's
+    ``error`` (the hanging process killed), the others' results kept."""
+    import multiprocessing
+
+    specs = [dict(do="ok"), dict(do="raise"), dict(do="die"), dict(do="hang"), dict(do="ok")]
+    t = time.monotonic()
+    rows = common.in_processes(multiprocessing.get_context("fork"), _child_row, specs, timeout=5)
+    assert time.monotonic() - t < 30
+    assert [r["do"] for r in rows] == [s["do"] for s in specs]
+    assert rows[0]["pid"] != rows[4]["pid"] != os.getpid() and "error" not in rows[0] and "error" not in rows[4]
+    assert "ValueError: bad spec" in rows[1]["error"]
+    assert rows[2]["error"] == "the process died (exit code 3)"
+    assert rows[3]["error"] == "timed out after 5 s"
 
 
 def test_random_case_and_device_tag():
