@@ -185,9 +185,9 @@ def _generate(model, ids, spec, new_tokens, streamer=None):
     if spec["policy"] is None:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **gen)
         return out.sequences[:, ids.shape[1]:], tt.output_cache(out)
-    kw = dict(block_size=spec["block_size"]) if spec["block_size"] else {}
     out, cache = tt.generate(model, ids, policy=spec["policy"], budget=spec["budget"], mode=spec["mode"],
-                             allocation=spec["allocation"], return_cache=True, **kw, **gen)
+                             allocation=spec["allocation"], block_size=spec["block_size"] or 128, return_cache=True,
+                             **gen)
     return out[:, ids.shape[1]:], cache
 
 
@@ -572,7 +572,7 @@ def readme_section(data, results_dir=RESULTS, rel="") -> str:
     return "\n".join(out).strip()
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="N = 512, 1024, one policy per mode (writes only with --out)")
     p.add_argument("--n", type=int, nargs="*", help="prompt lengths")
@@ -590,11 +590,7 @@ def parser() -> argparse.ArgumentParser:
                         "generate right after the prompt is read instead (equal wherever both ran)")
     p.add_argument("--jobs", type=int, default=None, help="measurements at a time (default 1; --smoke: 2)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: none)")
-    return p
-
-
-def main(argv=None):
-    a = parser().parse_args(argv)
+    a = p.parse_args(argv)
     a.out = a.out or (None if a.smoke else RESULTS)
     a.jobs = a.jobs or (2 if a.smoke else 1)
     res = run(a)
