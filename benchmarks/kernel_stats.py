@@ -2,19 +2,14 @@
 spills, shared memory, occupancy, the SASS of each hot loop, and per policy the device launches in order,
 their bytes, host syncs and a simple time model.
 
-    python -m benchmarks.kernel_stats              # N = 32768, sm_90 + sm_80 -> results/kernel_stats-triton-<v>.*
-    python -m benchmarks.kernel_stats --smoke      # N = 2048, sm_90 only (< 60 s), writes nothing unless --out
-    python -m benchmarks.kernel_stats --compare A.json B.json --out results/kernel_stats.md
-    make stats                                     # Triton 3.6 (side environment) and the installed one + comparison
-
-The method (target shape, which Triton, launches, host syncs, compiling, SASS loops, occupancy, bytes per
-launch, time model) is in docs/benchmarks.md, "kernel_stats.py: method". The exit status is 1 when a kernel failed
-to compile or a workload failed.
+Usage (``make stats``, ``--smoke``, ``--compare``) and method: docs/benchmarks.md, "kernel_stats.py: method". The
+exit status is 1 when a kernel failed to compile or a workload failed.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import contextlib
 import functools
 import inspect
@@ -40,15 +35,16 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the GPU image's defaul
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton import knobs  # noqa: E402
+from torch._library.custom_ops import OPDEFS  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import tritonkv  # noqa: E402
 from benchmarks.common import RESULTS, ROOT, command, git, now, policy_inputs, table, write_results  # noqa: E402
 from tritonkv.kernels import _common  # noqa: E402
-
-SPEED_JSON = os.path.join(RESULTS, "nvidia-h200-speed.json")
 
 # (B, H_kv, G, D, W), keep fraction, N
 SHAPE = dict(B=1, H=8, G=4, D=128, W=32)
@@ -66,17 +62,15 @@ _SM = dict(regs_per_sm=65536, reg_unit=256, max_threads=2048, max_ctas=32, max_w
 ARCH = {90: dict(gpu="H100", **_SM, smem_per_sm=228 * 1024, smem_reserved_per_cta=1024),
         80: dict(gpu="A100", **_SM, smem_per_sm=164 * 1024, smem_reserved_per_cta=1024)}
 
-# Time model (sm_90 SASS). copy_GBps: measured device-to-device copy bandwidth (H200: results/nvidia-h200-
-# speed.json; H100 SXM: ~2.9 TB/s); SMs and boost clock from the data sheets; issue: warp instructions per
-# SM per clock (4 schedulers); launch_us: cost of one dependent launch in a CUDA graph (launch + tail).
+# Time model (sm_90 SASS); where the parameters come from: docs/benchmarks.md, "kernel_stats.py: method".
 MACHINES = {m: dict(copy_GBps=bw, sms=132, clock_GHz=1.98, issue_per_clk=4, launch_us=3.0)
             for m, bw in (("H100", 2900.0), ("H200", 4226.0))}
+UNCALIBRATED = "The model is uncalibrated until a GPU run of the current kernels exists"
 ATOMS_WAVEFRONTS = 32  # shared-memory wavefronts per ATOMS instruction (worst case: 32-way bank conflict)
 MODEL_ARCH = "sm_90"
 
-# Kernels that move rows between a large tensor and a small one touch only those rows of the large
-# one: {kernel: {argument: the argument whose size bounds what it touches}}. A renamed kernel falls back
-# to the whole-tensor rule (an upper bound).
+# {kernel: {argument: the argument whose size bounds what it touches}}: gathers/scatters (a renamed kernel
+# falls back to the whole tensor, an upper bound)
 TOUCHES_AT_MOST = {
     "_select_compact_kernel": {"k_ptr": "ko_ptr", "v_ptr": "vo_ptr"},  # gathers the kept rows
     "_ragged_append_kernel": {"ko_ptr": "k_ptr", "vo_ptr": "v_ptr", "pos_ptr": "next_ptr"},  # one row per head
@@ -97,10 +91,8 @@ LOW_OCCUPANCY_REASONS: dict[str, str] = {}
 
 def _caller() -> str | None:
     """``file:line`` of the innermost tritonkv frame on the stack (where a sync was made)."""
-    for fr in reversed(traceback.extract_stack()[:-2]):
-        if "tritonkv" + os.sep in fr.filename and "_common.py" not in fr.filename:
-            return f"{os.path.relpath(fr.filename, ROOT)}:{fr.lineno}"
-    return None
+    return next((f"{os.path.relpath(fr.filename, ROOT)}:{fr.lineno}" for fr in reversed(traceback.extract_stack()[:-2])
+                 if "tritonkv" + os.sep in fr.filename and "_common.py" not in fr.filename), None)
 
 
 class TorchOps(TorchDispatchMode):
@@ -133,13 +125,10 @@ class TorchOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "tritonkv":
-            from torch._library.custom_ops import OPDEFS
-
-            opdef = OPDEFS.get(func._schema.name)
-            if opdef is not None:
-                with self:
-                    return opdef._init_fn(*args, **kwargs)
+        opdef = OPDEFS.get(func._schema.name) if func.namespace == "tritonkv" else None
+        if opdef is not None:
+            with self:
+                return opdef._init_fn(*args, **kwargs)
         out = func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
         kinds = (("meta", self.META), ("alloc", self.ALLOC), ("fill", self.FILL), ("sync", self.SYNC))
@@ -148,7 +137,7 @@ class TorchOps(TorchDispatchMode):
             kind = "compute"  # integer repeats, or the output size given: no read-back
         if kind == "meta":
             return out
-        ins, outs = _tensors(args) + _tensors(kwargs), _tensors(out)
+        ins, outs = _tensors((args, kwargs)), _tensors(out)
         shapes = [list(t.shape) for t in (outs or ins)][:3]
         if kind == "alloc":
             for t in outs:
@@ -157,21 +146,16 @@ class TorchOps(TorchDispatchMode):
             return out
         read = 0 if kind == "fill" else _nbytes(ins)
         write = _nbytes(outs or ins[:1]) if kind != "sync" else 0
-        only = kind != "fill" and self.input_only(ins)
-        if only:
+        if kind != "fill" and self.input_only(ins):
             self.from_inputs.update(t.data_ptr() for t in outs)
-        if kind == "sync" and only:
-            kind = "input_check"
+            kind = "input_check" if kind == "sync" else kind
         self.note(str(func), kind, read + write, read, write, shapes=shapes,
                   **({"where": _caller()} if kind in ("sync", "input_check") else {}))
         return out
 
 
 def _tensors(x) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
-    return [t for v in items for t in _tensors(v)]
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def _nbytes(ts) -> int:
@@ -231,8 +215,7 @@ def make_inputs(N: int) -> dict:
     ``attn_lse`` ``[B, H·G, W]``, W_O ``[H·G·D, H·G·D]`` and SCORE's ``hd`` (positive), as in ``speed.py``."""
     B, H, G, D, W = (SHAPE[k] for k in "BHGDW")
     gen = torch.Generator().manual_seed(0)
-    keys = torch.empty(B, H, N, D, dtype=torch.bfloat16)
-    values = torch.empty(B, H, N, D, dtype=torch.bfloat16)
+    keys, values = (torch.empty(B, H, N, D, dtype=torch.bfloat16) for _ in range(2))
     queries = torch.randn(B, H * G, W, D, generator=gen).to(torch.bfloat16)
     o_proj = torch.empty(H * G * D, H * G * D, dtype=torch.bfloat16)
     hd = torch.rand(H, generator=gen) + 0.1
@@ -295,17 +278,14 @@ def _jit_key(rec) -> str:
 def specialise(rec, cap: int):
     """``(target, signature, constexprs, attrs, options)`` of a logged launch, from Triton's own JIT
     binder (what ``kernel[grid](...)`` would compile on a GPU of capability ``cap``)."""
-    from triton.runtime.jit import create_function_from_signature
-
     kern = rec.kernel
     args = [rec.args[p.name] if p.name in rec.args else rec.constexprs[p.name] for p in kern.params]
     target = GPUTarget("cuda", cap, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kern.signature, kern.params, backend)
     kw = dict(rec.options, debug=bool(knobs.runtime.debug))
-    for opt in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # run() adds these in 3.9
-        if hasattr(knobs.compilation, opt):
-            kw[opt] = getattr(knobs.compilation, opt)
+    kw.update({opt: getattr(knobs.compilation, opt) for opt in ("instrumentation_mode", "fpsan_homomorphic_casts")
+               if hasattr(knobs.compilation, opt)})  # run() adds these in 3.9
     bound, spec, opts = binder(*args, **kw)
     options, signature, constexprs, attrs = kern._pack_args(backend, kw, bound, spec, opts)
     return target, signature, constexprs, attrs, options
@@ -316,47 +296,12 @@ def config_key(rec) -> tuple[str, dict]:
     specialisation of each runtime argument: ``"=1"`` (compiled in as a constant), ``"%16"``
     (divisible by 16, or a 16-byte aligned pointer) or ``""``."""
     _, signature, constexprs, attrs, _ = specialise(rec, 90)
-    spec = {}
-    for i, p in enumerate(rec.kernel.params):
-        if p.name in rec.constexprs:
-            continue
-        if signature[p.name] == "constexpr":
-            spec[p.name] = f"={rec.args[p.name]}"
-        else:
-            spec[p.name] = "%16" if any(a[0] == "tt.divisibility" for a in attrs.get((i,), [])) else ""
+    spec = {p.name: f"={rec.args[p.name]}" if signature[p.name] == "constexpr"
+            else "%16" if any(a[0] == "tt.divisibility" for a in attrs.get((i,), [])) else ""
+            for i, p in enumerate(rec.kernel.params) if p.name not in rec.constexprs}
     key = json.dumps([_jit_key(rec), signature, sorted((str(k), repr(v)) for k, v in constexprs.items()),
                       sorted((str(k), repr(v)) for k, v in attrs.items()), sorted(rec.options.items())])
     return key, spec
-
-
-def base_labels(recs) -> dict:
-    """``{config key: label}``: the kernel name and the constexprs (and num_warps) that tell its
-    configurations apart."""
-    recs = list(recs)
-    out = {}
-    for rec in recs:
-        same = [r for r in recs if r.name == rec.name]
-        parts = [f"{k}={_short(v)}" for k, v in rec.constexprs.items()
-                 if len({repr(r.constexprs.get(k)) for r in same}) > 1]
-        if len({repr(sorted(r.options.items())) for r in same}) > 1:
-            parts.append(f"warps={rec.options.get('num_warps', 4)}")
-        out[config_key(rec)[0]] = f"{rec.name}[{','.join(parts)}]" if parts else rec.name
-    return out
-
-
-ORDER = ("knorm", "keydiff", "lagkv", "window_attention", "critical", "score", "select", "decode_attention", "cache")
-
-
-def _order(rec):
-    """Table order: scoring kernels, the select pipeline, then decoding (the source order within a file)."""
-    mod = rec.kernel.fn.__module__.rsplit(".", 1)[-1]
-    return (ORDER.index(mod) if mod in ORDER else len(ORDER), rec.kernel.fn.__code__.co_firstlineno)
-
-
-def _stats_sig(st: dict) -> str:
-    keep = ("regs", "spill_stores", "spill_loads", "smem", "num_warps", "num_stages", "fenced_atomics", "membar",
-            "error")
-    return json.dumps({a: {k: v.get(k) for k in keep} for a, v in st.items()}, sort_keys=True)
 
 
 _PTXAS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -366,42 +311,42 @@ _ATOM = re.compile(r"^\s*(?:@!?%\w+\s+)?(atom|red)\.([\w.]+)", re.M)
 _FENCED = {"acq_rel", "acquire", "release", "sc", "seq_cst"}
 
 
-def _tool(name: str) -> str | None:
+def _tool(name: str, *args) -> str:
+    """The output of a CUDA tool, Triton's own copy or the one on the PATH ("" without the tool)."""
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    return path if os.path.exists(path) else shutil.which(name)
+    path = path if os.path.exists(path) else shutil.which(name)
+    return subprocess.run([path, *args], capture_output=True, text=True, timeout=120).stdout if path else ""
 
 
 def compile_stats(rec, cap: int) -> dict:
     """Compile one logged launch for ``sm_<cap>`` and read its resources."""
     target, signature, constexprs, attrs, options = specialise(rec, cap)
-    log = io.StringIO()
-    t0 = time.perf_counter()
-    old, knobs.nvidia.dump_ptxas_log = knobs.nvidia.dump_ptxas_log, True
-    try:
-        with contextlib.redirect_stdout(log):
-            k = triton.compile(ASTSource(rec.kernel, signature, constexprs, attrs), target=target,
-                               options=options.__dict__)
-    finally:
-        knobs.nvidia.dump_ptxas_log = old
+    log, t0 = io.StringIO(), time.perf_counter()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        k = triton.compile(ASTSource(rec.kernel, signature, constexprs, attrs), target=target,
+                           options=options.__dict__)
     secs = time.perf_counter() - t0
     text = log.getvalue()
     m, r, s = _PTXAS.search(text), _REGS.search(text), _SMEM.search(text)
     if not (m and r):
         raise RuntimeError(f"no ptxas report for {rec.name} sm_{cap} (cached compile?):\n{text[-2000:]}")
-    atoms = [dict(op=op, quals=q) for op, q in _ATOM.findall(k.asm["ptx"])]
-    glob = [a for a in atoms if ".shared" not in "." + a["quals"] and not a["quals"].startswith("shared")]
-    fenced = [a for a in glob if _FENCED & set(a["quals"].split("."))]
-    sass, usage = _sass(k.asm["cubin"])
-    ins = parse_sass(sass) if sass else []
+    glob = [(op, q) for op, q in _ATOM.findall(k.asm["ptx"]) if ".shared" not in "." + q]  # global atomics
+    fenced = [q for _, q in glob if _FENCED & set(q.split("."))]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # SASS with line info; registers to cross-check
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = _tool("nvdisasm", "-g", "-c", f.name)
+        usage = re.search(r"REG:(\d+)", _tool("cuobjdump", "--dump-resource-usage", f.name))
+    usage, ins = int(usage.group(1)) if usage else None, parse_sass(sass)
     loops = sass_loops(ins)
-    outside = {a for L in loops if L["parent"] is None for a in range(L["lo"], L["hi"] + 1, 16)}
-    straight = [x for x in ins if x["addr"] not in outside]
+    straight = [x for x in ins if not any(L["lo"] <= x["addr"] <= L["hi"] for L in loops)]
     meta = k.metadata
     st = dict(arch=f"sm_{cap}", regs=int(r.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)),
               stack=int(m.group(1)), smem=int(meta.shared) + (int(s.group(1)) if s else 0),
               num_warps=int(meta.num_warps), num_stages=int(meta.num_stages),
               global_atomics=len(glob), fenced_atomics=len(fenced),
-              atomic_forms=sorted({f"{a['op']}.{a['quals']}" for a in glob}),
+              atomic_forms=sorted({f"{op}.{q}" for op, q in glob}),
               membar=_counts(ins)["MEMBAR_GPU"] if sass else None, sass_n=len(ins), sass=_counts(ins),
               straight_n=len(straight), straight=_counts(straight), loops=loops,
               cuobjdump_regs=usage, compile_s=round(secs, 2))
@@ -409,21 +354,6 @@ def compile_stats(rec, cap: int) -> dict:
         raise RuntimeError(f"cuobjdump reports {usage} registers, the ptxas log {st['regs']}")
     st.update(occupancy(st["regs"], st["smem"], st["num_warps"], cap))
     return st
-
-
-def _sass(cubin: bytes):
-    """``(SASS text with line info, registers from the resource usage)``; Nones without the tools."""
-    dis, dump = _tool("nvdisasm"), _tool("cuobjdump")
-    if dis is None:
-        return None, None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([dis, "-g", "-c", f.name], capture_output=True, text=True, timeout=120).stdout
-        res = subprocess.run([dump, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             timeout=120).stdout if dump else ""
-    reg = re.search(r"REG:(\d+)", res)
-    return sass, (int(reg.group(1)) if reg else None)
 
 
 _LINE = re.compile(r'## File "(.*?)", line (\d+)')
@@ -470,20 +400,16 @@ def sass_loops(ins: list[dict]) -> list[dict]:
             body = [y for y in ins if x["back"] <= y["addr"] <= x["addr"]]
             loops.append(dict(lo=x["back"], hi=x["addr"], file=x["file"], line=x["line"], n=len(body), body=body))
     loops.sort(key=lambda L: (L["lo"], -L["hi"]))
-    for i, L in enumerate(loops):
+    for i, L in enumerate(loops):  # an enclosing loop sorts first: its depth is known
         enclosing = [j for j, P in enumerate(loops) if j != i and P["lo"] <= L["lo"] and L["hi"] <= P["hi"]
                      and (P["lo"], P["hi"]) != (L["lo"], L["hi"])]
         L["parent"] = min(enclosing, key=lambda j: loops[j]["hi"] - loops[j]["lo"]) if enclosing else None
+        L["depth"] = 0 if L["parent"] is None else loops[L["parent"]]["depth"] + 1
     for i, L in enumerate(loops):
-        depth, p = 0, L["parent"]
-        while p is not None:
-            depth, p = depth + 1, loops[p]["parent"]
-        inner = {a for C in loops if C["parent"] == i for a in range(C["lo"], C["hi"] + 1, 16)}
-        own = [y for y in L["body"] if y["addr"] not in inner]
-        L.update(depth=depth, own_n=len(own), counts=_counts(L["body"]), own=_counts(own))
-    for L in loops:
-        del L["body"]
-        L["where"] = f"{os.path.basename(L['file'] or '?')}:{L['line']}"
+        body = L.pop("body")
+        own = [y for y in body if not any(C["parent"] == i and C["lo"] <= y["addr"] <= C["hi"] for C in loops)]
+        L.update(own_n=len(own), counts=_counts(body), own=_counts(own),
+                 where=f"{os.path.basename(L['file'] or '?')}:{L['line']}")
     return loops
 
 
@@ -521,15 +447,11 @@ def _fors(path: str) -> dict:
     return out
 
 
-class _Unknown(Exception):
-    pass
-
-
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "minimum": min, "maximum": max, "min": min, "max": max,
           "int": int, "abs": abs, "next_power_of_2": lambda n: 1 << max(int(n) - 1, 0).bit_length()}
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
            ast.Div: operator.truediv, ast.Mod: operator.mod, ast.LShift: operator.lshift, ast.RShift: operator.rshift}
-_EVAL_ERRORS = (_Unknown, ZeroDivisionError, TypeError, IndexError)
+_EVAL_ERRORS = (KeyError, ValueError, ZeroDivisionError, TypeError, IndexError)  # KeyError: not known here
 
 
 def _name(f) -> str | None:
@@ -543,13 +465,9 @@ def _eval(node, env: dict, grid):
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, bool)):
         return node.value
     if isinstance(node, ast.Name):
-        if node.id in env and isinstance(env[node.id], (int, float, bool)):
-            return env[node.id]
-        raise _Unknown(node.id)
+        return env[node.id]
     if isinstance(node, ast.BinOp):
-        a, b = _eval(node.left, env, grid), _eval(node.right, env, grid)
-        if type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](a, b)
+        return _BINOPS[type(node.op)](_eval(node.left, env, grid), _eval(node.right, env, grid))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return -_eval(node.operand, env, grid)
     if isinstance(node, ast.Call):
@@ -560,9 +478,8 @@ def _eval(node, env: dict, grid):
             axis = _eval(node.args[0], env, grid) if node.args else 0
             size = grid[axis] if axis < len(grid) else 1
             return size // 2 if name == "program_id" else size
-        if name in _FUNCS:
-            return _FUNCS[name](*[_eval(a, env, grid) for a in node.args])
-    raise _Unknown(ast.dump(node)[:60])
+        return _FUNCS[name](*[_eval(a, env, grid) for a in node.args])
+    raise ValueError(ast.dump(node)[:60])
 
 
 def trip_count(path: str, line: int, rec) -> int | None:
@@ -573,7 +490,7 @@ def trip_count(path: str, line: int, rec) -> int | None:
     if loop is None or not isinstance(loop.iter, ast.Call) or _name(loop.iter.func) not in ("range", "static_range"):
         return None
     env = {k: v for k, v in {**rec.args, **rec.constexprs}.items() if isinstance(v, (int, float, bool))}
-    grid = tuple(rec.grid) if not callable(rec.grid) else (1,)
+    grid = tuple(rec.grid)
     for node in ast.walk(fn):  # locals assigned before the loop, in source order
         if isinstance(node, ast.Assign) and node.lineno < line and len(node.targets) == 1 \
                 and isinstance(node.targets[0], ast.Name):
@@ -582,20 +499,9 @@ def trip_count(path: str, line: int, rec) -> int | None:
             except _EVAL_ERRORS:
                 env.pop(node.targets[0].id, None)
     try:
-        a = [_eval(x, env, grid) for x in loop.iter.args]
+        return len(range(*[_eval(x, env, grid) for x in loop.iter.args]))
     except _EVAL_ERRORS:
         return None
-    start, stop, step = (0, a[0], 1) if len(a) == 1 else (a[0], a[1], a[2] if len(a) > 2 else 1)
-    return max(0, -(-(stop - start) // step)) if step > 0 else None
-
-
-def loop_iterations(loops: list[dict], rec) -> list[int | None]:
-    """Iterations per program of each SASS loop: its source trip count × its parent's iterations."""
-    out = [None] * len(loops)
-    for i, L in enumerate(loops):  # parents come first (sorted by address, outermost first)
-        t = trip_count(L["file"], L["line"], rec)
-        out[i] = None if t is None else t * (1 if L["parent"] is None else (out[L["parent"]] or 1))
-    return out
 
 
 # calls through which a pointer stays a pointer (any other call's result is a value, not a pointer)
@@ -604,11 +510,11 @@ _PTR_CALLS = {"make_block_ptr", "make_tensor_descriptor", "advance", "multiple_o
 
 
 @functools.lru_cache(maxsize=None)
-def _access(fn) -> dict:
-    """``{parameter: {"r", "w"}}`` for the pointer parameters of the ``@triton.jit`` function ``fn`` (its
-    Python function): ``tl.load`` reads, ``tl.store`` writes, ``tl.atomic_*`` both, ``.load``/``.store`` of
-    a block pointer or descriptor likewise, following assignments and calls to other ``@triton.jit``
-    functions."""
+def pointer_access(kernel) -> dict:
+    """``{argument: "r" | "w" | "rw"}`` of a ``@triton.jit`` kernel's pointer arguments, from its source:
+    ``tl.load`` reads, ``tl.store`` writes, ``tl.atomic_*`` both, ``.load``/``.store`` of a block pointer or
+    descriptor likewise, following assignments and calls to other ``@triton.jit`` functions."""
+    fn = getattr(kernel, "fn", kernel)
     try:
         fdef = next(n for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
                     if isinstance(n, ast.FunctionDef))
@@ -630,14 +536,12 @@ def _access(fn) -> dict:
             return roots(f.value) | (roots(node.args[0]) if name == "advance" and node.args else set())
         return set().union(*[roots(a) for a in node.args], *[roots(k.value) for k in node.keywords])
 
+    assigns = [n for n in ast.walk(fdef) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and n.value]
     for _ in range(4):  # fixpoint over assignments
-        for node in ast.walk(fdef):
-            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and node.value is not None:
-                r = roots(node.value)
-                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    for n in ast.walk(t):
-                        if isinstance(n, ast.Name) and r:
-                            alias.setdefault(n.id, set()).update(r)
+        for node in assigns:
+            r, targets = roots(node.value), node.targets if isinstance(node, ast.Assign) else [node.target]
+            for n in [n for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]:
+                alias.setdefault(n.id, set()).update(r)
     acc: dict = {}
 
     def mark(node, kinds):
@@ -648,24 +552,19 @@ def _access(fn) -> dict:
     for node in [n for n in ast.walk(fdef) if isinstance(n, ast.Call)]:
         f, name = node.func, _name(node.func)
         first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
+        kinds = {"load": {"r"}, "store": {"w"}}.get(name, {"r", "w"})
         if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "tl" and first is not None:
-            kinds = {"r"} if name == "load" else {"w"} if name == "store" else {"r", "w"}
             if name in ("load", "store") or name.startswith("atomic_"):
                 mark(first, kinds)
         elif isinstance(f, ast.Attribute) and name in ("load", "store"):  # block pointer / tensor descriptor
-            mark(f.value, {"r"} if name == "load" else {"w"})
-        elif isinstance(f, ast.Name) and isinstance(g.get(f.id), triton.runtime.jit.JITFunction):
-            callee = g[f.id].fn
-            sub, cparams = _access(callee), list(inspect.signature(callee).parameters)
+            mark(f.value, kinds)
+        elif isinstance(f, ast.Name) and isinstance(g.get(f.id), JITFunction):
+            sub, cparams = pointer_access(g[f.id]), list(inspect.signature(g[f.id].fn).parameters)
             for p, a in [*zip(cparams, node.args), *((kw.arg, kw.value) for kw in node.keywords)]:
                 if p in sub:
-                    mark(a, sub[p])
-    return {p: acc[p] for p in params if p in acc}  # in parameter order: the same on every run
-
-
-def pointer_access(kernel) -> dict:
-    """``{argument: "r" | "w" | "rw"}`` of a ``@triton.jit`` kernel's pointer arguments (from its source)."""
-    return {p: "".join(sorted(k, key="rw".index)) for p, k in _access(getattr(kernel, "fn", kernel)).items()}
+                    mark(a, set(sub[p]))
+    # in parameter order: the same on every run
+    return {p: "".join(sorted(acc[p], key="rw".index)) for p in params if p in acc}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -682,14 +581,12 @@ def launch_bytes(rec) -> dict:
     for arg, ref in TOUCHES_AT_MOST.get(rec.name, {}).items():
         if arg in size and ref in size:
             size[arg] = min(size[arg], size[ref])
-    seen_r, seen_w = {}, {}
+    seen = {"r": {}, "w": {}}  # per direction, distinct storage at its largest bound
     for n, t in tens.items():
-        key, mode = (t.data_ptr(), t.numel() * t.element_size()), acc.get(n, "")
-        if "r" in mode or not mode:
-            seen_r[key] = max(seen_r.get(key, 0), size[n])
-        if "w" in mode:
-            seen_w[key] = max(seen_w.get(key, 0), size[n])
-    return dict(read=sum(seen_r.values()), write=sum(seen_w.values()), unknown=[n for n in tens if not acc.get(n)])
+        for mode in acc.get(n) or "r":
+            key = (t.data_ptr(), t.numel() * t.element_size())
+            seen[mode][key] = max(seen[mode].get(key, 0), size[n])
+    return dict(read=sum(seen["r"].values()), write=sum(seen["w"].values()), unknown=[n for n in tens if n not in acc])
 
 
 def _times(nbytes: int, warp_instructions: int = 0, atoms_warp: int = 0) -> dict:
@@ -705,73 +602,16 @@ def _times(nbytes: int, warp_instructions: int = 0, atoms_warp: int = 0) -> dict
     return out
 
 
-def launch_model(st: dict | None, rec, nbytes: int) -> dict:
-    """Per machine: the modelled µs of one Triton launch (bytes, issue, atoms) from its sm_90 stats: the
-    loops' own instructions × their iterations per program, straight-line code once, × warps × programs."""
-    st = st or {}
-    programs = math.prod(tuple(rec.grid) if not callable(rec.grid) else (1,))
-    warps = st.get("num_warps", rec.options.get("num_warps", 4))
-    iters = loop_iterations(st["loops"], rec) if "loops" in st else []
-    instr, atoms = st.get("straight_n", 0), st.get("straight", {}).get("ATOMS", 0)
-    for L, it in zip(st.get("loops", []), iters):
-        instr += L["own_n"] * (it or 1)
-        atoms += L["own"]["ATOMS"] * (it or 1)
-    out = dict(programs=programs, loop_iterations=iters, warp_instructions=instr * warps * programs,
-               atoms_warp=atoms * warps * programs)
-    return dict(out, **_times(nbytes, out["warp_instructions"], out["atoms_warp"]))
-
-
 def floor_bytes(name: str, N: int) -> int | None:
     """The HBM floor of a compress: read what scoring reads (K, K+V for lagkv/criticalkv, nothing for
     streaming_llm), re-read and write the kept K+V."""
-    B, H, D = SHAPE["B"], SHAPE["H"], SHAPE["D"]
-    k_bytes = B * H * N * D * 2
-    kept = 2 * B * H * tritonkv.resolve_budget(KEEP, N) * D * 2
-    reads = {"streaming_llm": 0, "lagkv": 2 * k_bytes, "criticalkv": 2 * k_bytes,
-             "criticalkv_l2": 2 * k_bytes}.get(name.split("+")[0], k_bytes)
-    return reads + 2 * kept
-
-
-def measured_h200(N: int) -> dict:
-    """``{workload: (µs, timing)}`` at N from results/nvidia-h200-speed.json (compress rows, and the
-    allocation rows as ``policy+allocator``)."""
-    try:
-        with open(SPEED_JSON) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for r in data.get("rows", []):
-        if r.get("N") != N or r.get("tritonkv_us") is None:
-            continue
-        if r.get("kind") == "compress":
-            out[r["policy"]] = dict(us=r["tritonkv_us"], timing=r.get("timing"), eager_us=r.get("tritonkv_eager_us"))
-        elif r.get("kind") == "allocation":
-            out[f"{r['policy']}+{r['allocation']}"] = dict(us=r["tritonkv_us"], timing=r.get("timing"))
-    meta = {k: data.get(k) for k in ("device", "triton", "torch", "commit", "copy_GBps")}
-    return dict(out, _meta=meta)
-
-
-def _short(v):
-    return int(v) if isinstance(v, bool) else v
+    token = SHAPE["B"] * SHAPE["H"] * SHAPE["D"] * 2  # bytes of one bf16 token of K (or V), every head
+    reads = {"streaming_llm": 0, "lagkv": 2, "criticalkv": 2, "criticalkv_l2": 2}.get(name.split("+")[0], 1)
+    return token * (reads * N + 4 * tritonkv.resolve_budget(KEEP, N))
 
 
 # ---------------------------------------------------------------------------------------------
 # the run
-
-
-def run(args) -> dict:
-    with tempfile.TemporaryDirectory(prefix="tritonkv-kernel-stats-", ignore_cleanup_errors=True) as cache:
-        os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir = cache  # a fresh cache: every compile runs ptxas (logged)
-        return _run(args, N_SMOKE if args.smoke else N_FULL, ARCHS_SMOKE if args.smoke else ARCHS_FULL)
-
-
-def library_kernels() -> dict:
-    """``{module.name: name}`` of every ``@triton.jit`` kernel (a ``_kernel`` suffix: a function that is
-    launched, not a helper) defined in the imported tritonkv modules."""
-    return {f"{m.__name__}.{attr}": attr for m in _tritonkv_modules() for attr, obj in list(vars(m).items())
-            if isinstance(obj, triton.runtime.jit.JITFunction) and obj.fn.__module__ == m.__name__
-            and attr.endswith("_kernel")}
 
 
 def _compile(rec, cap: int, label: str, errors: list) -> dict:
@@ -779,38 +619,86 @@ def _compile(rec, cap: int, label: str, errors: list) -> dict:
     try:
         st = compile_stats(rec, cap)
     except Exception as e:
-        text = str(e).strip()
-        msg = f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+        msg = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:500]
         st = dict(arch=f"sm_{cap}", error=msg)
         errors.append(f"compile {label} sm_{cap}: {msg[:300]}")
     print(f"compiled {label} sm_{cap}: {st.get('regs', 'ERROR')} regs", file=sys.stderr)
     return st
 
 
-def kernel_rows(configs: dict, users: dict, spec_of: dict, stats: dict, base: dict):
-    """``(kernels, label_of)``: one row per kernel configuration, in table order; argument specialisations
-    with identical results share a row (labelled ``{arg%16}``, ``{arg=1}`` or ``{arg}`` where they differ)."""
-    label_of, kernels, groups = {}, [], {}
-    for key in sorted(configs, key=lambda k: _order(configs[k])):
-        groups.setdefault(base[key], []).append(key)
-    for lab, keys in groups.items():
-        buckets = {}
-        for key in keys:
-            buckets.setdefault(_stats_sig(stats[key]), []).append(key)
-        vary = sorted({a for k in keys for a in spec_of[k] if len({spec_of[j].get(a) for j in keys}) > 1})
-        for bkeys in buckets.values():
-            rec, spec = configs[bkeys[0]], spec_of[bkeys[0]]
+def _short(v):
+    return int(v) if isinstance(v, bool) else v
+
+
+def base_labels(configs: dict) -> dict:
+    """``{config key: label}``: the kernel name and the constexprs (and num_warps) that tell its
+    configurations apart."""
+    recs = [c["rec"] for c in configs.values()]
+    out = {}
+    for key, c in configs.items():
+        rec = c["rec"]
+        same = [r for r in recs if r.name == rec.name]
+        parts = [f"{k}={_short(v)}" for k, v in rec.constexprs.items()
+                 if len({repr(r.constexprs.get(k)) for r in same}) > 1]
+        if len({repr(sorted(r.options.items())) for r in same}) > 1:
+            parts.append(f"warps={rec.options.get('num_warps', 4)}")
+        out[key] = f"{rec.name}[{','.join(parts)}]" if parts else rec.name
+    return out
+
+
+ORDER = ("knorm", "keydiff", "lagkv", "window_attention", "critical", "score", "select", "decode_attention", "cache")
+SAME_STATS = ("regs", "spill_stores", "spill_loads", "smem", "num_warps", "num_stages", "fenced_atomics", "membar",
+              "error")  # argument specialisations alike in these share a row
+
+
+def kernel_rows(configs: dict) -> list[dict]:
+    """One row per kernel configuration, in table order; argument specialisations with identical results share
+    a row (labelled ``{arg%16}``, ``{arg=1}`` or ``{arg}`` where they differ), whose label each config gets."""
+    def order(c):  # scoring kernels, the select pipeline, then decoding (the source order within a file)
+        mod = c["rec"].kernel.fn.__module__.rsplit(".", 1)[-1]
+        return (ORDER.index(mod) if mod in ORDER else len(ORDER), c["rec"].kernel.fn.__code__.co_firstlineno)
+
+    groups = {}  # base label -> {stats signature -> configs}
+    for c in sorted(configs.values(), key=order):
+        sig = json.dumps({a: {k: v.get(k) for k in SAME_STATS} for a, v in c["stats"].items()}, sort_keys=True)
+        groups.setdefault(c["base"], {}).setdefault(sig, []).append(c)
+    kernels = []
+    for lab, buckets in groups.items():
+        specs = [c["spec"] for cs in buckets.values() for c in cs]
+        vary = sorted({a for s in specs for a in s if len({t.get(a) for t in specs}) > 1})
+        for cs in buckets.values():
+            rec, spec = cs[0]["rec"], cs[0]["spec"]
             name = lab + ("{" + ",".join(f"{a}{spec.get(a) or ''}" for a in vary) + "}" if len(buckets) > 1 else "")
-            label_of.update(dict.fromkeys(bkeys, name))
+            for c in cs:
+                c["label"] = name
+            const = {k: _short(v) for k, v in rec.constexprs.items()}
             kernels.append(dict(kernel=rec.name, label=name, module=rec.kernel.fn.__module__,
-                                config=" ".join([f"{k}={_short(v)}" for k, v in rec.constexprs.items()]
-                                                + [f"{k}={v}" for k, v in rec.options.items()]),
-                                constexprs={k: _short(v) for k, v in rec.constexprs.items()},
-                                options=dict(rec.options), grid=list(rec.grid),
-                                used_by=list(dict.fromkeys(u for k in bkeys for u in users[k])),
-                                specialisations=len(bkeys), access=pointer_access(rec.kernel),
-                                archs=stats[bkeys[0]]))
-    return kernels, label_of
+                                config=" ".join(f"{k}={v}" for k, v in [*const.items(), *rec.options.items()]),
+                                constexprs=const, options=dict(rec.options), grid=list(rec.grid),
+                                used_by=list(dict.fromkeys(u for c in cs for u in c["users"])),
+                                specialisations=len(cs), access=pointer_access(rec.kernel), archs=cs[0]["stats"]))
+    return kernels
+
+
+def _launch_entry(rec, label: str, st: dict | None) -> dict:
+    """A Triton launch of a launch sequence: bytes, the iterations per program of its SASS loops and the
+    modelled µs per machine from its sm_90 stats ``st``: the loops' own instructions × their iterations,
+    straight-line code once, × warps × programs."""
+    b, st = launch_bytes(rec), st or {}
+    loops, iters = st.get("loops", []), []
+    instr, atoms = st.get("straight_n", 0), st.get("straight", {}).get("ATOMS", 0)
+    for L in loops:  # iterations: the source trip count × the enclosing loop's (which comes first)
+        t = trip_count(L["file"], L["line"], rec)
+        iters.append(None if t is None else t * (1 if L["parent"] is None else (iters[L["parent"]] or 1)))
+        instr += L["own_n"] * (iters[-1] or 1)
+        atoms += L["own"]["ATOMS"] * (iters[-1] or 1)
+    scale = st.get("num_warps", rec.options.get("num_warps", 4)) * math.prod(rec.grid)  # warps × programs
+    return dict(type="triton", name=label, kernel=rec.name, grid=list(rec.grid), read=b["read"], write=b["write"],
+                unknown_args=b["unknown"],
+                loops=[dict(where=L["where"], depth=L["depth"], own_n=L["own_n"], ATOMS=L["own"]["ATOMS"],
+                            iterations=it) for L, it in zip(loops, iters)],
+                model=_times(b["read"] + b["write"], instr * scale, atoms * scale),
+                warp_instructions=instr * scale, atoms_warp=atoms * scale)
 
 
 def _op_entry(o: dict) -> dict:
@@ -821,91 +709,71 @@ def _op_entry(o: dict) -> dict:
                 model=_times(o["read"] + o["write"]) if dev else None)
 
 
-def _launch_entry(rec, label: str, st: dict | None) -> dict:
-    """A Triton launch of a launch sequence: bytes, the iterations of its SASS loops and modelled time."""
-    b = launch_bytes(rec)
-    mdl = launch_model(st, rec, b["read"] + b["write"])
-    return dict(type="triton", name=label, kernel=rec.name, grid=list(rec.grid), read=b["read"], write=b["write"],
-                unknown_args=b["unknown"],
-                loops=[dict(where=L["where"], depth=L["depth"], own_n=L["own_n"], ATOMS=L["own"]["ATOMS"],
-                            iterations=it) for L, it in zip(st["loops"] if st else [], mdl["loop_iterations"])],
-                model={m: mdl[m] for m in MACHINES}, warp_instructions=mdl["warp_instructions"],
-                atoms_warp=mdl["atoms_warp"])
-
-
-def workload_row(w: dict, seq: list, N: int, ms: dict | None) -> dict:
-    """A workload's totals over its launch sequence ``seq``: launches, syncs, bytes, modelled time and the
-    measured H200 time ``ms``."""
-    dev = [x for x in seq if x["type"] in ("triton", "torch")]
-    model = {m: round(sum(x["model"][m]["us"] for x in dev), 1) for m in MACHINES}
+def workload_row(w: dict, N: int) -> dict:
+    """A workload's launch sequence (the Triton launches in order with the torch-side device ops, syncs and
+    input checks between them) and its totals: launches, syncs, bytes and modelled time."""
+    recs, seq = w["launches"], []
+    ops = [o for o in w["ops"] if o["kind"] in ("fill", "compute", "sync", "input_check")]
+    for i in range(len(recs) + 1):
+        seq += [_op_entry(o) for o in ops if o["at"] == i]
+        if i < len(recs):
+            st = w["configs"][i]["stats"].get(MODEL_ARCH)
+            seq.append(_launch_entry(recs[i], w["configs"][i]["label"], st if st and "error" not in st else None))
+    dev, n = [x for x in seq if x["type"] in ("triton", "torch")], collections.Counter(x["type"] for x in seq)
     return dict(name=w["name"], kind=w["kind"], error=w["error"], inputs=w.get("inputs"), readback=w.get("readback"),
-                triton_launches=sum(x["type"] == "triton" for x in seq),
-                torch_launches=sum(x["type"] == "torch" for x in seq),
-                launches=len(dev), host_syncs=sum(x["type"] == "sync" for x in seq),
+                triton_launches=n["triton"], torch_launches=n["torch"], launches=len(dev), host_syncs=n["sync"],
                 sync_sites=sorted({x["where"] or "?" for x in seq if x["type"] == "sync"}),
                 input_checks=sorted({x["where"] or "?" for x in seq if x["type"] == "input_check"}),
                 allocations=sum(o["kind"] == "alloc" for o in w["ops"]),
                 alloc_bytes=sum(o["bytes"] for o in w["ops"] if o["kind"] == "alloc"),
                 read_bytes=sum(x["read"] for x in dev), write_bytes=sum(x["write"] for x in dev),
                 floor_bytes=floor_bytes(w["name"], N) if w["kind"] != "decode" else None,
-                model_us=model, measured_h200=ms,
-                model_over_measured=round(model["H200"] / ms["us"], 3) if ms else None,
-                sequence=seq)
+                model_us={m: round(sum(x["model"][m]["us"] for x in dev), 1) for m in MACHINES}, sequence=seq)
 
 
-def _run(args, N: int, archs) -> dict:
+def run(args) -> dict:
+    """The workloads dry-run, each distinct compile of their launches (kernel, constexprs, options, argument
+    specialisation) compiled for every arch, then the kernel rows, the launch sequences and the checks."""
+    N, archs = (N_SMOKE, ARCHS_SMOKE) if args.smoke else (N_FULL, ARCHS_FULL)
     wls = workloads(N, args.only)
     errors = [f"{w['name']}: {w['error']}" for w in wls if w["error"]]
-
-    # distinct compiles (kernel, constexprs, options, argument specialisation), in first-seen order
-    configs, users, key_of, spec_of = {}, {}, {}, {}
+    configs = {}  # config key -> {rec, spec, users}, in first-seen order
     for w in wls:
+        w["configs"] = []
         for rec in w["launches"]:
             key, spec = config_key(rec)
-            key_of[id(rec)] = key
-            configs.setdefault(key, rec)
-            spec_of.setdefault(key, spec)
-            if w["name"] not in users.setdefault(key, []):
-                users[key].append(w["name"])
-    base = base_labels(configs.values())
-    stats, first = {}, {}
-    for key, rec in configs.items():
+            w["configs"].append(configs.setdefault(key, dict(rec=rec, spec=spec, users={})))
+            w["configs"][-1]["users"][w["name"]] = None
+    base, first = base_labels(configs), {}
+    for key, c in configs.items():
+        c["base"] = base[key]
         if args.smoke and base[key] in first:  # smoke: one argument specialisation per configuration
-            stats[key] = stats[first[base[key]]]
+            c["stats"] = first[base[key]]
         else:
-            first.setdefault(base[key], key)
-            stats[key] = {f"sm_{cap}": _compile(rec, cap, base[key], errors) for cap in archs}
-    kernels, label_of = kernel_rows(configs, users, spec_of, stats, base)
-    launched = {_jit_key(r) for r in configs.values()}
-    not_launched = sorted(v for k, v in library_kernels().items() if k not in launched)
-
-    # per workload: device launches in order (Triton and torch-side), bytes, syncs, modelled time
-    meas, rows = measured_h200(N), []
-    for w in wls:
-        recs, seq = w["launches"], []
-        ops = [o for o in w["ops"] if o["kind"] in ("fill", "compute", "sync", "input_check")]
-        for i in range(len(recs) + 1):
-            seq += [_op_entry(o) for o in ops if o["at"] == i]
-            if i < len(recs):
-                key = key_of[id(recs[i])]
-                st = stats[key].get(MODEL_ARCH)
-                seq.append(_launch_entry(recs[i], label_of[key], st if st and "error" not in st else None))
-        rows.append(workload_row(w, seq, N, meas.get(w["name"])))
-
+            c["stats"] = {f"sm_{cap}": _compile(c["rec"], cap, base[key], errors) for cap in archs}
+            first.setdefault(base[key], c["stats"])
+    kernels = kernel_rows(configs)
+    rows = [workload_row(w, N) for w in wls]
     targets = check_targets(kernels, rows, archs)
+    # the @triton.jit kernels of tritonkv (a _kernel suffix: launched, not a helper) that no workload launched
+    launched = {_jit_key(c["rec"]) for c in configs.values()}
+    not_launched = sorted(attr for m in _tritonkv_modules() for attr, obj in list(vars(m).items())
+                          if isinstance(obj, JITFunction) and obj.fn.__module__ == m.__name__
+                          and attr.endswith("_kernel") and f"{m.__name__}.{attr}" not in launched)
     if not_launched:
         targets["not_launched"] = not_launched
+    ptxas = re.search(r"release ([\d.]+)", _tool("ptxas", "--version"))
     return dict(
         program="benchmarks/kernel_stats.py", command=command(args.argv, "benchmarks.kernel_stats"),
         smoke=bool(args.smoke), date=now(), commit=git("rev-parse", "--short", "HEAD") or None,
         dirty_kernels=bool(git("status", "--porcelain", "tritonkv")),
         triton=triton.__version__, triton_path=os.path.dirname(triton.__file__), torch=torch.__version__,
-        python=platform.python_version(), ptxas=_ptxas_version(), fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"),
+        python=platform.python_version(), ptxas=ptxas and ptxas.group(1),
+        fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"),
         shape=dict(SHAPE, N=N, H_q=SHAPE["H"] * SHAPE["G"], dtype="bfloat16", keep=KEEP,
                    kept_per_head=tritonkv.resolve_budget(KEEP, N)),
         archs=[f"sm_{c}" for c in archs], arch_limits={f"sm_{c}": ARCH[c] for c in archs},
         machines=MACHINES, atoms_wavefronts=ATOMS_WAVEFRONTS, model_arch=MODEL_ARCH,
-        measured=meas.get("_meta"),
         occupancy_formula=("regs_per_warp = ceil(regs*32/256)*256; CTAs/SM = min(floor(floor(65536/regs_per_warp)"
                            "/warps), floor(2048/(32*warps)), 32, floor(smem_per_SM/(shared+1024))); "
                            "occupancy = CTAs*warps/64"),
@@ -914,43 +782,31 @@ def _run(args, N: int, archs) -> dict:
 
 
 def check_targets(kernels, rows, archs) -> dict:
-    spills, low, low_ok, fenced = [], [], [], []
-    for k in kernels:
-        for arch, st in k["archs"].items():
-            if "error" in st:
-                continue
-            if st["spill_stores"] or st["spill_loads"]:
-                spills.append(dict(kernel=k["label"], arch=arch, spill_stores=st["spill_stores"],
-                                   spill_loads=st["spill_loads"], regs=st["regs"], config=k["config"]))
-            if st["fenced_atomics"] or st["membar"]:
-                fenced.append(dict(kernel=k["label"], arch=arch, fenced_atomics=st["fenced_atomics"],
-                                   membar=st["membar"], forms=st["atomic_forms"]))
-        st = k["archs"].get("sm_90")
-        if st and "error" not in st and st["occupancy"] < MIN_OCCUPANCY:
-            item = dict(kernel=k["label"], occupancy=st["occupancy"], limiter=st["limiter"], regs=st["regs"],
-                        smem=st["smem"], warps=st["num_warps"])
-            if k["kernel"] in LOW_OCCUPANCY_REASONS:
-                low_ok.append(dict(item, reason=LOW_OCCUPANCY_REASONS[k["kernel"]]))
-            else:
-                low.append(item)
+    """What the checks list tests, with what missed each: spills and fenced atomics (every arch), occupancy
+    (sm_90), the launches of the key-only policies, host syncs."""
+    done = [(k, arch, st) for k in kernels for arch, st in k["archs"].items() if "error" not in st]
+    spills = [dict(kernel=k["label"], arch=arch, spill_stores=st["spill_stores"], spill_loads=st["spill_loads"],
+                   regs=st["regs"], config=k["config"])
+              for k, arch, st in done if st["spill_stores"] or st["spill_loads"]]
+    fenced = [dict(kernel=k["label"], arch=arch, fenced_atomics=st["fenced_atomics"], membar=st["membar"],
+                   forms=st["atomic_forms"]) for k, arch, st in done if st["fenced_atomics"] or st["membar"]]
+    low = [(k["kernel"], dict(kernel=k["label"], occupancy=st["occupancy"], limiter=st["limiter"], regs=st["regs"],
+                              smem=st["smem"], warps=st["num_warps"]))
+           for k, arch, st in done if arch == "sm_90" and st["occupancy"] < MIN_OCCUPANCY]
+    excused = LOW_OCCUPANCY_REASONS
     launches = [dict(policy=r["name"], triton_launches=r["triton_launches"], all_launches=r["launches"],
                      triton_ok=r["triton_launches"] <= MAX_LAUNCHES, all_ok=r["launches"] <= MAX_LAUNCHES)
                 for r in rows if r["name"] in KEY_ONLY]
     syncs = [dict(workload=r["name"], syncs=r["host_syncs"], where=r["sync_sites"]) for r in rows if r["host_syncs"]]
     return dict(
         spills=spills, no_spills=not spills,
-        low_occupancy=low, low_occupancy_with_reason=low_ok, occupancy_ok=not low,
+        low_occupancy=[x for n, x in low if n not in excused],
+        low_occupancy_with_reason=[dict(x, reason=excused[n]) for n, x in low if n in excused],
+        occupancy_ok=all(n in excused for n, _ in low),
         occupancy_checked_on="sm_90" if 90 in archs else None,
         launches=launches, launches_ok_triton=all(x["triton_ok"] for x in launches),
         launches_ok_all=all(x["all_ok"] for x in launches),
         fenced_atomics=fenced, no_fenced_atomics=not fenced, host_syncs=syncs, no_host_syncs=not syncs)
-
-
-def _ptxas_version() -> str | None:
-    tool = _tool("ptxas")
-    out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout if tool else ""
-    m = re.search(r"release ([\d.]+)", out)
-    return m.group(1) if m else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -971,19 +827,13 @@ def _check(text: str, ok: bool, misses) -> str:
 
 
 def _grid(g) -> str:
-    return "×".join(str(x) for x in g) if isinstance(g, (list, tuple)) else str(g)
-
-
-def _used(k) -> str:
-    return ", ".join(k["used_by"]) if len(k["used_by"]) <= 3 else f"{len(k['used_by'])} workloads"
-
-
-def _loop_cell(loops, op) -> str:
-    return " / ".join(str(L["own"][op]) for L in loops) or "—"
+    return "×".join(map(str, g))
 
 
 def markdown(res: dict) -> str:
-    sh, t, meas = res["shape"], res["targets"], res.get("measured") or {}
+    """The report of one run: checks, per-workload totals, the kernels per arch, the SASS loops, the launch
+    sequences."""
+    sh, t = res["shape"], res["targets"]
     out = [f"# Kernel statistics, Triton {res['triton']} (compiled, no GPU)", "",
            f"Command: `{res['command']}`  ",
            f"triton {res['triton']} (ptxas {res['ptxas']}), torch {res['torch']}, commit {res['commit']}"
@@ -1017,51 +867,30 @@ def markdown(res: dict) -> str:
     if res["errors"]:
         out += ["", "**Errors:**", ""] + [f"- {e}" for e in res["errors"]]
 
-    # per policy: summary with the model and the calibration
     out += ["", "## Per workload: device launches, bytes, host syncs, modelled time", "",
             "Model: µs per launch = launch cost + max(bytes / copy bandwidth, issue + shared-atomic time), summed "
             "over the device launches (parameters: " + "; ".join(
                 f"{m} {p['copy_GBps']:.0f} GB/s, {p['sms']} SMs at {p['clock_GHz']} GHz, {p['launch_us']} µs/launch"
                 for m, p in res["machines"].items()) + f"; {res['atoms_wavefronts']} wavefronts per ATOMS). "
-            f"Measured: {meas.get('device', '—')} with Triton {meas.get('triton', '—')}, "
-            f"torch {meas.get('torch', '—')} "
-            "(results/nvidia-h200-speed.json; CUDA-graph replay for compress, eager for the allocation). "
-            "The ratio only has to be in the right order of magnitude (0.3–3): the model ignores latency, "
-            "L2 and host time.", ""]
-    rows = []
-    for r in res["workloads"]:
-        if r["error"]:
-            rows.append([r["name"], f"error: {r['error'][:150]}"])
-            continue
-        ms = r["measured_h200"]
-        rows.append([r["name"], r["triton_launches"], r["torch_launches"], r["launches"], r["host_syncs"],
-                     _mb(r["read_bytes"]), _mb(r["write_bytes"]), _mb(r["floor_bytes"]), r["model_us"]["H100"],
-                     r["model_us"]["H200"], "—" if not ms else f"{ms['us']}" + (
-                         "" if ms.get("timing") == "graph" else f" ({ms.get('timing')})"),
-                     "—" if r["model_over_measured"] is None else r["model_over_measured"]])
+            f"{UNCALIBRATED}; it ignores latency, L2 and host time.", ""]
+    rows = [[r["name"], f"error: {r['error'][:150]}"] if r["error"] else
+            [r["name"], r["triton_launches"], r["torch_launches"], r["launches"], r["host_syncs"],
+             _mb(r["read_bytes"]), _mb(r["write_bytes"]), _mb(r["floor_bytes"]), r["model_us"]["H100"],
+             r["model_us"]["H200"]] for r in res["workloads"]]
     out += table(rows, None, ["workload", "Triton launches", "torch-side launches", "all", "host syncs", "read MB",
-                              "written MB", "floor MB", "model H100 µs", "model H200 µs", "measured H200 µs",
-                              "model / measured"], right=True)
-    ratios = sorted((r["model_over_measured"], r["name"]) for r in res["workloads"] if r["model_over_measured"])
-    if ratios:
-        off = [f"{n} {x}" for x, n in ratios if not 1 / 3 <= x <= 3]
-        out.append(f"\nCalibration with Triton {res['triton']}: model / measured from {ratios[0][0]} "
-                   f"({ratios[0][1]}) to {ratios[-1][0]} ({ratios[-1][1]}), median {ratios[len(ratios) // 2][0]}; "
-                   f"outside 1/3–3: {', '.join(off) or 'none'}. A ratio far below 1 is time the model cannot see "
-                   "(latency-bound loops, host time in eager rows); the measured run used Triton "
-                   f"{meas.get('triton', '?')}, so only a run with that version is calibrated against it.")
+                              "written MB", "floor MB", "model H100 µs", "model H200 µs"], right=True)
     out += [f"\n{r['name']}: its host read-back (`tolist`) returned {r['readback']} in this dry run (the "
             "allocator's static total B·H·k, and k standing in for the data-dependent longest row)."
             for r in res["workloads"] if r.get("readback")]
 
-    # kernels
     for arch in res["archs"]:
         out += ["", f"## Kernels, {arch} (occupancy on an {res['arch_limits'][arch]['gpu']})", ""]
         rows = []
         for k in res["kernels"]:
-            st = k["archs"].get(arch, {})
+            st, u = k["archs"].get(arch, {}), k["used_by"]
+            row = [f"`{k['label']}`", ", ".join(u) if len(u) <= 3 else f"{len(u)} workloads", _grid(k["grid"])]
             if "error" in st:
-                rows.append([f"`{k['label']}`", _used(k), _grid(k["grid"]), f"compile error: {st['error'][:120]}"])
+                rows.append(row + [f"compile error: {st['error'][:120]}"])
                 continue
             occ, spill = f"{st['occupancy']:.1%}", f"{st['spill_stores']}/{st['spill_loads']}"
             if arch == "sm_90" and st["occupancy"] < MIN_OCCUPANCY:
@@ -1069,9 +898,10 @@ def markdown(res: dict) -> str:
             if st["spill_stores"] or st["spill_loads"]:
                 spill = f"**{spill}**"
             L = st.get("loops", [])
-            rows.append([f"`{k['label']}`", _used(k), _grid(k["grid"]), st["regs"], spill, st["smem"], st["num_warps"],
-                         st["num_stages"], st["ctas_per_sm"], occ, st["limiter"], st.get("sass_n", "—"),
-                         " / ".join(str(x["own_n"]) for x in L) or "—"] + [_loop_cell(L, op) for op in LOOP_OPS])
+            per_loop = [[x["own_n"] for x in L]] + [[x["own"][op] for x in L] for op in LOOP_OPS]
+            rows.append(row + [st["regs"], spill, st["smem"], st["num_warps"], st["num_stages"], st["ctas_per_sm"],
+                               occ, st["limiter"], st.get("sass_n", "—")]
+                        + [" / ".join(map(str, v)) or "—" for v in per_loop])
         out += table(rows, None, ["kernel", "used by", "grid", "regs", "spill st/ld B", "smem B", "warps", "stages",
                                   "CTAs/SM", "occupancy", "limited by", "SASS instr.", "loops: own instr."]
                      + [f"loops: {op}" for op in LOOP_OPS], align="lllrrrrrrrlrlllll")
@@ -1087,7 +917,6 @@ def markdown(res: dict) -> str:
                  ["kernel", "loop (source `for`)", "depth", "own instr.", *ops, "HGMMA/HMMA", "MUFU"],
                  align="ll" + "r" * 12)
 
-    # launch sequences
     out += ["", "## Launch sequences", "",
             "Per workload, the device launches in order: Triton kernels (grid, bytes by the per-kernel formula, "
             "iterations per program of each SASS loop, modelled H200 µs = bytes / issue / shared atomics parts) "
@@ -1127,7 +956,7 @@ def compare_markdown(results: list[dict]) -> str:
                        f"(commit {r['commit']}, {r['date']})" for r in results)
            + ". GPU images with torch 2.11 run Triton 3.6. Times are the model of "
              "`benchmarks/kernel_stats.py` (bytes / bandwidth, launches, SASS instructions and shared atomics), "
-             "not measurements; the last column is the measured H200 time (Triton 3.6).", "",
+             f"not measurements. {UNCALIBRATED}.", "",
            "## Per workload", ""]
 
     def cols(items, f) -> str:
@@ -1138,39 +967,35 @@ def compare_markdown(results: list[dict]) -> str:
     rows = []
     for n in [w["name"] for w in results[0]["workloads"]]:
         w0, ws = by[0][n], [None if b.get(n) is None or b[n]["error"] else b[n] for b in by]
-        if w0["error"]:
-            rows.append([n, f"error: {w0['error'][:100]}"])
-            continue
-        rows.append([n, f"{w0['launches']} ({w0['triton_launches']}+{w0['torch_launches']})", w0["host_syncs"],
-                     cols(ws, lambda w: w["model_us"]["H200"]), cols(ws, lambda w: w["model_us"]["H100"]),
-                     w0["measured_h200"]["us"] if w0["measured_h200"] else "—",
-                     cols([None if b.get(n) is None else b[n]["model_over_measured"] for b in by], str)])
+        rows.append([n, f"error: {w0['error'][:100]}"] if w0["error"] else
+                    [n, f"{w0['launches']} ({w0['triton_launches']}+{w0['torch_launches']})", w0["host_syncs"],
+                     cols(ws, lambda w: w["model_us"]["H200"]), cols(ws, lambda w: w["model_us"]["H100"])])
     out += table(rows, None, ["workload", "launches (Triton+torch)", "host syncs", f"model H200 µs: {hdr}",
-                              f"model H100 µs: {hdr}", "measured H200 µs", f"model / measured: {hdr}"],
-                 align="lrrllrl")
+                              f"model H100 µs: {hdr}"], align="lrrll")
     kb = [{k["label"]: k for k in r["kernels"]} for r in results]
-    kernel_rows, loop_rows = [], []
+    krows, lrows = [], []
     for lab in dict.fromkeys(lab for d in kb for lab in d):
         sts = [(d[lab]["archs"].get(MODEL_ARCH) if lab in d else None) for d in kb]
         sts = [s if s and "error" not in s else None for s in sts]
-        kernel_rows.append([f"`{lab}`", cols(sts, lambda s: s["regs"]), cols(sts, lambda s: s["ctas_per_sm"]),
-                            cols(sts, lambda s: s["spill_stores"] + s["spill_loads"]), cols(sts, lambda s: s["smem"]),
-                            cols(sts, lambda s: s.get("sass_n"))])
+        krows.append([f"`{lab}`", cols(sts, lambda s: s["regs"]), cols(sts, lambda s: s["ctas_per_sm"]),
+                      cols(sts, lambda s: s["spill_stores"] + s["spill_loads"]), cols(sts, lambda s: s["smem"]),
+                      cols(sts, lambda s: s.get("sass_n"))])
         for wh in dict.fromkeys(L["where"] for s in sts if s for L in s.get("loops", [])):
             Ls = [None if s is None else next((L for L in s.get("loops", []) if L["where"] == wh), None) for s in sts]
-            loop_rows.append([f"`{lab}`", wh, cols(Ls, lambda L: L["own_n"])]
-                             + [cols(Ls, lambda L, op=op: L["own"][op]) for op in LOOP_OPS])
+            lrows.append([f"`{lab}`", wh, cols(Ls, lambda L: L["own_n"])]
+                         + [cols(Ls, lambda L, op=op: L["own"][op]) for op in LOOP_OPS])
     out += ["", "## Kernels (sm_90)", ""]
-    out += table(kernel_rows, None, ["kernel"] + [f"{t}: {hdr}" for t in ("regs", "CTAs/SM", "spills", "smem B",
-                                                                          "SASS instr.")])
+    out += table(krows, None, ["kernel"] + [f"{t}: {hdr}" for t in ("regs", "CTAs/SM", "spills", "smem B",
+                                                                    "SASS instr.")])
     out += ["", "## Hot loops (sm_90, per source `for`)", ""]
-    out += table(loop_rows, None, ["kernel", "loop", f"own instr.: {hdr}"] + [f"{op}: {hdr}" for op in LOOP_OPS])
+    out += table(lrows, None, ["kernel", "loop", f"own instr.: {hdr}"] + [f"{op}: {hdr}" for op in LOOP_OPS])
     out += ["", "A loop appears once per source `for` whose closing branch survives in the SASS (unrolled loops "
             "do not appear; two SASS loops of one `for`, e.g. a peeled copy, share a row and the first is shown)."]
     return "\n".join(out) + "\n"
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--smoke", action="store_true",
                    help=f"N = {N_SMOKE}, sm_90 only, one argument specialisation per configuration; "
@@ -1179,17 +1004,12 @@ def parser() -> argparse.ArgumentParser:
                                  "Markdown file (default benchmarks/results/kernel_stats.md)")
     p.add_argument("--only", nargs="*", help="only these workloads (e.g. knorm streaming_llm)")
     p.add_argument("--compare", nargs="+", metavar="JSON", help="write the comparison of result files and exit")
-    return p
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(argv)
+    args = p.parse_args(argv)
     args.argv, args.t0 = argv, time.perf_counter()
     if args.compare:
         results = []
-        for p in args.compare:
-            with open(p) as f:
+        for path in args.compare:
+            with open(path) as f:
                 results.append(json.load(f))
         results.sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["triton"])[:3]))
         out = args.out or os.path.join(RESULTS, "kernel_stats.md")
@@ -1198,7 +1018,9 @@ def main(argv=None) -> int:
         print("wrote", out)
         return 0
     torch.set_num_threads(1)
-    res = run(args)
+    with tempfile.TemporaryDirectory(prefix="tritonkv-kernel-stats-", ignore_cleanup_errors=True) as cache:
+        os.environ["TRITON_CACHE_DIR"] = knobs.cache.dir = cache  # a fresh cache: every compile runs ptxas (logged)
+        res = run(args)
     out = args.out or (None if args.smoke else RESULTS)
     if out:
         base = write_results(os.path.join(out, f"kernel_stats-triton-{res['triton']}"), res, markdown(res))
