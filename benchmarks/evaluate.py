@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import math
 import os
 import pathlib
@@ -729,16 +730,14 @@ def main(argv=None):
             "argv": argv if argv is not None else sys.argv[1:], "threads": torch.get_num_threads(),
             "device": f"cpu ({platform.machine()})", "torch": torch.__version__}
     append_jsonl(os.path.join(a.out, "runs.jsonl"), [meta])
-    for seed in _seeds(a.seeds):
-        for ctx in a.contexts:
-            for task in a.tasks:
-                src = "synthetic" if task == "cwe" else sources[seed % len(sources)]
-                case = build_case(tok, task, ctx, seed, src)
-                if store.done(case, FULL) and all(store.done(case, c) for c in configs):
-                    continue
-                print(f"[{time.strftime('%H:%M:%S')}] {task} ctx={ctx} seed={seed} src={src} "
-                      f"prompt={len(case.prompt)}", flush=True)
-                run_case(model, tok, case, configs, store, log=lambda s: print(s, flush=True))
+    for seed, ctx, task in itertools.product(_seeds(a.seeds), a.contexts, a.tasks):
+        src = "synthetic" if task == "cwe" else sources[seed % len(sources)]
+        case = build_case(tok, task, ctx, seed, src)
+        if store.done(case, FULL) and all(store.done(case, c) for c in configs):
+            continue
+        print(f"[{time.strftime('%H:%M:%S')}] {task} ctx={ctx} seed={seed} src={src} prompt={len(case.prompt)}",
+              flush=True)
+        run_case(model, tok, case, configs, store, log=lambda s: print(s, flush=True))
 
 
 if __name__ == "__main__":

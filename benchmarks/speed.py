@@ -197,7 +197,8 @@ class Ctx:
         self.t0 = time.perf_counter()
         self.skipped = []
         # every floor at the bandwidth of one 1 GiB device copy (1 MiB in the CPU smoke run)
-        self.copy_GBps = copy_bandwidth(self.cuda, COPY_BYTES if self.cuda else (1 << 20))
+        self.copy_bytes = COPY_BYTES if self.cuda else 1 << 20
+        self.copy_GBps = copy_bandwidth(self.cuda, self.copy_bytes)
 
     def case(self, N, seed=0):
         """Random K/V ``[B, H, N, D]`` and the inputs (``common.random_case``), with the window queries' lse."""
@@ -432,7 +433,7 @@ def run(args):
                settings=dict(B=ctx.B, H_kv=ctx.H, H_q=ctx.H * ctx.G, D=ctx.D, W=ctx.W, dtype="bfloat16", keep=KEEP,
                              allocation_policy=ALLOC_POLICY, layer=LAYER, num_layers=NUM_LAYERS,
                              time_budget_s=args.time_budget),
-               copy_GBps=round(ctx.copy_GBps, 1), copy_bytes=COPY_BYTES if ctx.cuda else 1 << 20,
+               copy_GBps=round(ctx.copy_GBps, 1), copy_bytes=ctx.copy_bytes,
                phase_s={}, scaling_fit={}, skipped=ctx.skipped, complete=False, rows=[])
     rows = res["rows"]
     steps = [(p, {"compress": run_compress, "allocation": run_allocation, "decode": run_decode,
