@@ -48,18 +48,17 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def _version(name: str):
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
 def versions(*names) -> dict:
     """``{distribution: installed version or None}`` of each of ``names``."""
-    return {n: _version(n) for n in names}
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for n in names:
+        try:
+            out[n] = version(n)
+        except PackageNotFoundError:
+            out[n] = None
+    return out
 
 
 def command(argv=None, module=None) -> str:
@@ -78,7 +77,7 @@ def run_info(cuda: bool = False, argv=None) -> dict:
                 if f.startswith("tritonkv/")]
     return dict(device=torch.cuda.get_device_name() if cuda else "cpu", cpu=cpu_model(), cores=os.cpu_count(),
                 torch_threads=torch.get_num_threads(), python=platform.python_version(), torch=torch.__version__,
-                triton=_version("triton"), transformers=_version("transformers"),
+                **versions("triton", "transformers"),
                 commit=git("rev-parse", "--short=10", "HEAD"), tritonkv_dirty=bool(modified),
                 tritonkv_modified=modified, triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
                 date=now(), command=command(argv))

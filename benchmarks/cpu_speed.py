@@ -99,8 +99,6 @@ def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help=f"N = {SMOKE_SIZES}, D_model = {SMOKE_D_MODEL}, one timed "
                                                         f"run; writes only with --out")
-    p.add_argument("--sizes", type=int, nargs="+", help=f"token counts N (default {SIZES})")
-    p.add_argument("--policies", nargs="+", help="policy names (default: every registered policy)")
     p.add_argument("--runs", type=int, help="timed runs per side (default 5; 1 with --smoke)")
     p.add_argument("--d-model", type=int, help=f"rows of CriticalKV's W_O (default {D_MODEL}; {SMOKE_D_MODEL} "
                                                f"with --smoke)")
@@ -110,16 +108,15 @@ def parser():
 
 def main(argv=None):
     args = parser().parse_args(argv)
-    sizes = args.sizes or (SMOKE_SIZES if args.smoke else SIZES)
+    sizes = SMOKE_SIZES if args.smoke else SIZES
     runs = args.runs or (1 if args.smoke else 5)
-    names = args.policies or sorted(tritonkv.POLICIES)
     d_model = args.d_model or (SMOKE_D_MODEL if args.smoke else D_MODEL)
     rows = []
     load = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     with cpu_kernels("torch"), torch.no_grad():
         for n in sizes:
-            for name in names:
+            for name in sorted(tritonkv.POLICIES):
                 try:
                     rows.append(run_case(name, n, runs, d_model))
                 except Exception as e:  # noqa: BLE001 (reported in the table, the run goes on)

@@ -78,10 +78,10 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
     budgets = adakv_budgets(B, H, mean)
     N = int(budgets.max())
     total = int(budgets.sum())  # the allocator's static total
-    keys = torch.randn(B, H, N, D, generator=gen).to(dev, dtype)
-    values = torch.randn(B, H, N, D, generator=gen).to(dev, dtype)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev, dtype)  # noqa: E731
+    keys, values = rnd(B, H, N, D), rnd(B, H, N, D)
     scores = torch.randn(B, H, N, generator=gen).to(dev)
-    q = torch.randn(B, H * G, 1, D, generator=gen).to(dev, dtype)
+    q = rnd(B, H * G, 1, D)
     b_dev = budgets.to(dev)
 
     ragged, mem_ragged = mem_delta(lambda: RaggedKV.from_selection(scores, b_dev, keys, values, total=total), cuda)
@@ -97,8 +97,7 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
     row = dict(B=B, H_kv=H, G=G, D=D, mean=mean, max=N, total_tokens=total, dtype=str(dtype).replace("torch.", ""),
                rel_err_ragged=rel_err(out_r, ref), rel_err_padded=rel_err(out_p, ref))
     cap_d = total // (B * H)  # dense cache with the same total tokens
-    Kd = torch.randn(B, H, cap_d, D, generator=gen).to(dev, dtype)
-    Vd = torch.randn(B, H, cap_d, D, generator=gen).to(dev, dtype)
+    Kd, Vd = rnd(B, H, cap_d, D), rnd(B, H, cap_d, D)
     sdpa = lambda: F.scaled_dot_product_attention(q, Kd, Vd, enable_gqa=True)  # noqa: E731
     row["rel_err_dense_vs_sdpa"] = rel_err(decode_attention(q, (Kd, Vd)), sdpa().float())
 
@@ -143,10 +142,9 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
 
 def run(args):
     cuda = torch.cuda.is_available() and not args.smoke
-    cases = SMOKE_CASES if args.smoke else CASES[: 2 if args.quick else None]
     copy_GBps = copy_bandwidth(cuda, (1 << 30) if cuda else (1 << 20))
     rows = []
-    for case in cases:
+    for case in SMOKE_CASES if args.smoke else CASES:
         row = run_case(*case, cuda=cuda, copy_GBps=copy_GBps)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -162,7 +160,6 @@ def write(result, out_dir):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="the two smallest cases only")
     p.add_argument("--smoke", action="store_true", help="a tiny case on the CPU, to check the program")
     p.add_argument("--out", default=RESULTS)
     a = p.parse_args(argv)

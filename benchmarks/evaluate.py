@@ -13,8 +13,11 @@ import argparse
 import copy
 import dataclasses
 import functools
+import importlib.util
+import itertools
 import math
 import os
+import pathlib
 import platform
 import random
 import re
@@ -44,20 +47,18 @@ N_KEYS = {"needle": 1, "mk_needle": 4}  # facts per needle case (one asked, the 
 # ------------------------------------------------------------------------------------------------
 # text sources
 
+LICENSES = "/usr/share/common-licenses"
+
+
 @functools.lru_cache(maxsize=None)
 def source_text(name: str) -> str:
     """Long text for haystacks and the lm task (whitespace-normalised)."""
     if name == "synthetic":
         return " ".join([FILLER] * 4000)
     if name == "licenses":
-        d = "/usr/share/common-licenses"
-        parts = []
-        for f in sorted(os.listdir(d)):
-            p = os.path.join(d, f)
-            if os.path.isfile(p) and not os.path.islink(p):
-                with open(p, errors="replace") as fh:
-                    parts.append(fh.read())
-        return re.sub(r"\s+", " ", " ".join(parts))
+        files = [os.path.join(LICENSES, f) for f in sorted(os.listdir(LICENSES))]
+        return re.sub(r"\s+", " ", " ".join(pathlib.Path(p).read_text(errors="replace") for p in files
+                                            if os.path.isfile(p) and not os.path.islink(p)))
     if name == "pydoc":
         import pydoc_data.topics as t
         return re.sub(r"\s+", " ", " ".join(t.topics[k] for k in sorted(t.topics)))
@@ -70,17 +71,10 @@ def source_text(name: str) -> str:
 
 
 def available_sources() -> List[str]:
-    out = ["synthetic"]
-    if os.path.isdir("/usr/share/common-licenses"):
-        out.append("licenses")
-    try:
-        import pydoc_data.topics  # noqa: F401
-        out.append("pydoc")
-    except ImportError:
-        pass
-    if shutil.which("bible"):
-        out.append("kjv")
-    return out
+    """The haystack sources this machine has (``synthetic`` always)."""
+    found = dict(synthetic=True, licenses=os.path.isdir(LICENSES),
+                 pydoc=importlib.util.find_spec("pydoc_data") is not None, kjv=shutil.which("bible") is not None)
+    return [name for name, ok in found.items() if ok]
 
 
 WORDS = ("apple river candle mountain pencil garden window rocket violin turtle anchor basket castle dragon "
@@ -171,9 +165,8 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         order = list(range(n_keys))
         rng.shuffle(order)  # which fact goes where
         ctx = _insert(_hay(tok, source, n_hay, rng), [facts[i] for i in order], depths)
-        cands, ans = _choice(tok, keys[ask], [k for i, k in enumerate(keys) if i != ask], rng)
-        return Case(task, seed, source, context, ctx, q, cands, ans)
-    if task in ("vt1", "vt2"):
+        answer, others = keys[ask], [k for i, k in enumerate(keys) if i != ask]
+    elif task in ("vt1", "vt2"):
         hops = int(task[2])
         names: List[str] = []
         while len(names) < 3 * (hops + 1):
@@ -182,11 +175,8 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
                 names.append(nm)
         vals = _keys(rng, 10)
         chains = [names[c * (hops + 1):(c + 1) * (hops + 1)] for c in range(3)]
-        stmts = []
-        for c, ch in enumerate(chains):
-            stmts.append(_enc(tok, f" VAR {ch[0]} = {vals[c]}."))
-            for j in range(1, hops + 1):
-                stmts.append(_enc(tok, f" VAR {ch[j]} = VAR {ch[j - 1]}."))
+        stmts = [_enc(tok, f" VAR {ch[j]} = {f'VAR {ch[j - 1]}' if j else vals[c]}.")
+                 for c, ch in enumerate(chains) for j in range(hops + 1)]
         ask = rng.randrange(3)
         q = _enc(tok, f"\nWhat is the value of VAR {chains[ask][-1]}? The value of VAR {chains[ask][-1]} is")
         n_hay = context - len(q) - sum(map(len, stmts))
@@ -196,17 +186,16 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         rng.shuffle(seq)
         chain_stmts = [iter(stmts[c * (hops + 1):(c + 1) * (hops + 1)]) for c in range(3)]
         ctx = _insert(_hay(tok, source, n_hay, rng), [next(chain_stmts[c]) for c in seq], depths)
-        cands, ans = _choice(tok, vals[ask], [v for i, v in enumerate(vals) if i != ask], rng)
-        return Case(task, seed, source, context, ctx, q, cands, ans)
-    if task == "cwe":
+        answer, others = vals[ask], [v for i, v in enumerate(vals) if i != ask]
+    elif task == "cwe":
         words = rng.sample(WORDS, 60)
-        common, rest = words[0], words[1:]
+        answer, rest = words[0], words[1:]
         head = _enc(tok, "Below is a numbered list of words. Some words appear several times.\n")
         q = _enc(tok, "\nQuestion: What is the most common word in the list above?\nAnswer: The most common word is")
         ctx, lst = list(head), []
         n_ctx = context - len(q)
         while True:
-            w = common if rng.random() < CWE_SHARE else rng.choice(rest)
+            w = answer if rng.random() < CWE_SHARE else rng.choice(rest)
             piece = _enc(tok, f"{len(lst) + 1}. {w}\n")
             if len(ctx) + len(piece) > n_ctx:
                 break
@@ -216,11 +205,12 @@ def build_case(tok, task: str, context: int, seed: int, source: str = "synthetic
         while len(ctx) < n_ctx:
             ctx += _enc(tok, "\n")
         ctx = ctx[:n_ctx]
-        listed = [w for w in dict.fromkeys(lst) if w != common]
-        rng.shuffle(listed)
-        cands, ans = _choice(tok, common, listed, rng)
-        return Case(task, seed, source, context, ctx, q, cands, ans)
-    raise ValueError(f"unknown task {task!r}")
+        others = [w for w in dict.fromkeys(lst) if w != answer]
+        rng.shuffle(others)
+    else:
+        raise ValueError(f"unknown task {task!r}")
+    cands, ans = _choice(tok, answer, others, rng)
+    return Case(task, seed, source, context, ctx, q, cands, ans)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -236,14 +226,13 @@ class Config:
     budget: float = 1.0  # int tokens per head, or a fraction (of the compressed prefix; LagKV: the ratio r)
 
     @property
-    def name(self) -> str:
-        b = int(self.budget) if float(self.budget).is_integer() and self.budget > 1 else self.budget
-        return f"{self.policy}|{self.allocation}|{self.mode}|{self.setting}|{b}"
-
-    @property
     def size(self):
         """The budget as ``compress`` and ``make_cache`` take it: tokens per head (int) or a fraction (float)."""
         return int(self.budget) if self.budget > 1 else float(self.budget)
+
+    @property
+    def name(self) -> str:
+        return f"{self.policy}|{self.allocation}|{self.mode}|{self.setting}|{self.size}"
 
 
 PAPER_PROFILE = "smollm2-135m-instruct-infsc-paper"  # tritonkv/data/<name>.json: the paper's 6 x 33 grid
@@ -634,9 +623,7 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
 
     def run_one(cfg: Config, full_ref=None):
         t = time.time()
-        inputs = {}
-        if cfg.allocation == "score":
-            inputs["head_means"] = hm
+        inputs = {"head_means": hm} if cfg.allocation == "score" else {}
         if cfg.mode == "blockwise":
             # W_O comes from each layer's module inside the forward (the cache reads o_proj itself)
             pol = get_policy(cfg.policy) if cfg.policy in POLICIES else _policy_object(model, cfg, hd)
@@ -679,6 +666,7 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
         store.add(case, FULL, m_full, sec + t_cap)
     log(f"  full {m_full} {sec:.1f}s")
     wo_cfgs = [c for c in todo if c in WO_GROUP and not lm]
+    wo_metrics, per_cfg_t = {}, 0.0
     if wo_cfgs:
         t = time.time()
         errs = wo_errors(model, kv, [sel(l, [n_all - 1]) for l in range(L)], qwin_ctx, n_ctx, wo_cfgs, {})
@@ -686,8 +674,6 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
         wo_metrics = {c.name: {"value": float(torch.tensor(errs[c.name]).mean()),
                                "per_head": [[float(f"{x:.5g}") for x in row] for row in errs[c.name]]}
                       for c in wo_cfgs}
-    else:
-        wo_metrics, per_cfg_t = {}, 0.0
     for cfg in todo:
         try:
             m, _, sec = run_one(cfg, ref)
@@ -744,16 +730,14 @@ def main(argv=None):
             "argv": argv if argv is not None else sys.argv[1:], "threads": torch.get_num_threads(),
             "device": f"cpu ({platform.machine()})", "torch": torch.__version__}
     append_jsonl(os.path.join(a.out, "runs.jsonl"), [meta])
-    for seed in _seeds(a.seeds):
-        for ctx in a.contexts:
-            for task in a.tasks:
-                src = "synthetic" if task == "cwe" else sources[seed % len(sources)]
-                case = build_case(tok, task, ctx, seed, src)
-                if store.done(case, FULL) and all(store.done(case, c) for c in configs):
-                    continue
-                print(f"[{time.strftime('%H:%M:%S')}] {task} ctx={ctx} seed={seed} src={src} "
-                      f"prompt={len(case.prompt)}", flush=True)
-                run_case(model, tok, case, configs, store, log=lambda s: print(s, flush=True))
+    for seed, ctx, task in itertools.product(_seeds(a.seeds), a.contexts, a.tasks):
+        src = "synthetic" if task == "cwe" else sources[seed % len(sources)]
+        case = build_case(tok, task, ctx, seed, src)
+        if store.done(case, FULL) and all(store.done(case, c) for c in configs):
+            continue
+        print(f"[{time.strftime('%H:%M:%S')}] {task} ctx={ctx} seed={seed} src={src} prompt={len(case.prompt)}",
+              flush=True)
+        run_case(model, tok, case, configs, store, log=lambda s: print(s, flush=True))
 
 
 if __name__ == "__main__":

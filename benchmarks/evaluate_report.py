@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 from collections import defaultdict
@@ -64,13 +65,9 @@ def cells(idx) -> List[dict]:
     """Every (task, context, config, metric) with n, mean and its interval."""
     out = []
     for (task, ctx, cfg, metric), per in sorted(idx.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        if metric in ("seconds", "error"):
-            continue
         vals = [r["value"] for r in per.values() if r.get("value") is not None]
-        if not vals:
-            continue
-        s = S.summarise(vals)
-        out.append(dict(task=task, context=ctx, config=cfg, metric=metric, **s))
+        if vals and metric not in ("seconds", "error"):
+            out.append(dict(task=task, context=ctx, config=cfg, metric=metric, **S.summarise(vals)))
     return out
 
 
@@ -81,8 +78,7 @@ def compare(idx, task, ctx, metric, a: str, b: str, *, ratio_margin: Optional[fl
     keys = [k for k in keys if pa[k].get("value") is not None and pb[k].get("value") is not None]
     if len(keys) < MIN_CASES:
         return None
-    va = np.array([pa[k]["value"] for k in keys], dtype=float)
-    vb = np.array([pb[k]["value"] for k in keys], dtype=float)
+    va, vb = (np.array([p[k]["value"] for k in keys], dtype=float) for p in (pa, pb))
     out = dict(task=task, context=ctx, metric=metric, a=a, b=b, n=len(keys), mean_a=float(va.mean()),
                mean_b=float(vb.mean()))
     if ratio_margin is not None:
@@ -129,6 +125,15 @@ def _gated(idx, accuracies_only: bool = False):
 
 COMPOSE = cfg_name("keydiff_critical", "surfacelogic", mode="blockwise", budget=64)
 
+
+def _allocator_pairs(name: str) -> List[Tuple[str, str]]:
+    """Policy ``name`` with its own allocator against SnapKV with uniform, PyramidKV and AdaKV allocations, then
+    SnapKV with that allocator against SnapKV uniform, at 128 and 64 tokens per head."""
+    return ([(cfg_name(name, name, budget=b), cfg_name("snapkv", o, budget=b))
+             for b in (128, 64) for o in ("uniform", "pyramid", "adakv")]
+            + [(cfg_name("snapkv", name, budget=b), cfg_name("snapkv", "uniform", budget=b)) for b in (128, 64)])
+
+
 CLAIMS = [
     dict(id="keydiff",
          claim="KeyDiff beats TOVA, SnapKV and StreamingLLM under block-wise prefill (B = 128) at small cache "
@@ -143,16 +148,11 @@ CLAIMS = [
     dict(id="score",
          claim="SCORE (its allocation and its redundancy-penalised selection) beats SnapKV, PyramidKV and AdaKV at "
                "KV size 128 and 64 (SCORE Tables 1, 8); its allocation alone beats uniform",
-         pairs=[(cfg_name("score", "score", budget=b), cfg_name("snapkv", o, budget=b))
-                for b in (128, 64) for o in ("uniform", "pyramid", "adakv")]
-               + [(cfg_name("snapkv", "score", budget=b), cfg_name("snapkv", "uniform", budget=b)) for b in (128, 64)]),
+         pairs=_allocator_pairs("score")),
     dict(id="surfacelogic",
          claim="SurfaceLogicKV (INF-profile allocation + its window selection) beats SnapKV, PyramidKV and AdaKV "
                "at KV size 64 and 128 (SurfaceLogicKV Tables 1–2); its allocation alone beats uniform",
-         pairs=[(cfg_name("surfacelogic", "surfacelogic", budget=b), cfg_name("snapkv", o, budget=b))
-                for b in (128, 64) for o in ("uniform", "pyramid", "adakv")]
-               + [(cfg_name("snapkv", "surfacelogic", budget=b), cfg_name("snapkv", "uniform", budget=b))
-                  for b in (128, 64)]),
+         pairs=_allocator_pairs("surfacelogic")),
     dict(id="surfacelogic_profile",
          claim="The profile's effect: SurfaceLogicKV's allocation from the profile on the paper's grid (6 "
                "lengths × 33 depths, 5 answer steps, synthetic haystack) beats the same allocation from the shipped "
@@ -241,17 +241,14 @@ def claim_rows(idx) -> List[dict]:
 def _critical_cells(idx, metric: str, field: str):
     """CriticalKV against its base (SnapKV, AdaKV) with the context compressed before the question, at 20 % and
     40 %: for every cell with enough paired cases, ``(comparison, a's [cases, …] field, b's)``."""
-    for task, ctx in _tasks(idx):
-        for b in (0.2, 0.4):
-            for alloc in ("uniform", "adakv"):
-                a = cfg_name("criticalkv", alloc, setting="agnostic", budget=b)
-                base = cfg_name("snapkv", alloc, setting="agnostic", budget=b)
-                r = compare(idx, task, ctx, metric, a, base)
-                if r:
-                    pa, pb = idx[(task, ctx, a, metric)], idx[(task, ctx, base, metric)]
-                    keys = sorted(set(pa) & set(pb), key=str)
-                    yield (r, np.array([np.ravel(pa[k][field]) for k in keys], dtype=float),
-                           np.array([np.ravel(pb[k][field]) for k in keys], dtype=float))
+    for (task, ctx), b, alloc in itertools.product(_tasks(idx), (0.2, 0.4), ("uniform", "adakv")):
+        a = cfg_name("criticalkv", alloc, setting="agnostic", budget=b)
+        base = cfg_name("snapkv", alloc, setting="agnostic", budget=b)
+        r = compare(idx, task, ctx, metric, a, base)
+        if r:
+            pa, pb = idx[(task, ctx, a, metric)], idx[(task, ctx, base, metric)]
+            keys = sorted(set(pa) & set(pb), key=str)
+            yield (r, *(np.array([np.ravel(p[k][field]) for k in keys], dtype=float) for p in (pa, pb)))
 
 
 def _layer_claim(idx) -> dict:
@@ -465,10 +462,10 @@ def plots(recs, out_dir: str) -> List[str]:
             f = _values(idx, task, ctx, FULL, m) if m in ACC else []
             if f:
                 ax.axhline(np.mean(f), color="k", ls="--", lw=0.8, label="full cache")
-            ax.set_xlabel("budget (tokens per head)" if budgets[0] > 1 else "budget (fraction of the context)")
+            ax.set(xlabel="budget (tokens per head)" if budgets[0] > 1 else "budget (fraction of the context)",
+                   ylabel=m)
             if budgets[0] > 1:
                 ax.set_xscale("log", base=2)
-            ax.set_ylabel(m)
             ax.set_title(title, fontsize=8)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)

@@ -65,11 +65,7 @@ def mcnemar(a: Sequence[int], b: Sequence[int]) -> Dict[str, float]:
     n10 = int(((a == 1) & (b == 0)).sum())
     n01 = int(((a == 0) & (b == 1)).sum())
     n = n10 + n01
-    if n == 0:
-        return {"n10": n10, "n01": n01, "p": 1.0}
-    k = min(n10, n01)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
-    return {"n10": n10, "n01": n01, "p": min(1.0, 2.0 * tail)}
+    return {"n10": n10, "n01": n01, "p": min(1.0, 2.0 * _binom_cdf(min(n10, n01), n, 0.5)) if n else 1.0}
 
 
 def _binom_cdf(k: int, n: int, p: float) -> float:

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 import tritonkv  # noqa: E402
 from tritonkv import POLICIES  # noqa: E402
+from tritonkv.kernels.select import select_indices  # noqa: E402
 
 from benchmarks import baselines, decode_attention as da  # noqa: E402
 from benchmarks.common import (RESULTS, copy_bandwidth, device_tag, gpu_time, policy_inputs, pyplot,  # noqa: E402
@@ -40,6 +41,7 @@ SCALING_POLICIES = ["knorm", "keydiff", "snapkv", "lagkv"]
 ALLOCATIONS = ["uniform", "pyramid", "adakv", "headkv", "score", "surfacelogic", "cake", "fixed"]
 ALLOC_POLICY, LAYER, NUM_LAYERS = "snapkv", 15, 30
 PROFILE = "smollm2-135m-instruct-infsc"
+KEEP = 0.25  # the fraction of tokens kept
 COPY_BYTES = 1 << 30  # the floor's bandwidth: one copy of this many bytes
 # policies whose tritonkv defaults are kvpress's press exactly: ``same_kept`` only for these (docs/benchmarks.md)
 SAME_SETTINGS = {"knorm", "keydiff"}
@@ -58,20 +60,19 @@ def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
     torch.cuda.set_sync_debug_mode("error")
     try:
         fn()
-        syncs = None
+        why = None
     except RuntimeError as e:
-        syncs = e
+        why = f"synchronises with the host ({e})"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    if syncs is not None:
-        print(f"{what}: synchronises with the host ({syncs}); eager time reported", file=sys.stderr)
-        return gpu_time(fn, cuda), "eager"
-    try:
-        return gpu_time(fn, cuda, graph=True), "graph"
-    except Exception as e:  # a host sync inside: report the eager time, say so
-        print(f"{what}: CUDA graph capture failed ({type(e).__name__}: {e}); eager time reported", file=sys.stderr)
-        torch.cuda.synchronize()
-        return gpu_time(fn, cuda), "eager"
+    if why is None:
+        try:
+            return gpu_time(fn, cuda, graph=True), "graph"
+        except Exception as e:  # a host sync inside
+            why = f"CUDA graph capture failed ({type(e).__name__}: {e})"
+            torch.cuda.synchronize()
+    print(f"{what}: {why}; eager time reported", file=sys.stderr)
+    return gpu_time(fn, cuda), "eager"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def import_kvpress():
         return None
 
 
-def kvpress_case(kvpress, name, keys, values, queries, keep, W):
+def kvpress_case(kvpress, name, keys, values, queries, W):
     """``(press_fn, scores_fn)`` for a policy's kvpress counterpart, or None."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
@@ -155,7 +156,7 @@ def kvpress_case(kvpress, name, keys, values, queries, keep, W):
     if name not in presses:
         return None
     snap = dict(window_size=W, kernel_size=7) if presses[name] == "SnapKVPress" else {}
-    press = getattr(kvpress, presses[name])(compression_ratio=1.0 - keep, **snap)
+    press = getattr(kvpress, presses[name])(compression_ratio=1.0 - KEEP, **snap)
     if name == "criticalkv":
         press = kvpress.CriticalKVPress(press)
     cfg = LlamaConfig(hidden_size=Hq * D, num_attention_heads=Hq, num_key_value_heads=H, head_dim=D,
@@ -192,19 +193,21 @@ class Ctx:
         self.device = "cuda" if self.cuda else "cpu"
         self.dtype = torch.bfloat16
         self.B, self.H, self.G, self.D, self.W = SMOKE_SHAPE if args.smoke else SHAPE
+        self.ns, self.scaling_ns = (SMOKE_NS, SMOKE_SCALING_NS) if args.smoke else (NS, SCALING_NS)
         self.t0 = time.perf_counter()
         self.skipped = []
         # every floor at the bandwidth of one 1 GiB device copy (1 MiB in the CPU smoke run)
-        self.copy_GBps = copy_bandwidth(self.cuda, COPY_BYTES if self.cuda else (1 << 20))
+        self.copy_bytes = COPY_BYTES if self.cuda else 1 << 20
+        self.copy_GBps = copy_bandwidth(self.cuda, self.copy_bytes)
 
     def case(self, N, seed=0):
         """Random K/V ``[B, H, N, D]`` and the inputs (``common.random_case``), with the window queries' lse."""
         keys, values, pool = random_case(N, self.B, self.H, self.G, self.D, self.W, self.dtype, self.device, seed=seed)
         return keys, values, dict(pool, attn_lse=window_lse(keys, pool["queries"]))
 
-    def base(self, N, keep) -> dict:
+    def base(self, N) -> dict:
         return dict(B=self.B, H_kv=self.H, H_q=self.H * self.G, D=self.D, N=N,
-                    dtype=str(self.dtype).replace("torch.", ""), keep=keep)
+                    dtype=str(self.dtype).replace("torch.", ""), keep=KEEP)
 
     def over_budget(self, what: str) -> bool:
         """True (and ``what`` recorded as skipped) once ``--time-budget`` seconds have passed."""
@@ -213,6 +216,14 @@ class Ctx:
             print(f"skipped (time budget {self.args.time_budget:.0f} s): {what}", file=sys.stderr)
             return True
         return False
+
+    def cases(self, kind: str, ns, seed: int = 0):
+        """``(N, keys, values, pool, k)`` for each N of ``ns`` that starts within the time budget (``case`` at
+        ``seed``; k: the kept tokens per head); the device's cache is emptied after each."""
+        for N in ns:
+            if not self.over_budget(f"{kind} N={N}"):
+                yield (N, *self.case(N, seed), tritonkv.resolve_budget(KEEP, N))
+                self.free()
 
     def free(self):
         if self.cuda:
@@ -235,38 +246,38 @@ def emit(rows, row):
     print(json.dumps(row), flush=True)
 
 
+def checked_call(rows, kind, name, N, keys, values, fn, allocation=None):
+    """``(out, ok)``: ``fn()``'s result and ``check_kept`` of it, or None after an error row (a policy that cannot
+    run at this shape is reported, not hidden)."""
+    try:
+        out = fn()
+    except Exception as e:
+        emit(rows, error_row(kind, name, N, e, allocation=allocation))
+        return None
+    return out, check_kept(keys, values, out)
+
+
 def run_compress(ctx: Ctx, rows: list) -> None:
     """Every policy's dense compress at each N (kind ``compress``)."""
-    a = ctx.args
-    names = a.policies or sorted(POLICIES)
-    kvpress = None if (a.no_kvpress or a.smoke) else import_kvpress()
-    for N in a.n or (SMOKE_NS if a.smoke else NS):
-        if ctx.over_budget(f"compress N={N}"):
-            continue
-        keys, values, pool = ctx.case(N)
-        k = tritonkv.resolve_budget(a.keep, N)
-        for name in names:
+    kvpress = None if ctx.args.smoke else import_kvpress()
+    for N, keys, values, pool, k in ctx.cases("compress", ctx.ns):
+        for name in ctx.args.policies or sorted(POLICIES):
             pol = POLICIES[name]()
             # per policy: its own queries (kvpress_case writes the press's RoPE'd window queries there, and the lse
             # follows them), and kvpress works on copies of K/V, so nothing a policy or press does reaches the next
             mine = dict(pool, queries=pool["queries"].clone())
-            kv_ref = None
-            if kvpress:
-                kv_ref = kvpress_case(kvpress, name, keys.clone(), values.clone(), mine["queries"], a.keep, ctx.W)
-                if kv_ref is not None:
-                    mine["attn_lse"] = window_lse(keys, mine["queries"])
+            kv_ref = kvpress and kvpress_case(kvpress, name, keys.clone(), values.clone(), mine["queries"], ctx.W)
+            if kv_ref:
+                mine["attn_lse"] = window_lse(keys, mine["queries"])
             inputs = policy_inputs(pol, mine)
             fn = lambda: tritonkv.compress((keys, values), pol, k, **inputs)  # noqa: E731
-            try:
-                out = fn()
-            except Exception as e:  # a policy that cannot run at this shape is reported, not hidden
-                emit(rows, error_row("compress", name, N, e, allocation=None))
+            if not (res := checked_call(rows, "compress", name, N, keys, values, fn)):
                 continue
-            ok = check_kept(keys, values, out)
+            out, ok = res
             eager = gpu_time(fn, ctx.cuda)
             t, timing = measure_graph(fn, ctx.cuda, f"compress {name} N={N}") if ctx.cuda else (eager, "eager")
             kv_us = kv_graph = same = None
-            if kv_ref is not None:
+            if kv_ref:
                 press_fn, scores_fn = kv_ref
                 press_fn()
                 kv_us = gpu_time(press_fn, ctx.cuda)["us"]
@@ -274,23 +285,16 @@ def run_compress(ctx: Ctx, rows: list) -> None:
                     g, g_timing = measure_graph(press_fn, ctx.cuda, f"kvpress {name} N={N}")
                     kv_graph = g["us"] if g_timing == "graph" else None
                 if name in SAME_SETTINGS:
-                    s_kv = scores_fn().float()
                     sink, window = pol.protected(N, k)
-                    from tritonkv.kernels.select import select_indices
-
-                    ref_idx, _ = select_indices(s_kv, k, k, sink=sink, window=window)
+                    ref_idx, _ = select_indices(scores_fn().float(), k, k, sink=sink, window=window)
                     same = bool(torch.equal(ref_idx, out.indices))
-            row = dict(kind="compress", policy=name, allocation=None, **ctx.base(N, a.keep),
-                       kept_tokens=ctx.B * ctx.H * k,
-                       **time_cols(t, timing), tritonkv_eager_us=eager["us"],
-                       **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
-                       kvpress_us=kv_us, kvpress_graph_us=kv_graph,
-                       x_kvpress_eager=round(kv_us / eager["us"], 2) if kv_us else None,
-                       x_kvpress_graph=round(kv_graph / t["us"], 2) if kv_graph and timing == "graph" else None,
-                       torch_compile_us=None, same_kept=same, ok=ok)
-            emit(rows, row)
-        del keys, values, pool
-        ctx.free()
+            emit(rows, dict(kind="compress", policy=name, allocation=None, **ctx.base(N),
+                            kept_tokens=ctx.B * ctx.H * k, **time_cols(t, timing), tritonkv_eager_us=eager["us"],
+                            **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
+                            kvpress_us=kv_us, kvpress_graph_us=kv_graph,
+                            x_kvpress_eager=round(kv_us / eager["us"], 2) if kv_us else None,
+                            x_kvpress_graph=round(kv_graph / t["us"], 2) if kv_graph and timing == "graph" else None,
+                            torch_compile_us=None, same_kept=same, ok=ok))
 
 
 def allocation_case(name, N, k, pol, keys, ctx):
@@ -323,34 +327,22 @@ def allocation_case(name, N, k, pol, keys, ctx):
 
 def run_allocation(ctx: Ctx, rows: list) -> None:
     """snapkv compress with every allocator (kind ``allocation``): a RaggedKV with per-head budgets."""
-    a = ctx.args
-    for N in a.n or (SMOKE_NS if a.smoke else NS):
-        if ctx.over_budget(f"allocation N={N}"):
-            continue
-        keys, values, pool = ctx.case(N, seed=1)
-        k = tritonkv.resolve_budget(a.keep, N)
-        pol = POLICIES[ALLOC_POLICY]()
+    pol = POLICIES[ALLOC_POLICY]()
+    for N, keys, values, pool, k in ctx.cases("allocation", ctx.ns, seed=1):
         inputs = policy_inputs(pol, pool)
-        for name in a.allocations or ALLOCATIONS:
-            try:
-                alloc, extra, extra_bytes, desc = allocation_case(name, N, k, pol, keys, ctx)
-                fn = lambda: tritonkv.compress((keys, values), pol, k, allocation=alloc,  # noqa: E731
-                                               **inputs, **extra)
-                out = fn()
-            except Exception as e:
-                emit(rows, error_row("allocation", ALLOC_POLICY, N, e, allocation=name))
+        for name in ALLOCATIONS:
+            alloc, extra, extra_bytes, desc = allocation_case(name, N, k, pol, keys, ctx)
+            fn = lambda: tritonkv.compress((keys, values), pol, k, allocation=alloc, **inputs, **extra)  # noqa: E731
+            if not (res := checked_call(rows, "allocation", ALLOC_POLICY, N, keys, values, fn, allocation=name)):
                 continue
-            ok = check_kept(keys, values, out)
+            out, ok = res
             kept, k_max = (int(x) for x in torch.stack([out.length.sum(), out.length.max()]).tolist())
+            del out, res
             t = gpu_time(fn, ctx.cuda)  # eager, as the committed run (whose compress read the sizes back) was
-            row = dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N, a.keep), layer=LAYER,
-                       num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, **time_cols(t, "eager"),
-                       **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy_GBps, t["us"]),
-                       inputs=desc, ok=ok)
-            del out
-            emit(rows, row)
-        del keys, values, pool
-        ctx.free()
+            emit(rows, dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N),
+                            layer=LAYER, num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, **time_cols(t, "eager"),
+                            **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy_GBps,
+                                        t["us"]), inputs=desc, ok=ok))
 
 
 def run_decode(ctx: Ctx, rows: list) -> None:
@@ -371,33 +363,22 @@ def run_decode(ctx: Ctx, rows: list) -> None:
 
 def run_scaling(ctx: Ctx, rows: list) -> dict:
     """Time vs N for a few policies (kind ``scaling``); returns the per-policy fits."""
-    a = ctx.args
-    names = a.scaling_policies or SCALING_POLICIES
-    for N in a.scaling_n or (SMOKE_SCALING_NS if a.smoke else SCALING_NS):
-        if ctx.over_budget(f"scaling N={N}"):
-            continue
-        keys, values, pool = ctx.case(N, seed=2)
-        k = tritonkv.resolve_budget(a.keep, N)
-        for name in names:
+    for N, keys, values, pool, k in ctx.cases("scaling", ctx.scaling_ns, seed=2):
+        for name in SCALING_POLICIES:
             pol = POLICIES[name]()
             inputs = policy_inputs(pol, pool)
             fn = lambda: tritonkv.compress((keys, values), pol, k, **inputs)  # noqa: E731
-            try:
-                out = fn()
-            except Exception as e:
-                emit(rows, error_row("scaling", name, N, e, allocation=None))
+            if not (res := checked_call(rows, "scaling", name, N, keys, values, fn)):
                 continue
-            ok = check_kept(keys, values, out)
-            del out
+            ok = res[1]
+            del res
             t, timing = measure_graph(fn, ctx.cuda, f"scaling {name} N={N}")
-            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N, a.keep), **time_cols(t, timing),
+            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N), **time_cols(t, timing),
                             ns_per_token=round(t["us"] * 1e3 / N, 4), copy_GBps=round(ctx.copy_GBps, 1),
                             **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
                             ok=ok))
-        del keys, values, pool
-        ctx.free()
     return {name: fit([(r["N"], r["tritonkv_us"]) for r in rows if r.get("kind") == "scaling"
-                       and r["policy"] == name and "tritonkv_us" in r]) for name in names}
+                       and r["policy"] == name and "tritonkv_us" in r]) for name in SCALING_POLICIES}
 
 
 def fit(points) -> dict:
@@ -423,13 +404,13 @@ def fit(points) -> dict:
 
 def run_torch_compile(ctx: Ctx, rows: list) -> None:
     """Fill ``torch_compile_us`` of the compress rows (last: each (policy, N) is a full inductor compile)."""
-    if not ctx.cuda or ctx.args.no_compile:
+    if not ctx.cuda:
         return
     import torch._dynamo
-    for N in sorted({r["N"] for r in rows if r.get("kind") == "compress" and "tritonkv_us" in r}):
-        todo = [r for r in rows if r.get("kind") == "compress" and r["N"] == N and "tritonkv_us" in r]
+    timed = [r for r in rows if r.get("kind") == "compress" and "tritonkv_us" in r]
+    for N in sorted({r["N"] for r in timed}):
         keys, values, pool = ctx.case(N)
-        for r in todo:
+        for r in (r for r in timed if r["N"] == N):
             if ctx.over_budget(f"torch.compile {r['policy']} N={N}"):
                 continue
             pipe = baselines.pipeline(r["policy"], keys, values, tritonkv.resolve_budget(r["keep"], N), pool)
@@ -449,10 +430,10 @@ def run(args):
     ctx = Ctx(args)
     parts = [p for p in PARTS if getattr(args, p)] or list(PARTS)
     res = dict(run_info(ctx.cuda), parts=parts,
-               settings=dict(B=ctx.B, H_kv=ctx.H, H_q=ctx.H * ctx.G, D=ctx.D, W=ctx.W, dtype="bfloat16", keep=args.keep,
+               settings=dict(B=ctx.B, H_kv=ctx.H, H_q=ctx.H * ctx.G, D=ctx.D, W=ctx.W, dtype="bfloat16", keep=KEEP,
                              allocation_policy=ALLOC_POLICY, layer=LAYER, num_layers=NUM_LAYERS,
                              time_budget_s=args.time_budget),
-               copy_GBps=round(ctx.copy_GBps, 1), copy_bytes=COPY_BYTES if ctx.cuda else 1 << 20,
+               copy_GBps=round(ctx.copy_GBps, 1), copy_bytes=ctx.copy_bytes,
                phase_s={}, scaling_fit={}, skipped=ctx.skipped, complete=False, rows=[])
     rows = res["rows"]
     steps = [(p, {"compress": run_compress, "allocation": run_allocation, "decode": run_decode,
@@ -497,22 +478,21 @@ def markdown(result) -> str:
            f"{result.get('copy_bytes', 1 << 30) >> 20} MiB clone); run {result.get('wall_s')} s", ""]
     shape = (f"B={s.get('B')}, H_kv={s.get('H_kv')}, H_q={s.get('H_q')}, D={s.get('D')}, {s.get('dtype')}, "
              f"keep {s.get('keep')}")
-    if of("compress"):
-        out += [f"**Compress** (one layer's `tritonkv.compress`, {shape}; µs, median; floor = bytes that must move "
-                "over the copy bandwidth)", ""]
-        out += table(of("compress"), ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "pct_copy_bw",
-                                      "kvpress_us", "x_kvpress_eager", "kvpress_graph_us", "x_kvpress_graph",
-                                      "torch_compile_us", "same_kept", "ok"]) + [""]
-    if of("allocation"):
-        out += [f"**Allocation** (`compress(..., \"{s.get('allocation_policy')}\", allocation=...)` as layer "
-                f"{s.get('layer')} of {s.get('num_layers')}, RaggedKV output, eager; the score allocator's floor "
-                "also reads its head_means; x_dense_eager = time over the dense compress, eager)", ""]
-        out += table(of("allocation"), ["allocation", "N", "kept_tokens", "k_max", "tritonkv_us", "floor_us",
-                                        "x_floor", "pct_copy_bw", "x_dense_eager", "ok"]) + [""]
-    if of("decode_attention"):
-        out += ["**Decode attention** (one query per head over a RaggedKV with AdaKV-like budgets; µs, CUDA graph; "
-                "see `benchmarks/decode_attention.py`)", ""]
-        out += table(of("decode_attention"), da.COLUMNS) + [""]
+    kinds = [("compress", f"**Compress** (one layer's `tritonkv.compress`, {shape}; µs, median; floor = bytes that "
+                           "must move over the copy bandwidth)",
+              ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "pct_copy_bw", "kvpress_us",
+               "x_kvpress_eager", "kvpress_graph_us", "x_kvpress_graph", "torch_compile_us", "same_kept", "ok"]),
+             ("allocation", f"**Allocation** (`compress(..., \"{s.get('allocation_policy')}\", allocation=...)` as "
+                            f"layer {s.get('layer')} of {s.get('num_layers')}, RaggedKV output, eager; the score "
+                            "allocator's floor also reads its head_means; x_dense_eager = time over the dense "
+                            "compress, eager)",
+              ["allocation", "N", "kept_tokens", "k_max", "tritonkv_us", "floor_us", "x_floor", "pct_copy_bw",
+               "x_dense_eager", "ok"]),
+             ("decode_attention", "**Decode attention** (one query per head over a RaggedKV with AdaKV-like budgets; "
+                                  "µs, CUDA graph; see `benchmarks/decode_attention.py`)", da.COLUMNS)]
+    for kind, title, cols in kinds:
+        if of(kind):
+            out += [title, ""] + table(of(kind), cols) + [""]
     sc = of("scaling")
     if sc:
         names = list(dict.fromkeys(r["policy"] for r in sc))
@@ -596,14 +576,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for part in PARTS:
         p.add_argument(f"--{part}", action="store_true", help=f"run the {part} part (no part flag: all of them)")
-    p.add_argument("--n", type=int, nargs="*", help="compress/allocation lengths (default 4096 32768 131072)")
     p.add_argument("--policies", nargs="*", help="compress policies (default: all registered)")
-    p.add_argument("--allocations", nargs="*", help=f"allocators (default {' '.join(ALLOCATIONS)})")
-    p.add_argument("--scaling-n", type=int, nargs="*", help="scaling lengths (default 4K, 8K, ..., 512K)")
-    p.add_argument("--scaling-policies", nargs="*", help=f"scaling policies (default {' '.join(SCALING_POLICIES)})")
-    p.add_argument("--keep", type=float, default=0.25, help="fraction of tokens kept")
-    p.add_argument("--no-kvpress", action="store_true")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile pipelines")
     p.add_argument("--time-budget", type=float, default=500.0,
                    help="seconds after which no new case starts (the rest are listed as skipped)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to check the program")
