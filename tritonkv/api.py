@@ -111,11 +111,9 @@ def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
         ``k >= N``. With ``allocation``: a ``tritonkv.RaggedKV``.
     """
     if _plan.on():  # the call repeated from its plan (kernels/_plan.py)
-        key = _plan_key(kv, policy, budget, allocation, inputs)
-        if key is not None:
-            named = [(n, v) for n, v in inputs.items() if type(v) is torch.Tensor]
-            tensors = (kv[0], kv[1], *[v for _, v in named])
-            known = tuple(i + 2 for i, (n, v) in enumerate(named) if _by_value(n, v))
+        got = _plan_key(kv, policy, budget, allocation, inputs)
+        if got is not None:
+            key, tensors, known = got
             return _plan.call(key, tensors, lambda: _compress(kv, policy, budget, allocation, inputs), known)
     return _compress(kv, policy, budget, allocation, inputs)
 
@@ -159,9 +157,10 @@ def _by_value(name: str, t: torch.Tensor) -> bool:
 
 
 def _plan_key(kv, policy, budget, allocation, inputs: dict):
-    """What an eager ``compress`` call's every decision depends on, or None when it cannot be told from
-    metadata and small host tensors' values (traced, under autocast, tensor subclasses, inputs that are not tensors
-    or plain values, tensors that require grad)."""
+    """``(key, tensors, known)``: what an eager ``compress`` call's every decision depends on, the call's tensors
+    (keys, values, then the tensor inputs in order) and the positions among them of those whose values the key
+    holds; None when the key cannot be told from metadata and small host tensors' values (traced, under
+    autocast, tensor subclasses, inputs that are not tensors or plain values, tensors that require grad)."""
     if type(kv) is not tuple or len(kv) != 2 or type(budget) not in (int, float):
         return None
     keys, values = kv
@@ -176,15 +175,21 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
     tensor_key = _plan.tensor_key
     parts = [pk, ak, type(budget), budget, tensor_key(keys), tensor_key(values), _common._cpu[0],
              torch.get_default_dtype()]
+    tensors, known = [keys, values], []
     for name, v in inputs.items():
         t = type(v)
         if t is torch.Tensor and not v.requires_grad:
-            parts.append((name, tensor_key(v), tuple(v.reshape(-1).tolist()) if _by_value(name, v) else None))
+            held = None
+            if _by_value(name, v):
+                known.append(len(tensors))
+                held = tuple((v if v.dim() == 1 else v.reshape(-1)).tolist())
+            tensors.append(v)
+            parts.append((name, tensor_key(v), held))
         elif t in _KEY_TYPES:
             parts.append((name, t, v))
         else:
             return None
-    return tuple(parts)
+    return tuple(parts), tuple(tensors), tuple(known)
 
 
 def _compress(kv, policy, budget, allocation, inputs: dict):

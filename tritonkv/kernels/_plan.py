@@ -22,9 +22,13 @@ that key repeats the record:
   are logged tensors and plain values (``RaggedKV``);
 
 else the key is never recorded again and every call of it runs ``body()``. Host checks of input values
-(``host_check``) run again on every repeat.
+(``host_check``) run again on every repeat, but those of inputs whose values ``key`` holds (``known``: the check,
+a function of its arguments, passed on those very values when the call was recorded).
 
-A repeat allocates through the same ops, makes the same views, and calls each compiled kernel's launcher with
+A repeat allocates through the same ops (or takes its temporaries from the plan's workspace: the allocations no
+result tensor shares storage with, made once per thread, device and stream and kept, as a fresh allocation on that
+stream could return them; never while the stream is captured into a CUDA graph, never for two calls at once, at
+most 1 MiB per plan; see ``_Plan``), makes the same views, and calls each compiled kernel's launcher with
 the arguments the launch cache would pass (the same checks first: Triton's cache still maps the key to that
 kernel, its global values are unchanged, no hooks, the same debug and instrumentation knobs), on the stream
 current at the call. Anything that does not hold runs ``body()`` instead. ``key`` is the caller's business: it
@@ -45,6 +49,10 @@ from . import _common
 
 _enabled = [os.environ.get("TRITONKV_PLANS", "1") != "0"]
 _MAX_PLANS = 512  # keys remembered before the table starts over
+_WORKSPACE_BYTES = 1 << 20  # temporaries a plan may keep between calls (see _Plan), at most
+_KEPT_BYTES = 64 << 20  # all plans' kept temporaries together, at most
+_kept = [0]  # bytes kept now
+_KEPT_LOCK = threading.Lock()
 _PLANS: dict = {}  # key -> 1 (seen once), a _Plan, or False (never recorded)
 _MISS = object()
 _STALE = object()  # a plan that depends on other input objects: recorded again
@@ -56,6 +64,7 @@ _EMPTY = torch.ops.aten.empty.memory_format
 _VIEW = torch.ops.aten.view.default
 _DETACH = torch.ops.aten.detach.default
 _LIFT = torch.ops.aten.lift_fresh.default
+_RESHAPES_STORAGE = frozenset({"set_", "resize_", "resize_as_", "as_strided_"})  # besides the inplace_view tag
 _UNINITIALISED = frozenset({_EMPTY, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
                             torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default})
 
@@ -139,6 +148,8 @@ def host_check(fn, *tensors) -> None:
     if got is None:
         return rec.fail()
     slots = tuple(slot for _, slot in got[1])
+    if rec.known.issuperset(slots):  # the key holds these values, and the check passed on them: it passes again
+        return
 
     def check(s):
         fn(*[s[i] for i in slots])
@@ -186,9 +197,13 @@ class _Recorder(TorchDispatchMode):
         self.n = self.inputs = len(tensors)  # slots so far (the length of the replay's tensor list)
         self.guards = []  # (input slot, weak reference, version): see depends_on
         self.held = list(tensors)  # keeps every logged tensor alive, so that ids are not reused
+        self.by_slot = list(tensors)  # the tensor of every slot
+        self.known = frozenset(known)
         self.steps = []
         self.ok = True
         self.checking = False  # inside host_check: ops are not logged, reads allowed
+        self.meta_written = False  # an op changed a tensor's shape, strides or storage in place
+        self.cuda = any(t.is_cuda for t in tensors)  # CUDA graph capture may see the call
 
     def fail(self) -> None:
         self.ok = False
@@ -235,8 +250,11 @@ class _Recorder(TorchDispatchMode):
                 self.fail()
             return out
         if func is _LIFT and len(args) == 1 and id(args[0]) not in self.slots:  # torch.tensor(<Python values>)
-            const = args[0].clone()
-            self.steps.append(lambda s: s.append(const.clone()))
+            const, slot = args[0].clone(), self.n
+
+            def lift(s):
+                s[slot] = const.clone()
+            self.steps.append(lift)
             self._outputs(outs, dirty)
             return out
         got = self._args(args, constants=True)
@@ -255,7 +273,9 @@ class _Recorder(TorchDispatchMode):
             self.slots[id(out)] = got[1][0][1]
             self.held.append(out)
             return out
-        self.steps.append(_op_step(func, got, kwargs, isinstance(out, (tuple, list))))
+        if torch.Tag.inplace_view in func.tags or func.__name__.split(".")[0] in _RESHAPES_STORAGE:
+            self.meta_written = True  # a tensor's own shape, strides or storage changed in place: no workspace
+        self.steps.append(_op_step(func, got, kwargs, isinstance(out, (tuple, list)), self.n))
         self._outputs(outs, dirty or func in _UNINITIALISED)
         return out
 
@@ -268,6 +288,8 @@ class _Recorder(TorchDispatchMode):
             self.slots[id(o)] = self.n
             self.n += 1
             self.held.append(o)
+            self.by_slot.append(o)
+            self.cuda = self.cuda or o.is_cuda
 
     def launched(self, kernel, cache, tkey, compiled, grid, values: tuple, debug) -> None:
         """A launch of the launch cache (``_common._cached_run``): it may write any tensor it is given."""
@@ -282,7 +304,10 @@ class _Recorder(TorchDispatchMode):
         logged tensors and plain values."""
         if isinstance(out, tuple):
             where = [self.slots.get(id(t)) if type(t) is torch.Tensor else None for t in out]
-            return None if None in where else _Plan(self.steps, tuple(where), type(out), state, self.guards)
+            if None in where:
+                return None
+            return _Plan(self.steps, tuple(where), type(out), state, self.guards, self.n, self._workspace(out),
+                         self.cuda)
         attrs = getattr(out, "__dict__", None)
         if attrs is None:
             return None
@@ -296,7 +321,34 @@ class _Recorder(TorchDispatchMode):
             elif type(v) not in _PLAIN:
                 return None
         consts = {name: v for name, v in attrs.items() if name not in fields}
-        return _Plan(self.steps, _Fields(fields, consts), type(out), state, self.guards)
+        result = [v for v in attrs.values() if type(v) is torch.Tensor]
+        return _Plan(self.steps, _Fields(fields, consts), type(out), state, self.guards, self.n,
+                     self._workspace(result), self.cuda)
+
+    def _workspace(self, result):
+        """The allocations a plan may keep between calls (see ``_Plan``): ``(steps, kept, views, bytes)``, the
+        steps without them, the ``(slot, size, dtype, device)`` of every ``empty`` whose storage no result tensor
+        uses (together at most ``_WORKSPACE_BYTES``), the ``(slot, source slot, size)`` of every view of them, their
+        size; None when there are none, or a tensor's shape or storage was changed in place."""
+        if self.meta_written:
+            return None
+        used = {_storage(t) for t in result}
+        kept, views, derived, steps, total = [], [], set(), [], 0
+        for step in self.steps:
+            alloc, view = getattr(step, "alloc", None), getattr(step, "view_of", None)
+            if alloc is not None and alloc[3] is not None and torch.device(alloc[3]).type in ("cpu", "cuda"):
+                t = self.by_slot[alloc[0]]
+                if _storage(t) not in used and total + t.nbytes <= _WORKSPACE_BYTES:
+                    total += t.nbytes
+                    kept.append(alloc)
+                    derived.add(alloc[0])
+                    continue
+            if view is not None and view[1] in derived:
+                views.append(view)
+                derived.add(view[0])
+                continue
+            steps.append(step)
+        return (steps, tuple(kept), tuple(views), total) if kept else None
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -322,21 +374,24 @@ def _has_tensor(v) -> bool:
     return isinstance(v, torch.Tensor) or isinstance(v, (list, tuple)) and any(_has_tensor(x) for x in v)
 
 
-def _op_step(func, got, kwargs: dict, many: bool):
-    """A function of the slot list that repeats one op and appends its outputs."""
+def _op_step(func, got, kwargs: dict, many: bool, slot: int):
+    """A function of the slot list that repeats one op and writes its outputs from ``slot`` on. An ``empty``
+    step carries ``alloc = (slot, size, dtype, device)``, a ``view`` step ``view_of = (slot, source, size)``."""
     template, where = got
     if func is _EMPTY and not where and set(kwargs) <= {"dtype", "device", "pin_memory"} \
             and not kwargs.get("pin_memory") and len(template) == 1:
         size, dtype, device = template[0], kwargs.get("dtype"), kwargs.get("device")
 
         def empty(s):
-            s.append(torch.empty(size, dtype=dtype, device=device))
+            s[slot] = torch.empty(size, dtype=dtype, device=device)
+        empty.alloc = (slot, size, dtype, device)
         return empty
     if func is _VIEW and len(where) == 1 and where[0][0] == 0 and len(template) == 2 and not kwargs:
-        slot, size = where[0][1], template[1]
+        src, size = where[0][1], template[1]
 
         def view(s):
-            s.append(s[slot].view(size))
+            s[slot] = s[src].view(size)
+        view.view_of = (slot, src, size)
         return view
     run = func._op  # the operator itself, without OpOverload.__call__
     nested = any(len(w) == 3 for w in where)
@@ -351,13 +406,13 @@ def _op_step(func, got, kwargs: dict, many: bool):
                 else:
                     args[w[0]] = s[w[1]]
         else:
-            for i, slot in where:
-                args[i] = s[slot]
+            for i, j in where:
+                args[i] = s[j]
         out = run(*args, **kwargs)
         if many:
-            s.extend(out)
+            s[slot:slot + len(out)] = out
         else:
-            s.append(out)
+            s[slot] = out
     return op
 
 
@@ -380,6 +435,16 @@ class _Launch:
         self.grid, self.grid3 = grid, (grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1)
         self.template, self.where, self.debug = template, where, debug
 
+    def bind(self, filled: dict) -> "_Launch":
+        """This launch with the tensors of ``filled`` (slot -> tensor) bound in its template."""
+        template = list(self.template)
+        for i, slot in self.where:
+            if slot in filled:
+                template[i] = filled[slot]
+        where = tuple((i, slot) for i, slot in self.where if slot not in filled)
+        return _Launch(self.kernel, self.cache, self.tkey, self.compiled, self.grid, tuple(template), where,
+                       self.debug)
+
     def valid(self, device) -> bool:
         """What ``_cached_run`` checks before serving a launch, and the kernel's own switches."""
         kernel = self.kernel
@@ -393,14 +458,72 @@ class _Launch:
         return True
 
 
+class _Workspace:
+    """A plan's kept allocations for one owner (thread, device, stream): the slot list with them and their views
+    filled in, and the steps that remain (launches with those arguments bound)."""
+
+    __slots__ = ("owner", "slots", "steps", "nbytes")
+
+    def __init__(self, owner, blank: list, layout, nbytes: int):
+        steps, kept, views, _ = layout
+        self.owner, self.slots, self.nbytes = owner, list(blank), nbytes
+        for slot, size, dtype, device in kept:
+            self.slots[slot] = torch.empty(size, dtype=dtype, device=device)
+        for slot, src, size in views:
+            self.slots[slot] = self.slots[src].view(size)
+        filled = {slot: self.slots[slot] for slot, _, _, _ in kept}
+        filled.update((slot, self.slots[slot]) for slot, _, _ in views)
+        self.steps = [s.bind(filled) if s.__class__ is _Launch else s for s in steps]
+
+    def __del__(self):
+        with _KEPT_LOCK:
+            _kept[0] -= self.nbytes
+
+
 class _Plan:
     """A recorded call: its steps (ops, host checks, launches), where its result's tensors are, the Triton state
-    it assumed and the input objects it depends on (``depends_on``)."""
+    it assumed, the input objects it depends on (``depends_on``) and the layout of its workspace.
 
-    def __init__(self, steps, out_slots, out_type, state, guards):
+    Workspace: the ``empty`` allocations whose storage the result does not use (temporaries: scratch, histograms,
+    a select's control slots; at most ``_WORKSPACE_BYTES`` per plan, ``_KEPT_BYTES`` for all plans together) are
+    made once per owner, the thread, device and stream of the call, and kept for the next call of the same owner,
+    with their views. Reusing them is what a fresh ``torch.empty`` may return (the caching allocator hands a freed
+    block to the next allocation on the same stream, with whatever the last kernel left in it): a kernel never
+    relies on the contents of an allocation it did not write. A workspace serves one call at a time (taken from
+    the plan for the call and given back after it: concurrent or nested calls of one plan make their own); none is
+    used while the current stream is captured into a CUDA graph (a graph must not hold memory that later eager
+    calls write), nor by a plan that changed a tensor's shape or storage in place."""
+
+    def __init__(self, steps, out_slots, out_type, state, guards, n: int, workspace, cuda: bool):
         self.steps, self.out_slots, self.out_type, self.state = steps, out_slots, out_type, state
         self.guards = tuple(guards)
-        self.launches = [s for s in steps if s.__class__ is _Launch]
+        self.blank = [None] * n
+        unique = {}
+        for s in steps:  # what _Launch.valid checks depends on the kernel and its Triton cache entry only
+            if s.__class__ is _Launch:
+                unique.setdefault((id(s.kernel), id(s.cache), s.tkey, id(s.compiled), s.debug), s)
+        self.launches = tuple(unique.values())
+        self.workspace, self.cuda = workspace, cuda
+        self.nbytes = 0 if workspace is None else workspace[3]
+        self.pool = []  # at most one _Workspace, of the owner that last gave it back
+
+    def _take(self, device, stream):
+        """A workspace for this call (the plan's, or a new one), or None where none may be used."""
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        owner = (threading.get_ident(), device, stream)
+        try:
+            ws = self.pool.pop()
+        except IndexError:  # none, or another call of this plan holds it
+            ws = None
+        if ws is not None and ws.owner == owner:
+            return ws
+        ws = None  # another owner's: freed
+        with _KEPT_LOCK:
+            if _kept[0] + self.nbytes > _KEPT_BYTES:
+                return None
+            _kept[0] += self.nbytes
+        return _Workspace(owner, self.blank, self.workspace, self.nbytes)
 
     def replay(self, tensors: tuple):
         """The call's result, repeated on ``tensors``; ``_MISS`` when something the record assumed has changed."""
@@ -416,17 +539,26 @@ class _Plan:
                 return _MISS
         stream = driver.active.get_current_stream(device)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        s = list(tensors)
-        for step in self.steps:
+        ws = None if self.workspace is None else self._take(device, stream)
+        if ws is None:
+            s, steps = list(self.blank), self.steps
+        else:
+            s, steps = list(ws.slots), ws.steps
+        s[:len(tensors)] = tensors
+        for step in steps:
             if step.__class__ is not _Launch:
                 step(s)
                 continue
-            values = list(step.template)
-            for i, slot in step.where:
-                values[i] = s[slot]
+            values = step.template
+            if step.where:
+                values = list(values)
+                for i, slot in step.where:
+                    values[i] = s[slot]
             compiled = step.compiled
             meta = compiled.launch_metadata(step.grid, stream, *values)
             compiled.run(*step.grid3, stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *values)
+        if ws is not None and not self.pool:
+            self.pool.append(ws)
         if self.out_slots.__class__ is not _Fields:
             return self.out_type(*[s[i] for i in self.out_slots])
         fields, consts = self.out_slots
