@@ -604,6 +604,26 @@ def test_stage2_scores_and_first_pass_from_the_norm_kernel(case, norm, block):
         np.testing.assert_allclose(s2.numpy(), want, rtol=2 * REL, atol=1e-6)
 
 
+def test_many_norm_tiles_leave_the_first_pass_to_the_select(monkeypatch):
+    """More than ``FUSED_MAX_SLOTS`` token tiles a row: the norm kernel writes the same stage-2 scores and no first
+    pass (``hist0`` None), and CriticalKV's stage 2 counts its own: the same kept tokens."""
+    g = torch.Generator().manual_seed(14)
+    values = torch.randn(1, 2, 90, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(24, 2 * 2 * 16, generator=g).to(torch.bfloat16)
+    s = torch.rand(1, 2, 90, generator=g)
+    forced = torch.rand(1, 2, 90, generator=g) < 0.2
+    pol = CriticalKV(base=GivenScores(scores=s, sink=1, window=4))
+    with on_backend("triton"):
+        monkeypatch.setattr(kcrit, "_blocks", lambda n, d, dm, native: (16, 16, 16, 4, 1))
+        fused, h0 = value_norms(values, w, scores=s, eps=1e-4, forced=forced, protect=(1, 4))
+        want = pol.select(s, 30, values, values, sink=1, window=4, k_max=30, o_proj=w)
+        monkeypatch.setattr(kcrit, "FUSED_MAX_SLOTS", 5)  # 6 tiles of 16 tokens a row
+        plain, none = value_norms(values, w, scores=s, eps=1e-4, forced=forced, protect=(1, 4))
+        got = pol.select(s, 30, values, values, sink=1, window=4, k_max=30, o_proj=w)
+    assert h0 is not None and none is None and torch.equal(plain, fused)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("norm", ["l1", "l2"])
 def test_stage2_scores_on_the_pytorch_body(norm):
     """The PyTorch body: (s + ε)·n with the same PyTorch arithmetic as the norms combined outside, and no first

@@ -25,8 +25,9 @@ batched fp32 matmuls over token chunks.
 (s + ε)·n instead of n (the same fp32 add and multiply as PyTorch's, so the same bits), and, given a
 ``hist0`` buffer, the stage-2 select's first radix pass over what it wrote, with the sink, the window
 and the stage-1 tokens (``forced``) protected: no torch op and no select launch of its own. A program
-counts its own token tile, so only tiles of at least ``FUSED_MIN_CHUNK`` tokens do (each adds a 1 KB
-slot that the select's next pass sums); the PyTorch bodies combine (s + ε)·n as PyTorch ops.
+counts its own token tile, so only tiles of at least ``FUSED_MIN_CHUNK`` tokens do, at most
+``FUSED_MAX_SLOTS`` a row (each adds a 1 KB slot that the select's next pass sums); the PyTorch bodies
+combine (s + ε)·n as PyTorch ops.
 
 **Non-finite values** (``docs/contracts.md``): a token whose value has a NaN or ±inf element gets a
 NaN norm (it ranks lowest), in both norms, on the kernels and the PyTorch bodies alike; the flag
@@ -390,15 +391,18 @@ def o_proj_weight(o_proj) -> torch.Tensor:
 NORMS = ("l1", "l2")
 
 
-#: a norm kernel counts the stage-2 select's first radix pass when its programs hold at least this many
-#: tokens: each program writes one 1 KB slot, and every program of the select's next pass sums them all
+#: a norm kernel counts the stage-2 select's first radix pass when its programs hold at least
+#: ``FUSED_MIN_CHUNK`` tokens and a row has at most ``FUSED_MAX_SLOTS`` of them: each program writes one 1 KB
+#: slot, and every program of the select's next pass sums its row's (128 slots: N = 32K at 256 tokens)
 FUSED_MIN_CHUNK = 128
+FUSED_MAX_SLOTS = 128
 
 
 def fused_chunk(values: torch.Tensor, o_proj: torch.Tensor, norm: str) -> Optional[int]:
     """Tokens per program of the norm kernel that ``value_norms`` would launch when it may also count the
     stage-2 select's first radix pass (one ``hist0`` slot per program), else None: the PyTorch body, a
-    traced call, or programs of fewer than ``FUSED_MIN_CHUNK`` tokens (outside the interpreter)."""
+    traced call, programs of fewer than ``FUSED_MIN_CHUNK`` tokens (outside the interpreter) or more than
+    ``FUSED_MAX_SLOTS`` of them a row (the select then counts its own first pass)."""
     if not use_triton(values) or torch.compiler.is_compiling() or type(values) is not torch.Tensor:
         return None
     B, H, N, D = values.shape
@@ -406,7 +410,9 @@ def fused_chunk(values: torch.Tensor, o_proj: torch.Tensor, norm: str) -> Option
         block = _blocks_l2(N, D)[0]
     else:
         block = _blocks(N, D, o_proj.shape[0], _native(values, o_proj))[0]
-    return block if INTERPRET or block >= FUSED_MIN_CHUNK else None
+    if cdiv(N, block) > FUSED_MAX_SLOTS or not (INTERPRET or block >= FUSED_MIN_CHUNK):
+        return None
+    return block
 
 
 def value_norms(values: torch.Tensor, o_proj, *, norm: str = "l1", scores: Optional[torch.Tensor] = None,
