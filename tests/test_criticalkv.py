@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 import tritonkv
 from aot import assert_compiles
 from reference import criticalkv as ref
+from reference.select import first_pass_histogram
 from tritonkv.kernels import critical as kcrit
 from tritonkv.kernels import select as ksel
 from tritonkv.kernels.critical import value_norms
@@ -561,28 +562,173 @@ def test_bad_input():
     assert CriticalKV(base=base).norm == "l1"  # the paper's norm is the default
 
 
+@st.composite
+def stage2_cases(draw):
+    """(scores s > 0 [B,H,N] with a NaN, values, W_O, G, forced bool [B,H,N], sink, window, eps)."""
+    s, values, w, G, sink, window, _ = draw(cases(max_n=120))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    forced = torch.from_numpy(rng.random(tuple(s.shape)) < draw(st.sampled_from([0.0, 0.2, 0.6])))
+    if s.numel() > 1:
+        s.view(-1)[int(rng.integers(s.numel()))] = float("nan")  # a NaN base score ranks lowest in stage 2 too
+    return s, values, w, G, forced, sink, window, draw(st.sampled_from([1e-4, 0.0, 0.5]))
+
+
+@settings(max_examples=16, deadline=None)
+@given(case=stage2_cases(), norm=st.sampled_from(["l1", "l2"]), block=st.sampled_from([16, 32, 64, None]))
+def test_stage2_scores_and_first_pass_from_the_norm_kernel(case, norm, block):
+    """``value_norms(..., scores=, eps=, forced=, protect=)``: the kernel writes (s + ε)·n bit for bit as the
+    norms it writes alone, combined in PyTorch (for L1 within ``REL`` of the float64 oracle), and its
+    ``hist0`` slots sum to the NumPy first pass over them with sink, window and the forced tokens protected,
+    in one token tile a row or several (``block``); a select fed with it keeps what a select counting its
+    own first pass keeps, and the Hist0 names those very forced tokens."""
+    s, values, w, G, forced, sink, window, eps = case
+    B, H, N = s.shape
+    with on_backend("triton"), pytest.MonkeyPatch.context() as mp:
+        if block is not None:
+            mp.setattr(kcrit, "_blocks", lambda n, d, dm, native: (block, max(triton.next_power_of_2(d), 16), 16, 4, 1))
+            mp.setattr(kcrit, "_blocks_l2", lambda n, d: (block,) + (max(triton.next_power_of_2(d), 16),) * 3 + (4,))
+        n = value_norms(values, w, norm=norm)
+        s2, h0 = value_norms(values, w, norm=norm, scores=s, eps=eps, forced=forced, protect=(sink, window))
+        torch.testing.assert_close(s2, (s + eps) * n, rtol=0, atol=0, equal_nan=True)
+        assert h0 is not None and h0.forced is forced and (h0.sink, h0.window) == (sink, window)
+        want = first_pass_histogram(s2.view(B * H, N).numpy(), sink, window, forced.view(B * H, N).numpy())
+        np.testing.assert_array_equal(h0.hist[:, 1:].sum(1).numpy(), want)
+        budgets = torch.tensor([min(N, sink + window + int(forced.view(B * H, N)[r].sum()) + 3) for r in range(B * H)],
+                               dtype=torch.int32)
+        k = int(budgets.max())
+        plain = ksel.select_kv(s2, budgets, values, values, k, sink=sink, window=window, forced=forced)
+        got = ksel.select_kv(s2, budgets, values, values, k, sink=sink, window=window, forced=forced, hist0=h0)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    if norm == "l1":
+        want = (s.double().numpy() + np.float32(eps)) * oracle_norms(values, w, G)
+        np.testing.assert_allclose(s2.numpy(), want, rtol=2 * REL, atol=1e-6)
+
+
+def test_many_norm_tiles_leave_the_first_pass_to_the_select(monkeypatch):
+    """More than ``FUSED_MAX_SLOTS`` token tiles a row: the norm kernel writes the same stage-2 scores and no first
+    pass (``hist0`` None), and CriticalKV's stage 2 counts its own: the same kept tokens."""
+    g = torch.Generator().manual_seed(14)
+    values = torch.randn(1, 2, 90, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(24, 2 * 2 * 16, generator=g).to(torch.bfloat16)
+    s = torch.rand(1, 2, 90, generator=g)
+    forced = torch.rand(1, 2, 90, generator=g) < 0.2
+    pol = CriticalKV(base=GivenScores(scores=s, sink=1, window=4))
+    with on_backend("triton"):
+        monkeypatch.setattr(kcrit, "_blocks", lambda n, d, dm, native: (16, 16, 16, 4, 1))
+        fused, h0 = value_norms(values, w, scores=s, eps=1e-4, forced=forced, protect=(1, 4))
+        want = pol.select(s, 30, values, values, sink=1, window=4, k_max=30, o_proj=w)
+        monkeypatch.setattr(kcrit, "FUSED_MAX_SLOTS", 5)  # 6 tiles of 16 tokens a row
+        plain, none = value_norms(values, w, scores=s, eps=1e-4, forced=forced, protect=(1, 4))
+        got = pol.select(s, 30, values, values, sink=1, window=4, k_max=30, o_proj=w)
+    assert h0 is not None and none is None and torch.equal(plain, fused)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_stage2_scores_on_the_pytorch_body(norm):
+    """The PyTorch body: (s + ε)·n with the same PyTorch arithmetic as the norms combined outside, and no first
+    pass (``hist0`` None: the select counts its own)."""
+    g = torch.Generator().manual_seed(11)
+    values = torch.randn(2, 2, 40, 16, generator=g).to(torch.bfloat16)
+    w = torch.randn(24, 2 * 3 * 16, generator=g)
+    s = torch.rand(2, 2, 40, generator=g)
+    with on_backend("torch"):
+        n = value_norms(values, w, norm=norm)
+        assert torch.equal(value_norms(values, w, norm=norm, scores=s, eps=1e-4), (s + 1e-4) * n)
+        s2, h0 = value_norms(values, w, norm=norm, scores=s, eps=1e-4, forced=s > 0.5, protect=(1, 3))
+        assert torch.equal(s2, (s + 1e-4) * n) and h0 is None
+
+
+def test_stage2_bad_input():
+    """The stage-2 arguments of ``value_norms``, and a first pass counted with other forced tokens, name what is
+    wrong."""
+    g = torch.Generator().manual_seed(12)
+    values = torch.randn(1, 2, 30, 16, generator=g)
+    w = torch.randn(24, 2 * 16, generator=g)
+    s = torch.rand(1, 2, 30, generator=g)
+    forced = torch.zeros(1, 2, 30, dtype=torch.bool)
+    with on_backend("triton"):
+        with pytest.raises(TypeError, match="scores"):
+            value_norms(values, w, scores=s.double())
+        with pytest.raises(ValueError, match="scores"):
+            value_norms(values, w, scores=s[:, :, :20].contiguous())
+        with pytest.raises(ValueError, match="scores"):
+            value_norms(values, w, scores=s.transpose(1, 2).contiguous().transpose(1, 2))  # not contiguous
+        with pytest.raises(TypeError, match="forced"):
+            value_norms(values, w, scores=s, forced=forced.float(), protect=(0, 0))
+        with pytest.raises(ValueError, match="forced"):
+            value_norms(values, w, scores=s, forced=forced)
+        with pytest.raises(ValueError, match="protect"):
+            value_norms(values, w, protect=(0, 0))
+        s2, h0 = value_norms(values, w, scores=s, forced=forced, protect=(0, 2))
+        for other in (None, forced.clone()):
+            with pytest.raises(ValueError, match="hist0"):
+                ksel.select_kv(s2, 10, values, values, 10, window=2, forced=other, hist0=h0)
+
+
+@pytest.mark.parametrize("budget", [9, "rows"])
+def test_keep_mask_and_a_shared_workspace(budget):
+    """``keep_mask`` is ``select_mask``'s bytes (uint8); two selects sharing one ``workspace`` (CriticalKV's
+    stages) keep what each keeps with scratch of its own, whatever ran before on the scratch."""
+    g = torch.Generator().manual_seed(13)
+    R, N = 3, 150
+    s = torch.floor(torch.rand(1, R, N, generator=g) * 20)  # many ties
+    kv = torch.randn(1, R, N, 8, generator=g)
+    b = torch.tensor([5, 40, 150], dtype=torch.int32) if budget == "rows" else budget
+    with on_backend("triton"):
+        mask = ksel.keep_mask(s, b, sink=1, window=2)
+        assert mask.dtype == torch.uint8 and mask.shape == (R, N)
+        assert torch.equal(mask.view(1, R, N).bool(), ksel.select_mask(s, b, sink=1, window=2))
+        work = ksel.workspace(R, N, s.device)
+        for t in work:
+            t.fill_(-7)  # garbage from an earlier select
+        assert torch.equal(ksel.keep_mask(s, b, sink=1, window=2, work=work), mask)
+        want = ksel.select_kv(s, b, kv, kv, 150, sink=1, window=2, forced=mask)
+        got = ksel.select_kv(s, b, kv, kv, 150, sink=1, window=2, forced=mask, work=work)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+        with pytest.raises(ValueError, match="work"):
+            ksel.select_kv(s, b, kv, kv, 150, work=ksel.workspace(R, N + 1, s.device))
+
+
+#: the stage-2 epilogue's arguments of both norm kernels, and its configurations: the norms alone, and CriticalKV's
+#: stage 2 (scores, forced tokens, first radix pass; HIST_TILE one key per thread at least)
+STAGE2_SIG = {"eps": "fp32", "C0": "i32", "sink": "i32", "window": "i32", "HAS_S": "constexpr",
+              "HAS_FORCED": "constexpr", "HIST": "constexpr", "NB": "constexpr", "HIST_TILE": "constexpr"}
+NORMS_ONLY = {"HAS_S": False, "HAS_FORCED": False, "HIST": False, "NB": 256}
+STAGE2_NO_PASS = {"HAS_S": True, "HAS_FORCED": False, "HIST": False, "NB": 256}  # programs of < FUSED_MIN_CHUNK
+STAGE2 = {"HAS_S": True, "HAS_FORCED": True, "HIST": True, "NB": 256}
+
+
 def test_value_norm_kernel_compiles_ahead_of_time():
     """The GPU configurations of ``_blocks``: tensor-core tiles at d = 128 and 64, d = 256, and the IEEE
-    fp32 tiles (fp32 and mixed dtypes)."""
-    sig = {"v_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "B": "i32", "H": "i32", "G": "i32", "N": "i32",
-           "D": "i32", "DM": "i32", "svb": "i64", "svh": "i64", "svn": "i64", "swm": "i64", "swc": "i64",
+    fp32 tiles (fp32 and mixed dtypes); the norms alone and CriticalKV's stage 2 (what ``fused_chunk`` allows)."""
+    sig = {"v_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "s_ptr": "*fp32", "f_ptr": "*u8", "h0_ptr": "*i32",
+           "B": "i32", "H": "i32", "G": "i32", "N": "i32", "D": "i32", "DM": "i32", "svb": "i64", "svh": "i64",
+           "svn": "i64", "swm": "i64", "swc": "i64", **STAGE2_SIG,
            "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "BLOCK_M": "constexpr", "NATIVE_DOT": "constexpr"}
     spec = {"module": "tritonkv.kernels.critical", "kernel": "_value_norm_kernel", "signature": sig}
-    assert_compiles({**spec, "constexprs": {"BLOCK_N": 256, "BLOCK_D": 128, "BLOCK_M": 64, "NATIVE_DOT": True}},
+    assert_compiles({**spec, "constexprs": {"BLOCK_N": 256, "BLOCK_D": 128, "BLOCK_M": 64, "NATIVE_DOT": True,
+                                            **STAGE2, "HIST_TILE": 256}},
+                    {**spec, "constexprs": {"BLOCK_N": 256, "BLOCK_D": 128, "BLOCK_M": 64, "NATIVE_DOT": True,
+                                            **NORMS_ONLY, "HIST_TILE": 256}},
                     {**spec, "signature": {**sig, "v_ptr": "*fp16", "w_ptr": "*fp16"},
-                     "constexprs": {"BLOCK_N": 256, "BLOCK_D": 64, "BLOCK_M": 64, "NATIVE_DOT": True}},
-                    {**spec, "constexprs": {"BLOCK_N": 64, "BLOCK_D": 256, "BLOCK_M": 64, "NATIVE_DOT": True}},
+                     "constexprs": {"BLOCK_N": 256, "BLOCK_D": 64, "BLOCK_M": 64, "NATIVE_DOT": True, **STAGE2,
+                                    "HIST_TILE": 256}},
+                    {**spec, "constexprs": {"BLOCK_N": 64, "BLOCK_D": 256, "BLOCK_M": 64, "NATIVE_DOT": True,
+                                            **STAGE2_NO_PASS, "HIST_TILE": 256}},
                     {**spec, "signature": {**sig, "v_ptr": "*fp32", "w_ptr": "*fp16"},
-                     "constexprs": {"BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_M": 32, "NATIVE_DOT": False}})
+                     "constexprs": {"BLOCK_N": 32, "BLOCK_D": 128, "BLOCK_M": 32, "NATIVE_DOT": False,
+                                    **STAGE2_NO_PASS, "HIST_TILE": 128}})
 
 
 def test_value_norm_l2_kernel_compiles_ahead_of_time():
-    sig = {"v_ptr": "*bf16", "f_ptr": "*bf16", "out_ptr": "*fp32", "H": "i32", "G": "i32", "N": "i32", "D": "i32",
-           "svb": "i64", "svh": "i64", "svn": "i64", "sfs": "i64", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr",
-           "BLOCK_K": "constexpr", "BLOCK_C": "constexpr", "SPLIT_U": "constexpr", "NATIVE_DOT": "constexpr"}
+    sig = {"v_ptr": "*bf16", "f_ptr": "*bf16", "out_ptr": "*fp32", "s_ptr": "*fp32", "m_ptr": "*u8", "h0_ptr": "*i32",
+           "H": "i32", "G": "i32", "N": "i32", "D": "i32", "svb": "i64", "svh": "i64", "svn": "i64", "sfs": "i64",
+           **STAGE2_SIG, "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "BLOCK_K": "constexpr",
+           "BLOCK_C": "constexpr", "SPLIT_U": "constexpr", "NATIVE_DOT": "constexpr"}
     spec = {"module": "tritonkv.kernels.critical", "kernel": "_value_norm_l2_kernel", "signature": sig}
     assert_compiles({**spec, "constexprs": {"BLOCK_N": 128, "BLOCK_D": 128, "BLOCK_K": 32, "BLOCK_C": 64,
-                                            "SPLIT_U": False, "NATIVE_DOT": True}},
+                                            "SPLIT_U": False, "NATIVE_DOT": True, **STAGE2, "HIST_TILE": 256}},
                     {**spec, "signature": {**sig, "v_ptr": "*fp32"},
                      "constexprs": {"BLOCK_N": 64, "BLOCK_D": 64, "BLOCK_K": 32, "BLOCK_C": 64, "SPLIT_U": True,
-                                    "NATIVE_DOT": True}})
+                                    "NATIVE_DOT": True, **NORMS_ONLY, "HIST_TILE": 256}})

@@ -4,7 +4,8 @@ runs, so no value can steer the count) and a ``TorchDispatchMode`` that logs eve
 run on the device (fills, copies, arithmetic; views and ``empty`` allocations are no launches) and
 every host read of a device value (a sync). Targets: the one-kernel-scorers Knorm and StreamingLLM
 at most 4, KeyDiff (two scoring launches) at most 5, the window-attention policies at most 5, SCORE
-(a window score, two selects and its penalty kernel) 9, none syncing with the host."""
+(a window score, two selects and its penalty kernel) 9, CriticalKV (a window score, two selects and its norm
+kernel) 9, none syncing with the host."""
 import pytest
 import torch
 
@@ -23,12 +24,13 @@ def _inputs():
     queries = torch.randn(B, H * G, W, D, generator=g).to(torch.bfloat16)
     lse = torch.randn(B, H * G, W)
     hd = torch.rand(H, generator=g) + 0.1
-    return keys, values, dict(queries=queries, attn_lse=lse, hd=hd)
+    o_proj = torch.randn(H * G * D, H * G * D, generator=g).to(torch.bfloat16)
+    return keys, values, dict(queries=queries, attn_lse=lse, hd=hd, o_proj=o_proj)
 
 
 SELECT = ["_select_hist0_kernel", "_select_finish_kernel", "_select_tail_kernel", "_select_compact_kernel"]
 LIMITS = {"knorm": 4, "streaming_llm": 4, "keydiff": 5, "snapkv": 5, "tova": 5, "h2o": 5, "surfacelogic": 5,
-          "score": 9}
+          "score": 9, "criticalkv": 9}
 
 
 @pytest.mark.parametrize("name", sorted(LIMITS))
@@ -70,6 +72,21 @@ def test_score_is_two_selects_around_one_penalty_launch():
         assert names == ["_window_score_kernel", *SELECT, "_score_penalty_kernel", *SELECT[1:]] and not syncs, \
             (names, syncs)
         assert not ops or isinstance(hd, list), ops
+
+
+@pytest.mark.parametrize("norm", ["l1", "l2"])
+def test_criticalkv_is_two_selects_around_the_norm_launch(norm):
+    """CriticalKV (SnapKV base, ``attn_lse`` given): the window score and pooling (which counts stage 1's first
+    radix pass), stage 1's other three select launches (its keep-mask), the norm kernel (which writes
+    (s + ε)·n and stage 2's first pass, the stage-1 tokens protected) and stage 2's other three: 9 launches, no
+    host read; the L1 norm no torch op either (the L2 norm factors W_O in PyTorch)."""
+    keys, values, pool = _inputs()
+    pol = tritonkv.POLICIES["criticalkv"](norm=norm)
+    names, ops, syncs = dry(lambda: tritonkv.compress((keys, values), pol, 0.25, queries=pool["queries"],
+                                                      attn_lse=pool["attn_lse"], o_proj=pool["o_proj"]))
+    kernel = "_value_norm_kernel" if norm == "l1" else "_value_norm_l2_kernel"
+    assert names == ["_window_score_kernel", "_window_pool_kernel", *SELECT[1:], kernel, *SELECT[1:]], names
+    assert not syncs and (norm == "l2" or not ops), (ops, syncs)
 
 
 def test_rows_over_two_to_the_31_elements_index_in_int64():

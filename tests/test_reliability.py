@@ -568,9 +568,9 @@ def select_chunk(monkeypatch):
     orig, seen = ksel.select_into, []
 
     def set_chunk(chunk):
-        def patched(*args):
+        def patched(*args, **scratch):  # chunk: the last positional argument
             seen.append((args[0].shape[1], chunk))
-            return orig(*args[:-1], chunk)
+            return orig(*args[:-1], chunk, **scratch)
         monkeypatch.setattr(ksel, "select_into", patched)
     set_chunk.seen = seen
     return set_chunk

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from helpers import on_backend
-from reference.select import select as ref_select
+from reference.select import first_pass_histogram, select as ref_select
 from tritonkv.kernels.select import NB, select_indices, select_kv
 
 ULP_RUN = 300  # 1.0 + j·ulp for j < ULP_RUN: every key has the top 16 bits of 1.0
@@ -105,19 +105,6 @@ def test_adakv_global_select_with_forced_tokens(seed, kind, data):
     _check(s, k, 16, forced=forced)
 
 
-def _hist0_of(s: np.ndarray, sink: int, window: int) -> np.ndarray:
-    """NumPy histogram of the top byte of the select's keys (from the spec: NaN -> -inf, -0 -> +0, order-
-    preserving uint32 bits, protected tokens the maximum key), ``[R, NB]``."""
-    s = np.where(np.isnan(s), -np.inf, s).astype(np.float32)
-    s = np.where(s == 0, np.float32(0.0), s).astype(np.float32)
-    b = s.view(np.uint32).astype(np.uint64)
-    u = np.where(b >> 31 != 0, (~b) & 0xFFFFFFFF, b | 0x80000000)
-    n = s.shape[1]
-    pos = np.arange(n)
-    u = np.where((pos < sink) | (pos >= n - window), 0xFFFFFFFF, u)
-    return np.stack([np.bincount((row >> 24).astype(np.int64), minlength=NB) for row in u])
-
-
 @pytest.mark.parametrize("head_reduce,kernel_size", [("mean", 7), ("layer", 1), ("max", 3)])
 def test_pooling_kernel_counts_the_first_pass(head_reduce, kernel_size):
     """The pooling kernel's ``hist0`` is the first radix pass of the scores it returns (its slots sum to the
@@ -135,7 +122,7 @@ def test_pooling_kernel_counts_the_first_pass(head_reduce, kernel_size):
                                         protect=(sink, window))
         assert torch.equal(s, window_attention_scores(keys, queries, kernel_size=kernel_size,
                                                       head_reduce=head_reduce))
-        want = _hist0_of(s.view(B * H, N).numpy(), sink, window)
+        want = first_pass_histogram(s.view(B * H, N).numpy(), sink, window, bins=NB)
         np.testing.assert_array_equal(h0.hist[:, 1:].sum(1).numpy(), want)
         plain = select_kv(s, 40, keys, values, 40, sink=sink, window=window)
         for _ in range(2):  # the control block is reset: the same pass serves another select

@@ -34,3 +34,22 @@ def select_rows(scores: np.ndarray, budgets, sink: int = 0, window: int = 0, for
     budgets = np.broadcast_to(np.asarray(budgets), scores.shape[:1])
     return [select(scores[r], budgets[r], sink, window, None if forced is None else forced[r])
             for r in range(scores.shape[0])]
+
+
+def first_pass_histogram(scores: np.ndarray, sink: int = 0, window: int = 0, forced=None, bins: int = 256):
+    """The select's first radix pass from the spec, ``[R, bins]``: per row, the histogram of the top byte of the
+    order-preserving uint32 key of every score (NaN -> -inf, -0 -> +0; sign bit set: all bits flipped, else the
+    sign bit set), protected tokens (the first ``sink``, the last ``window``, ``forced`` ones: bool ``[R, N]``)
+    the maximum key 0xFFFFFFFF."""
+    s = np.asarray(scores, dtype=np.float32)
+    s = np.where(np.isnan(s), -np.inf, s).astype(np.float32)
+    s = np.where(s == 0, np.float32(0.0), s).astype(np.float32)
+    b = s.view(np.uint32).astype(np.uint64)
+    u = np.where(b >> 31 != 0, (~b) & 0xFFFFFFFF, b | 0x80000000)
+    n = s.shape[1]
+    pos = np.arange(n)
+    prot = (pos < sink) | (pos >= n - window)
+    if forced is not None:
+        prot = prot | np.asarray(forced, dtype=bool)
+    u = np.where(prot, 0xFFFFFFFF, u)
+    return np.stack([np.bincount((row >> 24).astype(np.int64), minlength=bins) for row in u])

@@ -21,6 +21,14 @@ d = 128, D_model = 4096), so the floor is the tensor cores' peak, not memory.
 On the CPU (outside the interpreter) the op runs ``_value_norms_torch``: the same projections as
 batched fp32 matmuls over token chunks.
 
+**CriticalKV's stage 2** (both norms, ``_stage2_epilogue``): given the base scores s, a kernel writes
+(s + ε)·n instead of n (the same fp32 add and multiply as PyTorch's, so the same bits), and, given a
+``hist0`` buffer, the stage-2 select's first radix pass over what it wrote, with the sink, the window
+and the stage-1 tokens (``forced``) protected: no torch op and no select launch of its own. A program
+counts its own token tile, so only tiles of at least ``FUSED_MIN_CHUNK`` tokens do, at most
+``FUSED_MAX_SLOTS`` a row (each adds a 1 KB slot that the select's next pass sums); the PyTorch bodies
+combine (s + ε)·n as PyTorch ops.
+
 **Non-finite values** (``docs/contracts.md``): a token whose value has a NaN or ±inf element gets a
 NaN norm (it ranks lowest), in both norms, on the kernels and the PyTorch bodies alike; the flag
 comes from the tile each program has loaded anyway (no extra pass over the values).
@@ -44,17 +52,41 @@ operands multiplied in fp32. Error: |Δ‖p‖| ≤ (3d·ε₃₂ + 5·2⁻¹⁶
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+from ._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, row_major, triton_op,
+                      use_triton)
+from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 
 @triton.jit
-def _value_norm_kernel(v_ptr, w_ptr, out_ptr, B, H, G, N, D, DM, svb, svh, svn, swm, swc,
+def _stage2_epilogue(out_ptr, s_ptr, f_ptr, h0_ptr, n, r, c, offs, nmask, N, eps, C0, sink, window,
+                     BLOCK_N: tl.constexpr, HAS_S: tl.constexpr, HAS_FORCED: tl.constexpr, HIST: tl.constexpr,
+                     NB: tl.constexpr, HIST_TILE: tl.constexpr):
+    """Stores the norms ``n`` of tokens ``offs`` of row r (int64, = b·H + h), or with ``HAS_S`` CriticalKV's
+    stage-2 scores (s + ε)·n (the base scores s read here); ``HIST``: then the stage-2 select's first radix pass
+    over what was stored (``select.hist0_of_chunk``: chunk c of ``BLOCK_N`` tokens, ``sink``/``window`` and, with
+    ``HAS_FORCED``, the stage-1 tokens of ``f_ptr`` protected), re-read from L1/L2 after a barrier."""
+    if HAS_S:
+        s = tl.load(s_ptr + r * N + offs, mask=nmask, other=0.0)
+        n = (s + tl.cast(eps, tl.float32)) * n
+    tl.store(out_ptr + r * N + offs, n, mask=nmask)
+    if HIST:
+        tl.debug_barrier()
+        hist0_of_chunk(out_ptr + r * N, f_ptr + r * N, h0_ptr, r, c, C0, N, BLOCK_N, sink, window, HIST_TILE, NB,
+                       HAS_FORCED)
+
+
+@triton.jit(do_not_specialize=["C0", "sink", "window"])
+def _value_norm_kernel(v_ptr, w_ptr, out_ptr, s_ptr, f_ptr, h0_ptr, B, H, G, N, D, DM, svb, svh, svn, swm, swc,
+                       eps, C0, sink, window,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       NATIVE_DOT: tl.constexpr):
+                       NATIVE_DOT: tl.constexpr, HAS_S: tl.constexpr, HAS_FORCED: tl.constexpr, HIST: tl.constexpr,
+                       NB: tl.constexpr, HIST_TILE: tl.constexpr):
     # rows in (KV head, batch row) order: the programs of the rows sharing a KV head, which read the
     # same W_O columns, run one after another, so W_O^h is fetched from HBM once and then hit in L2
     c = tl.program_id(0)
@@ -88,7 +120,8 @@ def _value_norm_kernel(v_ptr, w_ptr, out_ptr, B, H, G, N, D, DM, svb, svh, svn, 
         else:
             p = tl.dot(v, w.to(tl.float32), input_precision="ieee")
         acc += tl.sum(tl.abs(p), 1)
-    tl.store(out_ptr + (b * H + h).to(tl.int64) * N + offs, tl.where(finite, acc / G, float("nan")), mask=nmask)
+    _stage2_epilogue(out_ptr, s_ptr, f_ptr, h0_ptr, tl.where(finite, acc / G, float("nan")), (b * H + h).to(tl.int64),
+                     c, offs, nmask, N, eps, C0, sink, window, BLOCK_N, HAS_S, HAS_FORCED, HIST, NB, HIST_TILE)
 
 
 def _blocks(n: int, d: int, dm: int, native: bool):
@@ -139,30 +172,66 @@ def _value_norms_torch(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tens
     return out
 
 
-@triton_op("tritonkv::value_norms", mutates_args=())
-def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor) -> torch.Tensor:
+def _stage2_torch(n: torch.Tensor, scores: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """The PyTorch bodies' epilogue: the norms, or with ``scores`` the stage-2 scores (s + ε)·n shaped like them."""
+    return n if scores is None else ((scores.view(n.shape) + eps) * n).view(scores.shape)
+
+
+def _stage2_launch(out, scores, forced, hist0, eps: float, sink: int, window: int, n: int, block_n: int,
+                   warps: int) -> tuple:
+    """``(tensors, scalars, constexprs)`` of a norm kernel's ``_stage2_epilogue``; absent tensors are passed as
+    ``out`` (never read: the flags switch them off). ``hist0`` must have one slot per program (``block_n``
+    tokens)."""
+    if hist0 is not None and hist0.shape[1] - 1 != cdiv(n, block_n):
+        raise ValueError(f"hist0 must have 1 + {cdiv(n, block_n)} slots (one per {block_n} tokens), "
+                         f"got {tuple(hist0.shape)}")
+    args = (out if scores is None else scores, out if forced is None else forced, out if hist0 is None else hist0)
+    scalars = (float(eps), 0 if hist0 is None else hist0.shape[1] - 1, sink, window)
+    tile = block_n if INTERPRET else max(block_n, 32 * warps)  # at least one key per thread (no replicated layout)
+    flags = dict(HAS_S=scores is not None, HAS_FORCED=forced is not None, HIST=hist0 is not None, NB=NB,
+                 HIST_TILE=tile)
+    return args, scalars, flags
+
+
+@triton_op("tritonkv::value_norms", mutates_args={"hist0"})
+def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor, scores: Optional[torch.Tensor] = None,
+                   forced: Optional[torch.Tensor] = None, hist0: Optional[torch.Tensor] = None, eps: float = 0.0,
+                   sink: int = 0, window: int = 0) -> torch.Tensor:
     """The raw op: values ``[B, H, N, d]`` (last dim unit-stride), o_proj ``[D_model, H_q·d]``
-    -> fp32 ``[B, H, N]``."""
+    -> fp32 ``[B, H, N]``: the norms n, or with ``scores`` (fp32, contiguous, B·H·N elements) CriticalKV's
+    stage-2 scores (s + ``eps``)·n, shaped like ``scores``. ``hist0`` (only with the kernel, its size from
+    ``fused_chunk``; the PyTorch body leaves it alone): the int32 ``[B·H, 1 + chunks, NB]`` that the kernel
+    fills with the stage-2 select's first radix pass, ``sink``/``window`` and the nonzero bytes of ``forced``
+    (uint8, B·H·N, contiguous) protected."""
     if not use_triton(values):
-        return _value_norms_torch(values, o_proj)
+        return _stage2_torch(_value_norms_torch(values, o_proj), scores, eps)
     B, H, N, D = values.shape
     DM = o_proj.shape[0]
     G = o_proj.shape[1] // (H * D)
-    out = torch.empty((B, H, N), dtype=torch.float32, device=values.device)
+    out = torch.empty((B, H, N) if scores is None else scores.shape, dtype=torch.float32, device=values.device)
     if B * H * N > 0:
-        native = (not INTERPRET) and values.dtype == o_proj.dtype and values.dtype != torch.float32
+        native = _native(values, o_proj)
         BLOCK_N, BLOCK_D, BLOCK_M, warps, stages = _blocks(N, D, DM, native)
-        launch(_value_norm_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, o_proj, out, B, H, G, N, D, DM,
-               values.stride(0), values.stride(1), values.stride(2), o_proj.stride(0), o_proj.stride(1),
+        args, scalars, flags = _stage2_launch(out, scores, forced, hist0, eps, sink, window, N, BLOCK_N, warps)
+        launch(_value_norm_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, o_proj, out, *args, B, H, G, N, D, DM,
+               values.stride(0), values.stride(1), values.stride(2), o_proj.stride(0), o_proj.stride(1), *scalars,
                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, NATIVE_DOT=native, num_warps=warps,
-               num_stages=stages)
+               num_stages=stages, **flags)
     return out
 
 
-@triton.jit
-def _value_norm_l2_kernel(v_ptr, f_ptr, out_ptr, H, G, N, D, svb, svh, svn, sfs,
+def _native(values: torch.Tensor, o_proj: torch.Tensor) -> bool:
+    """The L1 kernel multiplies fp16/bf16 operands of one dtype on the tensor cores (not when interpreting)."""
+    return (not INTERPRET) and values.dtype == o_proj.dtype and values.dtype != torch.float32
+
+
+@triton.jit(do_not_specialize=["C0", "sink", "window"])
+def _value_norm_l2_kernel(v_ptr, f_ptr, out_ptr, s_ptr, m_ptr, h0_ptr, H, G, N, D, svb, svh, svn, sfs,
+                          eps, C0, sink, window,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_C: tl.constexpr, SPLIT_U: tl.constexpr, NATIVE_DOT: tl.constexpr):
+                          BLOCK_C: tl.constexpr, SPLIT_U: tl.constexpr, NATIVE_DOT: tl.constexpr,
+                          HAS_S: tl.constexpr, HAS_FORCED: tl.constexpr, HIST: tl.constexpr,
+                          NB: tl.constexpr, HIST_TILE: tl.constexpr):
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     h = r % H
@@ -217,7 +286,8 @@ def _value_norm_l2_kernel(v_ptr, f_ptr, out_ptr, H, G, N, D, svb, svh, svn, sfs,
                     p = tl.dot(a_lo, f_hi, p, out_dtype=tl.float32)
             sq += tl.sum(p * p, 1)
         acc += tl.sqrt(sq)
-    tl.store(out_ptr + r * N + offs, tl.where(nan | inf, float("nan"), acc * m / G), mask=nmask)
+    _stage2_epilogue(out_ptr, s_ptr, m_ptr, h0_ptr, tl.where(nan | inf, float("nan"), acc * m / G), r, c, offs,
+                     nmask, N, eps, C0, sink, window, BLOCK_N, HAS_S, HAS_FORCED, HIST, NB, HIST_TILE)
 
 
 def _blocks_l2(n: int, d: int):
@@ -286,22 +356,26 @@ def _value_norms_l2_torch(values: torch.Tensor, factors: torch.Tensor) -> torch.
     return out
 
 
-@triton_op("tritonkv::value_norms_l2", mutates_args=())
-def value_norms_l2_op(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+@triton_op("tritonkv::value_norms_l2", mutates_args={"hist0"})
+def value_norms_l2_op(values: torch.Tensor, factors: torch.Tensor, scores: Optional[torch.Tensor] = None,
+                      forced: Optional[torch.Tensor] = None, hist0: Optional[torch.Tensor] = None, eps: float = 0.0,
+                      sink: int = 0, window: int = 0) -> torch.Tensor:
     """The raw L2 op: values ``[B, H, N, d]`` (last dim unit-stride), factors bf16 contiguous
-    ``[2, H_q, d, d]`` (``split_factors(head_factors(W_O, d))``) -> fp32 ``[B, H, N]``."""
+    ``[2, H_q, d, d]`` (``split_factors(head_factors(W_O, d))``) -> fp32 ``[B, H, N]``; ``scores``,
+    ``forced``, ``hist0``, ``eps``, ``sink``, ``window`` as for ``value_norms_op``."""
     if not use_triton(values):
-        return _value_norms_l2_torch(values, factors)
+        return _stage2_torch(_value_norms_l2_torch(values, factors), scores, eps)
     B, H, N, D = values.shape
     G = factors.shape[1] // H
-    out = torch.empty((B, H, N), dtype=torch.float32, device=values.device)
+    out = torch.empty((B, H, N) if scores is None else scores.shape, dtype=torch.float32, device=values.device)
     if B * H * N > 0:
         BLOCK_N, BLOCK_D, BLOCK_K, BLOCK_C, warps = _blocks_l2(N, D)
-        launch(_value_norm_l2_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, factors, out, H, G, N, D,
-               values.stride(0), values.stride(1), values.stride(2), factors.stride(0),
+        args, scalars, flags = _stage2_launch(out, scores, forced, hist0, eps, sink, window, N, BLOCK_N, warps)
+        launch(_value_norm_l2_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, factors, out, *args, H, G, N, D,
+               values.stride(0), values.stride(1), values.stride(2), factors.stride(0), *scalars,
                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
                SPLIT_U=values.dtype != torch.bfloat16,
-               NATIVE_DOT=not INTERPRET, num_warps=warps, num_stages=1)
+               NATIVE_DOT=not INTERPRET, num_warps=warps, num_stages=1, **flags)
     return out
 
 
@@ -317,12 +391,44 @@ def o_proj_weight(o_proj) -> torch.Tensor:
 NORMS = ("l1", "l2")
 
 
-def value_norms(values: torch.Tensor, o_proj, *, norm: str = "l1") -> torch.Tensor:
+#: a norm kernel counts the stage-2 select's first radix pass when its programs hold at least
+#: ``FUSED_MIN_CHUNK`` tokens and a row has at most ``FUSED_MAX_SLOTS`` of them: each program writes one 1 KB
+#: slot, and every program of the select's next pass sums its row's (128 slots: N = 32K at 256 tokens)
+FUSED_MIN_CHUNK = 128
+FUSED_MAX_SLOTS = 128
+
+
+def fused_chunk(values: torch.Tensor, o_proj: torch.Tensor, norm: str) -> Optional[int]:
+    """Tokens per program of the norm kernel that ``value_norms`` would launch when it may also count the
+    stage-2 select's first radix pass (one ``hist0`` slot per program), else None: the PyTorch body, a
+    traced call, programs of fewer than ``FUSED_MIN_CHUNK`` tokens (outside the interpreter) or more than
+    ``FUSED_MAX_SLOTS`` of them a row (the select then counts its own first pass)."""
+    if not use_triton(values) or torch.compiler.is_compiling() or type(values) is not torch.Tensor:
+        return None
+    B, H, N, D = values.shape
+    if norm == "l2":
+        block = _blocks_l2(N, D)[0]
+    else:
+        block = _blocks(N, D, o_proj.shape[0], _native(values, o_proj))[0]
+    if cdiv(N, block) > FUSED_MAX_SLOTS or not (INTERPRET or block >= FUSED_MIN_CHUNK):
+        return None
+    return block
+
+
+def value_norms(values: torch.Tensor, o_proj, *, norm: str = "l1", scores: Optional[torch.Tensor] = None,
+                eps: float = 0.0, forced: Optional[torch.Tensor] = None, protect=None):
     """CriticalKV's n_j = (1/G) Σ_{q∈G(h)} ‖W_O[:, q·d:(q+1)·d] · v_j‖₁, fp32 ``[B, H_kv, N]``.
 
     ``values`` ``[B, H_kv, N, d]``; ``o_proj`` W_O ``[D_model, H_q·d]`` (nn.Linear layout, or the
     module itself) with H_q = G·H_kv: query head q belongs to KV head q // G. ``norm="l2"``: the
     group mean of ‖W_O^q v_j‖₂ instead, through the per-head Gram matrices (module docstring).
+
+    CriticalKV's stage 2, in the same kernel: ``scores`` (the base scores s, fp32, B·H_kv·N elements,
+    contiguous) returns (s + ``eps``)·n_j instead, shaped like them, and ``protect=(sink, window)`` returns
+    ``(stage-2 scores, hist0)``, ``hist0`` the shared select's first radix pass over them with those tokens
+    and the tokens of ``forced`` (a bool or uint8 mask of B·H_kv·N elements, such as the stage-1 selection)
+    protected: a ``select.Hist0`` for ``select_kv(..., forced=forced, hist0=)``, or None where the kernel
+    does not count it (``fused_chunk``).
     """
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -334,6 +440,35 @@ def value_norms(values: torch.Tensor, o_proj, *, norm: str = "l1") -> torch.Tens
                          f"and d = {D}, got {tuple(w.shape)} {w.dtype}")
     if w.device != values.device:
         raise ValueError(f"o_proj must be on the device of values ({values.device}), got {w.device}")
-    if norm == "l2":
-        return value_norms_l2_op(row_major(values), split_factors(head_factors(w, D)))
-    return value_norms_op(row_major(values), w.detach())
+    s = None if scores is None else _stage2_input("scores", scores, values, (torch.float32,))
+    f = None if forced is None else _stage2_input("forced", forced, values, (torch.bool, torch.uint8))
+    if f is not None and (s is None or protect is None):
+        raise ValueError("forced is read only with scores and protect (the stage-2 select's first radix pass)")
+    h0 = None
+    if protect is not None:
+        if s is None:
+            raise ValueError("protect needs scores: the first radix pass is counted over the stage-2 scores")
+        chunk = fused_chunk(values, w, norm)
+        if chunk is not None and B * H * N > 0:
+            h0 = Hist0(hist0_buffer(B * H, cdiv(N, chunk), values.device), *protect, forced)
+    if f is not None and f.dtype == torch.bool:
+        f = f.view(torch.uint8)
+    op, second = (value_norms_l2_op, split_factors(head_factors(w, D))) if norm == "l2" else (value_norms_op,
+                                                                                               w.detach())
+    out = op(row_major(values), second, s, None if h0 is None else f, None if h0 is None else h0.hist, float(eps),
+             *((h0.sink, h0.window) if h0 else (0, 0)))
+    return out if protect is None else (out, h0)
+
+
+def _stage2_input(name: str, t, values: torch.Tensor, dtypes: tuple) -> torch.Tensor:
+    """``scores``/``forced`` of ``value_norms`` checked: a contiguous tensor of one of ``dtypes`` with B·H·N
+    elements on the device of ``values``."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        raise TypeError(f"{name} must be a tensor of {' or '.join(str(d) for d in dtypes)}, "
+                        f"got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.numel() != values.shape[0] * values.shape[1] * values.shape[2] or not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous with B * H_kv * N = {values.shape[:3].numel()} elements, "
+                         f"got {tuple(t.shape)}")
+    if t.device != values.device:
+        raise ValueError(f"{name} must be on the device of values ({values.device}), got {t.device}")
+    return t

@@ -159,5 +159,5 @@ def keydiff_scores(keys: torch.Tensor, *, anchor: str = "normalized", chunk: int
     cfg = token_blocks(keys.shape[2], keys.shape[0] * keys.shape[1], keys.shape[3], chunk)
     h0 = score_hist0(keys, protect, cfg)
     out = keydiff_score_op(keys, anchor == "normalized", chunk, None if h0 is None else h0.hist,
-                           *(h0[1:] if h0 else (0, 0)))
+                           *((h0.sink, h0.window) if h0 else (0, 0)))
     return out if protect is None else (out, h0)

@@ -153,5 +153,5 @@ def knorm_scores(keys: torch.Tensor, *, chunk: int = 0, protect=None):
     keys = row_major(keys)
     cfg = token_blocks(keys.shape[2], keys.shape[0] * keys.shape[1], keys.shape[3], chunk)
     h0 = score_hist0(keys, protect, cfg)
-    out = knorm_score_op(keys, chunk, None if h0 is None else h0.hist, *(h0[1:] if h0 else (0, 0)))
+    out = knorm_score_op(keys, chunk, None if h0 is None else h0.hist, *((h0.sink, h0.window) if h0 else (0, 0)))
     return out if protect is None else (out, h0)

@@ -335,7 +335,7 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, cnt_ptr, N, sink, window, k
             dst = base + (slot + tl.cumsum(keep_i, 0) - keep_i).to(tl.int64)
             tl.store(idx_ptr + dst, offs.to(tl.int64), mask=keep)
             if WRITE_MASK:
-                tl.store(mask_ptr + r * N + offs, keep.to(tl.int8), mask=mask)
+                tl.store(mask_ptr + r * N + offs, keep.to(mask_ptr.dtype.element_ty), mask=mask)
             slot += tl.sum(keep_i, 0)
             eq_seen += tl.sum(eq, 0)
         if HAS_KV:  # the kept rows, dense: their indices were just written by this program
@@ -395,34 +395,65 @@ def hist0_buffer(rows: int, chunks: int, device) -> torch.Tensor:
 class Hist0(NamedTuple):
     """The select's first radix pass over a row's scores, made by the kernel that wrote them: the
     int32 ``[R, 1 + C0, NB]`` slots (``hist0_of_chunk``) and the protection they were counted with.
-    Pass it to ``select_kv(..., hist0=)`` with those very scores, the same sink and window and no
-    ``forced`` tokens; it may serve any number of such selects (in stream order)."""
+    Pass it to ``select_kv(..., hist0=)`` with those very scores, the same sink and window and the
+    same ``forced`` tokens (None: none; else that very tensor); it may serve any number of such
+    selects (in stream order)."""
 
     hist: torch.Tensor
     sink: int
     window: int
+    forced: Optional[torch.Tensor] = None
+
+
+def workspace(rows: int, n: int, device, chunk: Optional[int] = None) -> tuple:
+    """Scratch of the select's finish and tail passes over ``rows`` x ``n`` scores (``chunk`` as given to the
+    selects): ``(p1 int32 [rows, C, NB], cnt int32 [rows, C + 1, 2], cand int32 [rows, n])``, C its programs a
+    row. Any number of such selects may share it (``select_kv(..., work=)``, ``keep_mask``), one after another
+    in stream order: each writes what it reads before reading it."""
+    C = cdiv(n, _blocks(n, rows, chunk)[0])
+    return (torch.empty((rows, C, NB), dtype=torch.int32, device=device),
+            torch.empty((rows, C + 1, 2), dtype=torch.int32, device=device),
+            torch.empty((rows, n), dtype=torch.int32, device=device))
+
+
+def _work_args(work, rows: int, n: int, chunk: int) -> tuple:
+    """``select_into``'s ``(work_p1, work_cnt, work_cand)`` from a ``workspace`` (or None), checked by shape."""
+    if work is None:
+        return None, None, None
+    C = cdiv(n, _blocks(n, rows, chunk or None)[0])
+    want = ((rows, C, NB), (rows, C + 1, 2), (rows, n))
+    if (not isinstance(work, tuple) or len(work) != 3 or any(not isinstance(t, torch.Tensor) for t in work)
+            or tuple(tuple(t.shape) for t in work) != want or any(t.dtype != torch.int32 for t in work)):
+        raise ValueError(f"work must be select.workspace({rows}, {n}, device) (int32 {want}), got "
+                         f"{[tuple(getattr(t, 'shape', ())) for t in work] if isinstance(work, tuple) else work!r}")
+    return work
 
 
 @triton_op("tritonkv::select_into",
-           mutates_args={"out_idx", "out_lengths", "out_mask", "out_keys", "out_values", "hist0"})
+           mutates_args={"out_idx", "out_lengths", "out_mask", "out_keys", "out_values", "hist0", "work_p1",
+                         "work_cnt", "work_cand"})
 def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: Optional[torch.Tensor],
                 keys: Optional[torch.Tensor], values: Optional[torch.Tensor], out_start: Optional[torch.Tensor],
                 out_idx: torch.Tensor, out_lengths: torch.Tensor, out_mask: Optional[torch.Tensor],
                 out_keys: Optional[torch.Tensor], out_values: Optional[torch.Tensor], hist0: Optional[torch.Tensor],
-                sink: int, window: int, k_max: int, budget: int, full_rows: bool, chunk: int) -> None:
+                sink: int, window: int, k_max: int, budget: int, full_rows: bool, chunk: int,
+                work_p1: Optional[torch.Tensor] = None, work_cnt: Optional[torch.Tensor] = None,
+                work_cand: Optional[torch.Tensor] = None) -> None:
     """The raw op. ``None`` means "absent" for every optional tensor.
 
     scores fp32 [R, N] contiguous; budgets int32 [R], or None: every row's budget is the int
     ``budget``; forced uint8 [R, N]; keys/values [B, H, N, D] (last dim unit-stride); out_start
     int64 [R] (first slot of each row in the outputs), or None: the padded layout, row r at
-    ``r·k_max``; out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 [R, N]; out_keys/out_values
+    ``r·k_max``; out_idx int64 [T]; out_lengths int32 [R]; out_mask int8 or uint8 [R, N]; out_keys/out_values
     [T, D] (contiguous; the outputs may come in any shape of as many elements, such as [B, H, k_max, D]).
     ``hist0``: None, or the int32 ``[R, 1 + C0, NB]`` first radix pass of these scores with
-    these sink/window and no forced tokens (``hist0_of_chunk``; its ticket word is used and reset).
+    these sink/window and forced tokens (``hist0_of_chunk``; its ticket word is used and reset).
     ``full_rows``: a static promise that the outputs are the padded layout (``out_start[r] =
     r·k_max``, ``T = R·k_max``) and every row keeps ``k_max <= N`` tokens (budgets >= k_max); the
     PyTorch body then gathers straight into the outputs, and the kernels copy protected rows directly
-    when they are all that is kept. CPU tensors run ``_select_torch`` (outside the Triton interpreter).
+    when they are all that is kept. ``work_p1``/``work_cnt``/``work_cand``: the finish and tail passes'
+    scratch (``workspace``; allocated here when None or shaped for another chunk, unused by the PyTorch
+    body). CPU tensors run ``_select_torch`` (outside the Triton interpreter).
     """
     R, N = scores.shape
     dev = scores.device
@@ -465,9 +496,10 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
         hist0 = hist0_buffer(R, C, dev)
         launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=pt, NB=NB,
                HAS_FORCED=forced is not None)
-    p1 = torch.empty((R, C, NB), dtype=torch.int32, device=dev)  # pass-1 slots, then the tail's pass-2 slots
-    cnt = torch.empty((R, C + 1, 2), dtype=torch.int32, device=dev)
-    cand = torch.empty((R, N), dtype=torch.int32, device=dev)  # the tail's candidates (indices), at most N a row
+    # pass-1 slots, then the tail's pass-2 slots; the row's state; the tail's candidates (indices), at most N a row
+    p1, cnt, cand = work_p1, work_cnt, work_cand
+    if p1 is None or p1.shape != (R, C, NB) or cnt.shape != (R, C + 1, 2) or cand.shape != (R, N):
+        p1, cnt, cand = workspace(R, N, dev, CHUNK)
     launch(_select_finish_kernel, (C, R), scores, f, b, hist0, hist0.shape[1] - 1, p1, cnt, N, sink, window, kb,
            CHUNK, TILE=pt, NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
     launch(_select_tail_kernel, (C, R), scores, f, hist0, hist0.shape[1] - 1, p1, cnt, cand, N, sink, window, CHUNK,
@@ -650,8 +682,10 @@ def _scores_2d(scores: torch.Tensor) -> torch.Tensor:
         raise ValueError("scores must be a [R, N] or [B, H, N] tensor")
     if not scores.dtype.is_floating_point:
         raise TypeError(f"scores must be a float tensor (higher = keep), got {scores.dtype}")
-    rows = scores.numel() // scores.shape[-1] if scores.shape[-1] else math.prod(scores.shape[:-1])  # N = 0 too
-    return scores.reshape(rows, scores.shape[-1]).to(torch.float32).contiguous()
+    if scores.dim() == 3:
+        rows = scores.numel() // scores.shape[-1] if scores.shape[-1] else math.prod(scores.shape[:-1])  # N = 0 too
+        scores = scores.reshape(rows, scores.shape[-1])
+    return scores.to(torch.float32).contiguous()
 
 
 def _forced_2d(forced, shape, device) -> Optional[torch.Tensor]:
@@ -663,7 +697,9 @@ def _forced_2d(forced, shape, device) -> Optional[torch.Tensor]:
     if forced.numel() != shape[0] * shape[1]:
         raise ValueError(f"forced must have the shape of scores {tuple(shape)}, got {tuple(forced.shape)}")
     check_device("forced", forced, device, "scores", cpu_ok=True)
-    return forced.reshape(shape).to(device=device, dtype=torch.uint8).contiguous()
+    if forced.shape != shape:
+        forced = forced.reshape(shape)
+    return forced.to(device=device, dtype=torch.uint8).contiguous()
 
 
 def _static_args(k_max, chunk) -> int:
@@ -723,12 +759,42 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
 
 def select_mask(scores, budgets, *, sink: int = 0, window: int = 0, forced=None, chunk: Optional[int] = None):
     """Bool keep-mask shaped like ``scores`` (for allocators and score transforms)."""
-    n = scores.shape[-1]
-    return select_indices(scores, budgets, n, sink=sink, window=window, forced=forced, with_mask=True, chunk=chunk)[2]
+    mask = keep_mask(scores, budgets, sink=sink, window=window, forced=forced, chunk=chunk)
+    return mask.view(scores.shape).view(torch.bool)  # 0/1 bytes: no copy
+
+
+def keep_mask(scores, budgets, *, sink: int = 0, window: int = 0, forced=None, chunk: Optional[int] = None,
+              hist0: Optional[Hist0] = None, work: Optional[tuple] = None) -> torch.Tensor:
+    """uint8 keep-mask ``[R, N]`` (1 = kept) of the select of ``budgets`` tokens a row, as the ``forced`` tokens
+    of a further select (a two-stage selection): ``select_mask``'s bytes, with no index of its own returned.
+    ``hist0``, ``work``: as for ``select_kv``."""
+    s = _scores_2d(scores)
+    R, N = s.shape
+    dev = s.device
+    _static_args(N, chunk)
+    check_protected(budgets, N, N, sink, window)
+    b, bi = _budget_args(budgets, R, dev)
+    k_max = min(bi, N) if b is None else N  # the output capacity a row needs (its indices are not kept)
+    full = _full_rows(budgets, N, k_max)
+    work = _work_args(work, R, N, chunk)
+    if work[0] is None or not use_triton(s):  # the indices and lengths written where kept, never read back
+        idx = torch.empty(R * k_max, dtype=torch.int64, device=dev)
+        lengths = torch.empty(R, dtype=torch.int32, device=dev)
+    else:  # ... into the workspace's candidates and pass-1 slots, which the compaction does not read (int32)
+        idx, lengths = work[2], work[0]
+    mask = torch.empty((R, N), dtype=torch.uint8, device=dev)
+    h0 = _hist0_arg(hist0, R, sink, window, forced)
+    if N > 0 and R > 0:
+        select_into(s, b, _forced_2d(forced, (R, N), dev), None, None, None, idx, lengths, mask, None, None, h0, sink,
+                    window, k_max, bi, full, chunk or 0, work_p1=work[0], work_cnt=work[1], work_cand=work[2])
+    else:
+        mask.zero_()
+    return mask
 
 
 def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, window: int = 0, forced=None,
-              out: Optional[Out] = None, chunk: Optional[int] = None, hist0: Optional[Hist0] = None):
+              out: Optional[Out] = None, chunk: Optional[int] = None, hist0: Optional[Hist0] = None,
+              work: Optional[tuple] = None):
     """Select and gather K/V.
 
     ``scores`` fp32 ``[B, H, N]``; ``keys``/``values`` ``[B, H, N, D]``; ``budgets`` an int or int32
@@ -738,8 +804,9 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
     int32 [B,H])``; rows kept shorter than ``k_max`` are zero-padded (indices -1). With ``out``:
     writes row r at ``out.start[r]`` of the flattened ``out`` tensors and returns ``out``.
     ``hist0``: the first radix pass of these scores made by their scoring kernel (a ``Hist0``, with
-    this sink and window and no ``forced``; a ValueError otherwise): the select then runs one launch
-    fewer. The kept tokens are the same either way.
+    this sink and window and the same ``forced``; a ValueError otherwise): the select then runs one launch
+    fewer. ``work``: the scratch of its passes (``workspace(B*H, N, device, chunk)``), shared with other
+    selects of that size (none allocated here). The kept tokens are the same either way.
     """
     check_kv_tensor("keys", keys)
     check_kv_tensor("values", values)
@@ -772,9 +839,11 @@ def select_kv(scores, budgets, keys, values, k_max: int, *, sink: int = 0, windo
     else:
         dst = out
     h0 = _hist0_arg(hist0, R, sink, window, forced)
+    p1, cnt, cand = _work_args(work, R, N, chunk)
     if N > 0 and R > 0:
         select_into(s, b, _forced_2d(forced, (R, N), dev), keys, values, dst.start, dst.indices, dst.lengths,
-                    None, dst.keys, dst.values, h0, sink, window, k_max, bi, full, chunk or 0)
+                    None, dst.keys, dst.values, h0, sink, window, k_max, bi, full, chunk or 0, work_p1=p1,
+                    work_cnt=cnt, work_cand=cand)
     else:
         dst.lengths.zero_()
     if out is not None:
@@ -791,8 +860,10 @@ def _hist0_arg(hist0, rows: int, sink: int, window: int, forced) -> Optional[tor
     h = hist0.hist
     if h.dtype != torch.int32 or h.dim() != 3 or h.shape[0] != rows or h.shape[1] < 2 or h.shape[2] != NB:
         raise ValueError(f"hist0.hist must be int32 [{rows}, 1 + chunks, {NB}], got {h.dtype} {tuple(h.shape)}")
-    if forced is not None or (hist0.sink, hist0.window) != (sink, window):
-        raise ValueError(f"hist0 was counted with sink {hist0.sink}, window {hist0.window} and no forced tokens; "
-                         f"this select has sink {sink}, window {window}"
-                         + (" and forced tokens" if forced is not None else ""))
+    if forced is not hist0.forced or (hist0.sink, hist0.window) != (sink, window):
+        counted = "no forced tokens" if hist0.forced is None else "its forced tokens"
+        given = "no forced tokens" if forced is None else ("other forced tokens" if hist0.forced is not None
+                                                           else "forced tokens")
+        raise ValueError(f"hist0 was counted with sink {hist0.sink}, window {hist0.window} and {counted}; "
+                         f"this select has sink {sink}, window {window} and {given}")
     return h

@@ -317,7 +317,7 @@ def _config(N: int, G: int, W: int, D: int, chunk: int) -> dict:
 TORCH_BLOCK = 1 << 25
 
 
-def row_weights(queries: torch.Tensor, attn_lse: torch.Tensor, N: int, H: int, row_reduce: str,
+def row_weights(queries: torch.Tensor, attn_lse: Optional[torch.Tensor], N: int, H: int, row_reduce: str,
                 head_reduce: str) -> torch.Tensor:
     """fp32 ``[B, H_q, W]``: each query row's weight in u, the row and head reductions folded in.
 
@@ -327,7 +327,7 @@ def row_weights(queries: torch.Tensor, attn_lse: torch.Tensor, N: int, H: int, r
     by the heads with a row left in (``"max"``: no division). All rows finite: 1/(W·G) (``"sum"``: 1/G)."""
     B, Hq, W = queries.shape[:3]
     ok = torch.isfinite(queries).all(-1)
-    if attn_lse.numel() > 0:
+    if attn_lse is not None and attn_lse.numel() > 0:
         ok &= torch.isfinite(attn_lse) | (torch.arange(N - W, N, device=queries.device) < 0)
     w = ok.to(torch.float32)
     rows = w.sum(-1, keepdim=True)  # [B, H_q, 1] rows left in
@@ -458,19 +458,20 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
 
 
 @triton_op("tritonkv::window_attention_score", mutates_args={"hist0"})
-def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: torch.Tensor, values: torch.Tensor,
-                        scale: float, kernel_size: int, pool: str, row_reduce: str, head_reduce: str,
-                        chunk: int, hist0: Optional[torch.Tensor] = None, sink: int = 0,
+def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Optional[torch.Tensor],
+                        values: torch.Tensor, scale: float, kernel_size: int, pool: str, row_reduce: str,
+                        head_reduce: str, chunk: int, hist0: Optional[torch.Tensor] = None, sink: int = 0,
                         window: int = 0) -> torch.Tensor:
     """The raw op: keys ``[B, H, N, D]``, queries ``[B, G·H, W, D]`` (last dims unit-stride),
-    ``attn_lse`` ``[B, G·H, W]`` or empty (computed here), ``values`` ``[B, H, N, D_v]`` (last dim
+    ``attn_lse`` ``[B, G·H, W]``, or None or empty (computed here), ``values`` ``[B, H, N, D_v]`` (last dim
     unit-stride) or empty (not read) -> fp32 ``[B, H, N]``. ``chunk``: keys per program (0 =
     automatic); it changes the grid, not the result beyond rounding. ``hist0``: None, or the int32
     ``[B·H, 1 + pool_chunks(N), NB]`` that the pooling kernel fills with the select's first radix
     pass (``sink``/``window`` protected); only with pooling, and left alone by the PyTorch body."""
     if not use_triton(keys):
-        return _window_attention_torch(keys, queries, attn_lse, values, scale, kernel_size, pool, row_reduce,
-                                       head_reduce)
+        lse = attn_lse if attn_lse is not None else torch.empty(0, dtype=torch.float32, device=keys.device)
+        return _window_attention_torch(keys, queries, lse, values, scale, kernel_size, pool, row_reduce, head_reduce)
+    given = attn_lse is not None and attn_lse.numel() > 0
     B, H, N, D = keys.shape
     Hq, W = queries.shape[1], queries.shape[2]
     G = Hq // H
@@ -488,7 +489,7 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
     kq = (H, G, N, W, D, keys.stride(0), keys.stride(1), keys.stride(2),
           queries.stride(0), queries.stride(1), queries.stride(2),
           vt.shape[3], vt.stride(0), vt.stride(1), vt.stride(2))
-    if attn_lse.numel() > 0:
+    if given:
         lse, NC = attn_lse, 1
         lstr = (attn_lse.stride(0), G * attn_lse.stride(1), 0, attn_lse.stride(1), attn_lse.stride(2))
     else:
@@ -500,7 +501,7 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: tor
     hoist = G <= cfg["GB"] and W <= cfg["BW"]  # one row block: the kernel derives the row weights itself
     w = out if hoist else row_weights(queries, attn_lse, N, H, row_reduce, head_reduce)
     launch(_window_score_kernel, (C, R), keys, queries, vt, lse, u, *kq, *lstr, NC, w, scale,
-           GROUP_MAX=head_reduce == "max", HOIST=hoist, HAS_LSE=attn_lse.numel() > 0,
+           GROUP_MAX=head_reduce == "max", HOIST=hoist, HAS_LSE=given,
            ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max", **common)
     if pooled:
         block = _pool_block(N)
@@ -566,9 +567,7 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
             raise ValueError(f"values must be [B={B}, H_kv={H}, N={N}, D_v] on {keys.device} like the keys, "
                              f"got {tuple(values.shape)} on {values.device}")
         values = row_major(values)
-    if attn_lse is None:
-        attn_lse = torch.empty(0, dtype=torch.float32, device=keys.device)
-    else:
+    if attn_lse is not None:
         if not isinstance(attn_lse, torch.Tensor) or not attn_lse.dtype.is_floating_point:
             raise TypeError(f"attn_lse must be a float tensor, got {getattr(attn_lse, 'dtype', type(attn_lse))}")
         if tuple(attn_lse.shape) != tuple(queries.shape[:3]):
@@ -591,5 +590,5 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
     out = window_attention_op(row_major(keys), row_major(queries), attn_lse, values, float(scale), kernel_size,
                               _choice("pool", pool, POOLS), _choice("row_reduce", row_reduce, ROW_REDUCE),
                               head_reduce, int(chunk), None if h0 is None else h0.hist,
-                              *(h0[1:] if h0 else (0, 0)))
+                              *((h0.sink, h0.window) if h0 else (0, 0)))
     return out if protect is None else (out, h0)

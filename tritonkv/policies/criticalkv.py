@@ -11,9 +11,10 @@ AdaKV)::
 
 as a score transform over the shared select kernel: a selection with budget |P| + ⌊α·b⌋ on s
 marks S1, then a selection with the row budgets on (s + ε)·n keeps S1 forced like protected
-tokens. ⌊α·b⌋ is computed on the device from the budgets tensor (as ⌊α·b + 10⁻⁶⌋ in float64, the
-library's rounding of fractional budgets, so that 0.29·100 gives 29). α = 1 is the base
-selection, α = 0 pure (s + ε)·n selection.
+tokens. ⌊α·b⌋ is ⌊α·b + 10⁻⁶⌋ in float64 (the library's rounding of fractional budgets, so that
+0.29·100 gives 29), on the host for one int budget, else on the device from the budgets tensor. The
+norm kernel writes (s + ε)·n and the stage-2 select's first radix pass; a window-attention base's
+pooling kernel counts stage 1's. α = 1 is the base selection, α = 0 pure (s + ε)·n selection.
 
 α applies to the selectable part (the AdaKV-codebase convention), not to the whole budget as in
 kvpress; the two differ when the window is comparable to α·k.
@@ -42,6 +43,7 @@ from typing import ClassVar
 import torch
 
 from ..kernels import select as _select
+from ..kernels._common import use_triton
 from ..kernels.critical import NORMS, value_norms
 from .base import Policy, register_policy
 from .snapkv import WindowAttentionPolicy
@@ -133,21 +135,41 @@ class CriticalKV(Policy):
             keys = torch.where(torch.isfinite(values).all(-1, keepdim=True), keys, float("nan"))
         return self.base.score(keys, values, **inputs)
 
+    def score_and_hist0(self, keys: torch.Tensor, values: torch.Tensor, *, sink: int, window: int, **inputs):
+        """The base scores and, where the base's kernels count it (a window-attention base), the stage-1
+        select's first radix pass over them (``select(..., hist0=)``)."""
+        if isinstance(self.base, WindowAttentionPolicy):  # its kernels read the values with the keys
+            return self.base.score_and_hist0(keys, values, sink=sink, window=window, read_values=True, **inputs)
+        return self.score(keys, values, **inputs), None
+
     def stage1_budgets(self, budgets: torch.Tensor, protected: int) -> torch.Tensor:
         """|P| + ⌊α·b⌋ per row, b = budget − |P| (int32, on the device)."""
         sel = (budgets.to(torch.float64) - protected).clamp(min=0)
         return (protected + torch.floor(sel * self.alpha + 1e-6)).to(torch.int32)
 
+    def stage1_budget(self, budget: int, protected: int) -> int:
+        """``stage1_budgets`` of one budget for every row, on the host (the same float64 arithmetic)."""
+        return protected + math.floor(max(budget - protected, 0) * self.alpha + 1e-6)
+
     def select(self, scores, budgets, keys, values, *, sink: int, window: int, k_max: int, out=None,
-               forced=None, o_proj=None, **inputs):
-        """Two-stage selection through the shared kernel (see the module docstring)."""
+               forced=None, o_proj=None, hist0=None, **inputs):
+        """Two-stage selection through the shared kernel (see the module docstring). ``hist0``: the first
+        radix pass of ``scores`` from ``score_and_hist0``, which serves stage 1 (it has no ``forced`` tokens)."""
         if o_proj is None:
             raise ValueError("criticalkv needs the input o_proj: the output projection weight W_O "
                              "[D_model, H_q * D] (nn.Linear layout)")
-        b = row_budgets(budgets, scores, k_max)
-        s = scores.to(torch.float32)
-        # ``forced`` tokens count as protected in both stages
-        stage1 = _select.select_mask(s, self.stage1_budgets(b, sink + window), sink=sink, window=window,
-                                     forced=forced)
-        s2 = (s + self.eps) * value_norms(values, o_proj, norm=self.norm)
-        return _select.select_kv(s2, budgets, keys, values, k_max, sink=sink, window=window, forced=stage1, out=out)
+        s = _select._scores_2d(scores)  # fp32 [R, N], as both selects read it
+        R, n = s.shape
+        if isinstance(budgets, int) and not isinstance(budgets, bool):  # one budget: stage 1's is a host int
+            b1 = self.stage1_budget(max(min(budgets, n, max(k_max, 0)), 0), sink + window)
+        else:
+            b1 = self.stage1_budgets(row_budgets(budgets, scores, k_max), sink + window)
+        # one scratch for both selects (the PyTorch bodies need none)
+        work = _select.workspace(R, n, s.device) if R * n > 0 and use_triton(s) else None
+        # ``forced`` tokens count as protected in stage 1, the stage-1 tokens (the forced ones among them) in stage 2
+        stage1 = _select.keep_mask(s, b1, sink=sink, window=window, forced=forced, hist0=hist0, work=work)
+        # the norm kernel writes (s + ε)·n and counts stage 2's first radix pass (stage-1 tokens protected)
+        s2, h2 = value_norms(values, o_proj, norm=self.norm, scores=s, eps=self.eps, forced=stage1,
+                             protect=(sink, window))
+        return _select.select_kv(s2, budgets, keys, values, k_max, sink=sink, window=window, forced=stage1, out=out,
+                                 hist0=h2, work=work)
