@@ -522,6 +522,37 @@ def test_score_table_at_the_sequence_length_fits_the_row():
             assert int(out.max()) <= N and int(out.sum()) == min(H * N, int(table[l]))
 
 
+@both_backends
+def test_score_head_means_as_a_list_is_cached_per_object(backend):
+    """Head means given as a list of per-layer tensors allocate as the stacked tensor does; the layer totals are
+    computed once for those objects (no read-back per call) and again after an in-place change or a new element."""
+    from tritonkv.allocation import base
+
+    g = torch.Generator().manual_seed(5)
+    L, B, H, N = 4, 2, 3, 40
+    m = head_means(torch.rand(L, B, 2 * H, 5, 30, generator=g))
+    keys = torch.randn(B, H, N, 8, generator=g)
+    items = list(m.clone())
+
+    def run(hm, layer):
+        out = tritonkv.compress((keys, keys), "knorm", 0.3, allocation="score", layer=layer, head_means=hm)
+        return out.lengths
+
+    with on_backend(backend):
+        for layer in range(L):
+            assert torch.equal(run(items, layer), run(m, layer)), layer
+        cached = len(base._MEMO)
+        run(items, 1)
+        assert len(base._MEMO) == cached  # a hit: nothing recomputed
+        items[2].mul_(torch.rand(B, 2 * H, 30, generator=g))  # in place: a new version
+        m2 = torch.stack(items)
+        for layer in range(L):
+            assert torch.equal(run(items, layer), run(m2, layer)), layer
+        items[0] = torch.flip(items[0], (1,))  # a new object in the list
+        m3 = torch.stack(items)
+        assert torch.equal(run(items, 0), run(m3, 0))
+
+
 def test_layer_budgets_adds_protected_tokens():
     from tritonkv.api import layer_budgets
 

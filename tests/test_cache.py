@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from aot import assert_compiles
-from reference.cache import Rows
+from reference.cache import Rows, layout as ref_layout
 from reference.select import select as ref_select
-from tritonkv.cache import RaggedKV, ragged_append
+from tritonkv.cache import LAYOUT_BLOCK, RaggedKV, ragged_append, ragged_layout
 from tritonkv.policies.base import Policy
 from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
 
@@ -409,6 +409,47 @@ def test_from_kept_searches_in_several_steps(backend, monkeypatch):
             model.append(k[:, :, 0].double().cpu().numpy(), v[:, :, 0].double().cpu().numpy())
             _layout_ok(c)
     _same_as_model(c, model)
+
+
+@both_backends
+@settings(max_examples=40, deadline=None)
+@given(R=st.integers(0, 70), k_max=st.integers(0, 40), slack=st.integers(0, 20), align=st.sampled_from([1, 2, 16]),
+       room=st.floats(0.0, 1.2), seed=st.integers(0, 2**31 - 1))
+def test_layout_from_device_budgets(backend, R, k_max, slack, align, room, seed):
+    """Rows laid out on the device from budget tensors (negative, above k_max), with a total capacity that may cut
+    rows short: the oracle's starts and lengths."""
+    rng = np.random.default_rng(seed)
+    budgets = rng.integers(-3, k_max + 5, R)
+    T = max(int(room * R * (k_max + slack + align)), 1)
+    with on_backend(backend):
+        row_start, length, nxt = ragged_layout(torch.from_numpy(budgets).to(torch.int32), k_max, slack, align, T, 77)
+    want_start, want_length = ref_layout(budgets, k_max, slack, align, T)
+    assert row_start.dtype == torch.int64 and length.dtype == torch.int32 and nxt.dtype == torch.int64
+    np.testing.assert_array_equal(row_start.numpy(), want_start)
+    np.testing.assert_array_equal(length.numpy(), want_length)
+    np.testing.assert_array_equal(nxt.numpy(), np.full(R, 77))
+
+
+@both_backends
+def test_layout_over_several_blocks(backend):
+    """More rows than one step of the layout kernel: the running sum carries over."""
+    R = 2 * LAYOUT_BLOCK + 37
+    budgets = np.random.default_rng(0).integers(0, 30, R)
+    with on_backend(backend):
+        row_start, length, nxt = ragged_layout(torch.from_numpy(budgets).to(torch.int32), 25, 16, 16, 30 * R, 9)
+    want_start, want_length = ref_layout(budgets, 25, 16, 16, 30 * R)
+    np.testing.assert_array_equal(row_start.numpy(), want_start)
+    np.testing.assert_array_equal(length.numpy(), want_length)
+    assert (nxt == 9).all()
+
+
+def test_layout_kernel_compiles_ahead_of_time():
+    sig = {"b_ptr": "*i32", "start_ptr": "*i64", "len_ptr": "*i32", "next_ptr": "*i64", "R": "i32", "k_max": "i32",
+           "slack": "i32", "align": "i32", "T": "i64", "N": "i32", "BLOCK_R": "constexpr"}
+    assert_compiles({"module": "tritonkv.cache", "kernel": "_ragged_layout_kernel", "signature": sig,
+                     "constexprs": {"BLOCK_R": 1024}},
+                    {"module": "tritonkv.cache", "kernel": "_ragged_layout_kernel",
+                     "signature": dict(sig, T="i32", N="i64"), "constexprs": {"BLOCK_R": 16}})
 
 
 def test_from_kept_kernel_compiles_ahead_of_time():

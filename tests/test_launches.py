@@ -129,6 +129,8 @@ def _allocated_cases():
         "knorm+surfacelogic": ("knorm", "surfacelogic", dict(layer=3, profile=torch.rand(6, H, generator=g))),
         "knorm+score": ("knorm", "score", dict(layer=3, head_means=head_means(torch.rand(6, B, H * G, 5, N,
                                                                                           generator=g)))),
+        "knorm+score list": ("knorm", "score", dict(layer=2, head_means=list(head_means(torch.rand(
+            6, B, H * G, 5, N, generator=g))))),
     }
 
 
@@ -148,15 +150,20 @@ ALLOCATED = {
     # per-head host tables: the budgets and row starts copied from cached device tensors
     "knorm+headkv": (["_knorm_kernel", *SELECT[1:]], ["clone", "full", "clone", "full"]),
     "knorm+surfacelogic": (["_knorm_kernel", *SELECT[1:]], ["clone", "full", "clone", "full"]),
+    # SCORE: the layer's global top-B_l (its mask), the head budgets from it in one launch, the rows laid out from
+    # them in one more, the per-head select (its first pass counted by the scoring kernel); positions -1
+    "knorm+score": (["_knorm_kernel", *SELECT, "_score_heads_kernel", "_ragged_layout_kernel", *SELECT[1:]],
+                    ["full"]),
 }
 
 
 def test_allocated_compress_never_syncs():
     """``compress`` with an allocator reads no device value back once its model-level tables are computed: the
     RaggedKV is sized from host ints (AdaKV: ``H·(b + sink + window)`` per batch row; host tables: their values;
-    SCORE: its layer totals, read back once per ``head_means`` tensor; AdaKV's paper mode: a static bound), so the
-    call can be captured in a CUDA graph. The launches are those of ``ALLOCATED`` (SnapKV + AdaKV: 10 Triton
-    launches and no torch op; the dense SnapKV: 5)."""
+    SCORE: its layer totals, read back once per ``head_means`` tensor or list of tensors; AdaKV's paper mode: a
+    static bound), so the call can be captured in a CUDA graph. The launches are those of ``ALLOCATED`` (SnapKV +
+    AdaKV: 10 Triton launches and no torch op; the dense SnapKV: 5; Knorm + SCORE: 10 launches and 1 torch op, where
+    its head budgets and ragged layout took some 145 torch ops)."""
     keys, values, cases = _allocated_cases()
     dense, ops, _ = dry(lambda: tritonkv.compress((keys, values), "snapkv", 0.25, **cases["snapkv+adakv"][2]))
     assert len(ALLOCATED["snapkv+adakv"][0]) <= 2 * (len(dense) + len(ops))  # 10 <= 2 x 5

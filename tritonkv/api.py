@@ -423,8 +423,8 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs):
       (``RaggedKV.from_kept``) with no further selection;
     * budgets from the device: ``select`` with the budget tensor into storage of the allocator's static total
       (``Allocator.bound``: AdaKV exactly, its paper mode a bound, SCORE from its layer totals read back once per
-      ``head_means`` tensor); without one (a custom allocator, SCORE's ``head_means`` as a list) the total and
-      the longest row are read back once.
+      ``head_means`` tensor or list); without one (a custom allocator) the total and the longest row are read back
+      once.
 
     Tensor parallel: each rank's rows, and the layer's longest row (``TPRaggedKV.extra``) so that a later padded
     view spans the same N on every rank; from host tables, or read back once for AdaKV and SCORE."""
@@ -473,7 +473,9 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs):
         if kept is not None:
             return RaggedKV.from_kept(kept.indices, keys, values, longest=kept.longest)
     plan = alloc.plan(ctx, scores, **rest)
-    budgets = plan.local.to(torch.int32) + p
+    budgets = plan.local.to(torch.int32)
+    if p:
+        budgets = budgets + p
     R = budgets.numel()
     if tp is None:
         if plan.total is None:  # only the device knows the sum: one read-back of two ints

@@ -16,10 +16,11 @@ static upper bound on the number of kept tokens of the layer (the allocator's to
 ``total`` it uses ``R·k_max`` (every row full), which is safe but frees no memory. A wrong (too
 small) ``total`` cannot write out of bounds: rows past ``T_cap`` keep fewer tokens. Budgets given as
 host ints (a tuple) lay the rows out on the host, and one int budget puts row r at ``r·cap``: both
-exact, with nothing counted on the device. ``from_kept`` copies tokens already chosen (AdaKV's winners,
-the same count in every batch row) with ``T_cap = B·K + R·slack``, the starts and lengths computed on
-the device. Host reads happen only in ``repack`` (when some row is full), ``to_padded()`` without
-``cap``, and ``check()``.
+exact, with nothing counted on the device. A budget tensor is laid out on the device in one launch
+(``ragged_layout``: the rows' starts as a running sum of their capacities, clamped at ``T_cap``).
+``from_kept`` copies tokens already chosen (AdaKV's winners, the same count in every batch row) with
+``T_cap = B·K + R·slack``, the starts and lengths computed on the device. Host reads happen only in
+``repack`` (when some row is full), ``to_padded()`` without ``cap``, and ``check()``.
 """
 from __future__ import annotations
 
@@ -237,6 +238,56 @@ def _starts(cap: torch.Tensor) -> torch.Tensor:
     return torch.cat([cap.new_zeros(1), cap.cumsum(0)]).to(torch.int64)
 
 
+@triton.jit(do_not_specialize=["k_max", "slack", "align", "T", "N"])
+def _ragged_layout_kernel(b_ptr, start_ptr, len_ptr, next_ptr, R, k_max, slack, align, T, N, BLOCK_R: tl.constexpr):
+    """One program: the rows' starts (a running sum of the capacities over ``BLOCK_R`` rows at a time, clamped at
+    ``T``), the lengths their room allows and the next positions (``N``)."""
+    tl.store(start_ptr, tl.full([], 0, tl.int64))
+    carry = tl.full([], 0, tl.int64)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        m = r < R
+        want = tl.load(b_ptr + r, mask=m, other=0).to(tl.int64)
+        want = tl.minimum(tl.maximum(want, 0), k_max)
+        cap = tl.where(m, (want + slack + align - 1) // align * align, 0)  # every term >= 0: // is a floor
+        end = carry + tl.cumsum(cap, 0)
+        end_t = tl.minimum(end, T)
+        tl.store(start_ptr + 1 + r, end_t, mask=m)
+        tl.store(len_ptr + r, tl.minimum(want, end_t - tl.minimum(end - cap, T)).to(tl.int32), mask=m)
+        tl.store(next_ptr + r, tl.zeros([BLOCK_R], dtype=tl.int64) + N, mask=m)
+        carry += tl.sum(cap, 0)
+
+
+LAYOUT_BLOCK = 1024  # rows per step of ``_ragged_layout_kernel``
+
+
+@triton_op("tritonkv::ragged_layout", mutates_args=())
+def ragged_layout(budgets: torch.Tensor, k_max: int, slack: int, align: int, total_capacity: int,
+                  n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw op: rows laid out from device budgets int32 ``[R]`` (contiguous), each clamped to ``[0, k_max]``,
+    its capacity ``budget + slack`` rounded up to ``align``, one after another from 0 and clamped at
+    ``total_capacity`` -> ``(row_start int64 [R+1], length int32 [R], next_position int64 [R])``, a row past
+    ``total_capacity`` shrunk to its room, every next position ``n`` (the rows were selected from ``n`` tokens).
+    CPU tensors run ``_ragged_layout_torch`` (outside the Triton interpreter)."""
+    if not use_triton(budgets):
+        return _ragged_layout_torch(budgets, k_max, slack, align, total_capacity, n)
+    R = budgets.shape[0]
+    row_start = torch.empty(R + 1, dtype=torch.int64, device=budgets.device)
+    length = torch.empty(R, dtype=torch.int32, device=budgets.device)
+    next_position = torch.empty(R, dtype=torch.int64, device=budgets.device)
+    launch(_ragged_layout_kernel, (1,), budgets, row_start, length, next_position, R, k_max, slack, align,
+           total_capacity, n, BLOCK_R=min(max(next_pow2(R), 16), LAYOUT_BLOCK))
+    return row_start, length, next_position
+
+
+def _ragged_layout_torch(budgets, k_max: int, slack: int, align: int, total_capacity: int, n: int):
+    """``ragged_layout`` in PyTorch."""
+    want = budgets.to(torch.int64).clamp(0, k_max)
+    row_start = _starts(_round_up(want + slack, align)).clamp(max=total_capacity)
+    length = torch.minimum(want, row_start[1:] - row_start[:-1]).to(torch.int32)
+    return row_start, length, torch.full_like(want, n)
+
+
 class RaggedKV:
     """One layer's compressed KV cache with per-row lengths and slack (see the module docstring).
 
@@ -417,16 +468,14 @@ class RaggedKV:
                            max_capacity=max(cap, 1), slack=slack, align=align, free=cap - k)
         total = R * k_max if total is None else check_int("total", total)
         T = max(total + R * (slack + align - 1), 1)  # static: worst-case slack + rounding on every row
-        want = _select.budget_tensor(budgets, R, dev).to(torch.int64).clamp(0, k_max)
-        row_start = _starts(_round_up(want + slack, align)).clamp(max=T)
-        eff = torch.minimum(want, row_start[1:] - row_start[:-1]).to(torch.int32)  # rows past T shrink
+        want = _select.budget_tensor(budgets, R, dev)
+        row_start, eff, next_position = ragged_layout(want, k_max, slack, align, T, N)  # rows past T shrink
         out = _select.Out(keys=torch.empty((T, D), dtype=keys.dtype, device=dev),
                           values=torch.empty((T, D), dtype=values.dtype, device=dev),
                           indices=torch.full((T,), -1, dtype=torch.int64, device=dev),
                           start=row_start[:-1], lengths=torch.empty(R, dtype=torch.int32, device=dev))
         select(eff, k_max, out)
-        return cls(out.keys, out.values, out.indices, row_start, out.lengths,
-                   torch.full((R,), N, dtype=torch.int64, device=dev), batch=B, num_heads=H,
+        return cls(out.keys, out.values, out.indices, row_start, out.lengths, next_position, batch=B, num_heads=H,
                    max_capacity=max(-(-(k_max + slack) // align) * align, 1), slack=slack, align=align, free=slack)
 
     # -- views ------------------------------------------------------------------------------------

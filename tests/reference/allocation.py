@@ -216,7 +216,13 @@ def score_heads(scores, bl, hd):
     """One batch row of one layer: scores [H, M], total bl, KV-head hd [H] -> [H]."""
     H, M = scores.shape
     kept = select_row(np.asarray(scores, np.float32).reshape(-1), int(bl))
-    t = np.bincount(kept // M, minlength=H).astype(np.float64)
+    return score_head_shares(np.bincount(kept // M, minlength=H), bl, hd, M)
+
+
+def score_head_shares(t, bl, hd, M):
+    """Eq. 12 from the heads' counts T [H] in the layer's global top-bl: B_l·HD_h·T_h / Σ HD·T (T when the sum
+    is 0), rounded to a total of min(bl, H·M) with every head capped at M -> [H]."""
+    t = np.asarray(t, np.float64)
     w = np.asarray(hd, np.float64) * t
     x = bl * w / w.sum() if w.sum() > 0 else t
     return largest_remainder(x, int(bl), cap=M, weights=w)

@@ -36,3 +36,18 @@ class Rows:
                 K[r, j], V[r, j], P[r, j] = k, v, p
         shape = (self.B, self.H, cap)
         return K.reshape(*shape, self.D), V.reshape(*shape, self.D), P.reshape(shape)
+
+
+def layout(budgets, k_max: int, slack: int, align: int, total_capacity: int):
+    """Rows laid out one after another from device budgets: row r holds min(max(budget, 0), k_max) tokens in a
+    capacity of that plus ``slack``, rounded up to a multiple of ``align``; starts past ``total_capacity`` are
+    clamped to it and a row keeps only what fits before it -> (row_start [R+1], length [R])."""
+    starts, lengths = [0], []
+    end = 0
+    for b in budgets:
+        want = min(max(int(b), 0), k_max)
+        cap = -(-(want + slack) // align) * align
+        start, end = end, end + cap
+        lengths.append(min(want, max(min(end, total_capacity) - min(start, total_capacity), 0)))
+        starts.append(min(end, total_capacity))
+    return np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int32)

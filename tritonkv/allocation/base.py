@@ -133,26 +133,30 @@ class Plan(NamedTuple):
     layer_longest: Optional[int]  # the largest entry of ``every`` (exact), or None
 
 
-_MEMO: dict = {}  # (id of a tensor, its version, key) -> (weak reference to it, value)
+_MEMO: dict = {}  # (ids of the tensors, their versions, key) -> (weak references to them, value)
 
 
 def memo(t, key, fn):
     """``fn()``, cached per (the tensor object ``t`` as it is now, ``key``): a table computed from a model-level
     input that every layer passes again (a profile, CAKE's preferences, SCORE's head means) is computed once. An
-    in-place change of ``t`` bumps its version and misses the cache; so does a new object. Not cached: anything
-    but a tensor, and inference-mode tensors (they have no version counter)."""
+    in-place change of ``t`` bumps its version and misses the cache; so does a new object. ``t`` may also be a
+    list or tuple of tensors (SCORE's head means, one per layer): cached per those objects as they are. Not
+    cached: anything else, and inference-mode tensors (they have no version counter)."""
+    many = isinstance(t, (list, tuple))
+    parts = tuple(t) if many else (t,)
     try:
-        k = (id(t), t._version, key)
+        k = (tuple(map(id, parts)), tuple(x._version for x in parts), key)
     except (AttributeError, RuntimeError):
         return fn()
-    _plan.depends_on(t)  # a plan recorded now holds for this object as it is now
+    if not many:
+        _plan.depends_on(t)  # a plan recorded now holds for this object as it is now
     hit = _MEMO.get(k)
-    if hit is not None and hit[0]() is t:
+    if hit is not None and all(ref() is x for ref, x in zip(hit[0], parts)):
         return hit[1]
     value = fn()
     if len(_MEMO) >= 64:
         _MEMO.pop(next(iter(_MEMO)))
-    _MEMO[k] = (weakref.ref(t), value)
+    _MEMO[k] = (tuple(map(weakref.ref, parts)), value)
     return value
 
 
@@ -285,8 +289,9 @@ class Allocator:
             if scores is None:
                 raise ValueError(f"allocation {self.name!r} reads the scores of every head: pass scores")
             scores = tp.cat_heads(scores.to(torch.float32), 1)
-        out = self.allocate(scores, ctx, **inputs)
-        out = out.to(device=ctx["device"], dtype=torch.int32).expand(B, Hg)
+        out = self.allocate(scores, ctx, **inputs).to(device=ctx["device"], dtype=torch.int32)
+        if out.shape != (B, Hg):
+            out = out.expand(B, Hg)
         out = (out.clamp(max=avail) if ctx["avail"] != avail else out).contiguous()
         local = out if tp is None else out[:, tp.heads(H)].contiguous()
         total, longest = self.bound(ctx, **inputs) or (None, None)
@@ -314,7 +319,9 @@ class Allocator:
     @staticmethod
     def selectable(scores: torch.Tensor, ctx: dict) -> torch.Tensor:
         """fp32 scores of the selectable tokens ``[B, H, avail]`` (protected positions excluded)."""
-        return scores[:, :, ctx["sink"]: ctx["N"] - ctx["window"]].to(torch.float32)
+        if ctx["sink"] or ctx["window"]:
+            scores = scores[:, :, ctx["sink"]: ctx["N"] - ctx["window"]]
+        return scores.to(torch.float32)
 
     @staticmethod
     def need_layer(ctx: dict, num_layers: Optional[int] = None) -> int:

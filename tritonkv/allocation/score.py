@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..kernels import score_heads
 from ..kernels.select import select_mask
 from .base import Allocator, check_budget, check_int, check_mode, check_positive, check_tensor, memo, register_allocator
 from .rounding import adjust_budgets, largest_remainder
@@ -163,14 +164,11 @@ def score_head_budgets(scores: torch.Tensor, layer_budget: torch.Tensor, hd: tor
                          f"got shape {tuple(layer_budget.shape)}")
     if tuple(check_tensor("hd", hd).shape) != (B, H):
         raise ValueError(f"hd must be [B, H_kv] = [{B}, {H}], got {tuple(hd.shape)}")
-    layer_budget = layer_budget.to(torch.int32).reshape(B).contiguous()  # the kernel reads it as flat memory
-    won = select_mask(scores.to(torch.float32).reshape(B, H * M), layer_budget)
-    t = won.view(B, H, M).sum(-1).to(torch.float64)
-    w = hd.to(torch.float64) * t
-    s = w.sum(-1, keepdim=True)
-    bl = layer_budget.to(torch.float64).reshape(B, 1)
-    x = torch.where(s > 0, bl * w / torch.where(s > 0, s, 1.0), t)
-    return largest_remainder(x, layer_budget.reshape(B), cap=M, weights=w)
+    layer_budget = layer_budget.to(torch.int32)
+    if layer_budget.shape != (B,) or not layer_budget.is_contiguous():  # the kernels read it as flat memory
+        layer_budget = layer_budget.reshape(B).contiguous()
+    won = select_mask(scores.to(torch.float32).reshape(B, H * M), layer_budget)  # head h's tokens at [h·M, (h+1)·M)
+    return score_heads.heads(won, hd, layer_budget)
 
 
 def score_budgets(head_means, layer_scores, b: int, avail: int, *, gamma: float = 0.5, lambda1: float = 1.0,
@@ -250,32 +248,36 @@ class Score(Allocator):
                              f"(H_q = {q.shape[1] * ctx['tp'].world}: {ctx['tp'].world} ranks x {q.shape[1]}), got "
                              f"{m.shape[2]}; gather them once with tritonkv.distributed.gather_heads(m, "
                              f"process_group, dim=2)")
-        lb, _, hd = self._totals(head_means, m, ctx)
-        return score_head_budgets(self.selectable(scores, ctx), lb[:, layer], hd[layer])
+        lbs, hd = self._totals(head_means, lambda: m, ctx)[2:]
+        return score_head_budgets(self.selectable(scores, ctx), lbs[layer], hd[layer])
 
     def host(self, ctx, **inputs):
         """A budget that keeps every selectable token (or none) is the same for every head."""
         b, avail = ctx["b"], ctx["avail"]
         return max(b, 0) if b >= avail or b <= 0 else None
 
-    def _totals(self, head_means, m, ctx):
-        """``(B_l int32 [B, L], the same as host lists or None, KV-head HD [L, B, H])`` from every layer's head
-        means: computed once per ``head_means`` tensor (and its totals read back once), not once per layer."""
+    def _totals(self, head_means, stacked, ctx):
+        """``(B_l int32 [B, L], the same as host lists or None, B_l int32 [L, B], KV-head HD [L, B, H])`` from every
+        layer's head means (``stacked()``: them as one tensor): computed once per ``head_means`` tensor or list of
+        tensors (and its totals read back once), not once per layer."""
         B, H, b, avail = ctx["B"], ctx["H"], ctx["b"], ctx["avail"]
 
         def compute():
+            m = stacked()
             lb, hd = _layer_totals(m, m.shape[0], B, H, b, avail, self.gamma, self.lambda1, self.lambda2, self.mode,
                                    ctx["device"])
-            return lb, (None if torch.compiler.is_compiling() else lb.tolist()), hd
+            host = None if torch.compiler.is_compiling() else lb.tolist()
+            return lb, host, lb.t().contiguous(), hd  # a layer's totals: a contiguous row
         key = ("score", B, H, b, avail, self.gamma, self.lambda1, self.lambda2, self.mode, str(ctx["device"]))
         return memo(head_means, key, compute)
 
     def bound(self, ctx, head_means=None, **inputs):
-        """The layer's totals as host ints (read back once per ``head_means`` tensor, ``_totals``): each batch row
-        keeps ``min(B_l, H·avail)``, a head at most ``min(B_l, avail)``."""
-        if not isinstance(head_means, torch.Tensor) or ctx["tp"] is not None:
+        """The layer's totals as host ints (read back once per ``head_means`` tensor or list, ``_totals``): each batch
+        row keeps ``min(B_l, H·avail)``, a head at most ``min(B_l, avail)``."""
+        if ctx["tp"] is not None or not (isinstance(head_means, torch.Tensor) or isinstance(head_means, (list, tuple))
+                                        and all(isinstance(x, torch.Tensor) for x in head_means)):
             return None
-        host = self._totals(head_means, _stack(head_means, "head_means", 4), ctx)[1]
+        host = self._totals(head_means, lambda: _stack(head_means, "head_means", 4), ctx)[1]
         if host is None:
             return None
         lb = [row[ctx["layer"]] for row in host]

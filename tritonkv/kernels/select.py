@@ -657,7 +657,9 @@ def budget_tensor(budget, rows: int, device) -> torch.Tensor:
         if budget.dtype.is_floating_point or budget.dtype.is_complex or budget.dtype == torch.bool:
             raise TypeError(f"budgets must be an integer tensor, got {budget.dtype}")
         check_device("budgets", budget, device, "scores", cpu_ok=True)
-        return budget.reshape(rows).to(device=device, dtype=torch.int32).contiguous()
+        if budget.shape != (rows,):
+            budget = budget.reshape(rows)
+        return budget.to(device=device, dtype=torch.int32).contiguous()
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise TypeError(f"budget must be an int or an int tensor, got {type(budget).__name__}")
     check_int("budget", budget)
@@ -735,6 +737,13 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
                    with_mask: bool = False, chunk: Optional[int] = None, hist0: Optional[Hist0] = None):
     """Kept indices only. Returns ``(indices int64 [..., k_max] padded with -1, lengths int32 [...])``
     and, with ``with_mask``, a bool keep-mask shaped like ``scores``. ``hist0``: as for ``select_kv``."""
+    return _select_indices(scores, budgets, k_max, sink, window, forced, with_mask, chunk, hist0, True)
+
+
+def _select_indices(scores, budgets, k_max: int, sink: int, window: int, forced, with_mask: bool,
+                    chunk: Optional[int], hist0: Optional[Hist0], indices: bool):
+    """``select_indices``; without ``indices`` the kept indices go to scratch memory (neither padded nor
+    returned: the caller wants the mask)."""
     s = _scores_2d(scores)
     R, N = s.shape
     dev = s.device
@@ -742,7 +751,7 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
     check_protected(budgets, N, k_max, sink, window)
     b, bi = _budget_args(budgets, R, dev)
     full = _full_rows(budgets, N, k_max)
-    idx = _indices((R * k_max,), full and R > 0 and N > 0, dev)
+    idx = _indices((R * k_max,), (full or not indices) and R > 0 and N > 0, dev)
     lengths = torch.empty(R, dtype=torch.int32, device=dev)
     mask = torch.empty((R, N) if with_mask else (0,), dtype=torch.int8, device=dev)
     h0 = _hist0_arg(hist0, R, sink, window, forced)
@@ -753,8 +762,10 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
         lengths.zero_()
         mask.zero_()
     lead = scores.shape[:-1]
-    out = (idx.view(*lead, k_max), lengths.view(lead))
-    return out + (mask.view(scores.shape).view(torch.bool),) if with_mask else out  # 0/1 bytes: no copy
+    out = (idx.view(*lead, k_max) if indices else None, lengths if lengths.shape == lead else lengths.view(lead))
+    if not with_mask:
+        return out
+    return out + ((mask if mask.shape == scores.shape else mask.view(scores.shape)).view(torch.bool),)  # no copy
 
 
 def select_mask(scores, budgets, *, sink: int = 0, window: int = 0, forced=None, chunk: Optional[int] = None):
