@@ -737,13 +737,6 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
                    with_mask: bool = False, chunk: Optional[int] = None, hist0: Optional[Hist0] = None):
     """Kept indices only. Returns ``(indices int64 [..., k_max] padded with -1, lengths int32 [...])``
     and, with ``with_mask``, a bool keep-mask shaped like ``scores``. ``hist0``: as for ``select_kv``."""
-    return _select_indices(scores, budgets, k_max, sink, window, forced, with_mask, chunk, hist0, True)
-
-
-def _select_indices(scores, budgets, k_max: int, sink: int, window: int, forced, with_mask: bool,
-                    chunk: Optional[int], hist0: Optional[Hist0], indices: bool):
-    """``select_indices``; without ``indices`` the kept indices go to scratch memory (neither padded nor
-    returned: the caller wants the mask)."""
     s = _scores_2d(scores)
     R, N = s.shape
     dev = s.device
@@ -751,7 +744,7 @@ def _select_indices(scores, budgets, k_max: int, sink: int, window: int, forced,
     check_protected(budgets, N, k_max, sink, window)
     b, bi = _budget_args(budgets, R, dev)
     full = _full_rows(budgets, N, k_max)
-    idx = _indices((R * k_max,), (full or not indices) and R > 0 and N > 0, dev)
+    idx = _indices((R * k_max,), full and R > 0 and N > 0, dev)
     lengths = torch.empty(R, dtype=torch.int32, device=dev)
     mask = torch.empty((R, N) if with_mask else (0,), dtype=torch.int8, device=dev)
     h0 = _hist0_arg(hist0, R, sink, window, forced)
@@ -762,10 +755,8 @@ def _select_indices(scores, budgets, k_max: int, sink: int, window: int, forced,
         lengths.zero_()
         mask.zero_()
     lead = scores.shape[:-1]
-    out = (idx.view(*lead, k_max) if indices else None, lengths if lengths.shape == lead else lengths.view(lead))
-    if not with_mask:
-        return out
-    return out + ((mask if mask.shape == scores.shape else mask.view(scores.shape)).view(torch.bool),)  # no copy
+    out = (idx.view(*lead, k_max), lengths.view(lead))
+    return out + (mask.view(scores.shape).view(torch.bool),) if with_mask else out  # 0/1 bytes: no copy
 
 
 def select_mask(scores, budgets, *, sink: int = 0, window: int = 0, forced=None, chunk: Optional[int] = None):
