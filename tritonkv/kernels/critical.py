@@ -393,9 +393,11 @@ NORMS = ("l1", "l2")
 
 #: a norm kernel counts the stage-2 select's first radix pass when its programs hold at least
 #: ``FUSED_MIN_CHUNK`` tokens and a row has at most ``FUSED_MAX_SLOTS`` of them: each program writes one 1 KB
-#: slot, and every program of the select's next pass sums its row's (128 slots: N = 32K at 256 tokens)
+#: slot, and every program of the select's next pass sums its row's. 8192 slots (N = 2M at 256 tokens: 8 MB
+#: a program, from L2) is small next to the norm GEMM's N·H_q·d·D_model multiply-adds, and keeps every context
+#: a model meets on one set of compiled kernels (a cap at 32K made N = 40K compile other variants)
 FUSED_MIN_CHUNK = 128
-FUSED_MAX_SLOTS = 128
+FUSED_MAX_SLOTS = 8192
 
 
 def fused_chunk(values: torch.Tensor, o_proj: torch.Tensor, norm: str) -> Optional[int]:
