@@ -205,3 +205,21 @@ def test_a_cache_is_freed_with_its_last_reference(model, policy, mode, allocatio
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def test_a_window_policy_layer_keeps_the_last_window_of_queries(model):
+    """Decode steps' queries wait in a list (no copy per step) and are joined when read or when W have come: the
+    layer always reads the last W queries fed, and holds at most about 2·W of them."""
+    cache = tt.make_cache(model, "snapkv", 10**6, mode="blockwise")
+    layer = cache._layer_class(cache, 0)
+    W = cache.q_window
+    g = torch.Generator().manual_seed(0)
+    fed = []
+    for T in (40, 1, 1, 5, 1, 30, 1, 1, 33, 2) + (1,) * 40:
+        q = torch.randn(1, 8, T, D, generator=g)
+        fed.append(q)
+        layer.after_attention(q)
+        assert sum(p.shape[2] for p in layer._pending) < W
+        if T == 1 and len(fed) % 3 == 0:
+            assert torch.equal(layer.queries, torch.cat(fed, dim=2)[:, :, -W:])
+    assert torch.equal(layer.queries, torch.cat(fed, dim=2)[:, :, -W:])

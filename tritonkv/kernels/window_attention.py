@@ -339,19 +339,20 @@ def row_weights(queries: torch.Tensor, attn_lse: Optional[torch.Tensor], N: int,
     return w.contiguous()
 
 
-def pool_torch(u: torch.Tensor, n_pool: int, kernel_size: int, pool: str) -> torch.Tensor:
+def pool_torch(u: torch.Tensor, n_pool: int, kernel_size: int, pool: str, no_nan: bool = False) -> torch.Tensor:
     """``_window_pool_kernel``'s pooling over [0, n_pool) of rows ``[..., N]``: output j covers
     [j − κ//2, j − κ//2 + κ); max ignores the padding, avg counts it as zeros, a NaN neighbour (a
     non-finite key) is a hole like the padding, a NaN entry stays NaN; entries from n_pool on are
-    copied."""
+    copied. ``no_nan``: the caller knows ``u`` holds no NaN (the NaN masks are then identities)."""
     if kernel_size <= 1 or n_pool <= 0:
         return u.contiguous()
     pad = kernel_size // 2
     fill = float("-inf") if pool == "max" else 0.0
     own = u[..., :n_pool]
-    win = torch.nn.functional.pad(torch.where(own == own, own, fill), (pad, kernel_size - 1 - pad), value=fill).unfold(-1, kernel_size, 1)
+    holes = own if no_nan else torch.where(own == own, own, fill)
+    win = torch.nn.functional.pad(holes, (pad, kernel_size - 1 - pad), value=fill).unfold(-1, kernel_size, 1)
     pooled = win.amax(-1) if pool == "max" else win.sum(-1) / kernel_size
-    return torch.cat([torch.where(own == own, pooled, own), u[..., n_pool:]], dim=-1).contiguous()
+    return torch.cat([pooled if no_nan else torch.where(own == own, pooled, own), u[..., n_pool:]], dim=-1).contiguous()
 
 
 def _lse_from(mx: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
@@ -397,11 +398,13 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
         return torch.empty((B, H, N), dtype=torch.float32, device=dev)
     w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce).view(B, H, G * W, 1)
     left_in = w > 0
-    q = torch.where(left_in, queries.float().reshape(B, H, G * W, D), 0.0) * scale  # rows of KV head h
-    kfin = finite_rows(keys)[0]  # [B, H, N]
+    kfin, every_in = finite_rows(keys)  # [B, H, N]; every key finite (read eagerly on the host)
     if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
-        kfin &= finite_rows(values)[0]
-    every_in = on_host(kfin) and bool(kfin.all()) and bool(left_in.all())  # eagerly: nothing to mask
+        vfin, every_v = finite_rows(values)
+        kfin, every_in = kfin & vfin, every_in and every_v
+    every_in = every_in and bool(left_in.all())  # eagerly: nothing to mask
+    q = queries.float().reshape(B, H, G * W, D)  # rows of KV head h
+    q = (q if every_in else torch.where(left_in, q, 0.0)) * scale
     pos = (N - W + torch.arange(W, device=dev)).repeat(G)[:, None]  # [G·W, 1] position of each row
     first = max(N - W + 1, 0)  # keys before this one are visible to every row
     chunk = max(1, TORCH_BLOCK // (B * H * G * W))
@@ -426,9 +429,22 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
         hs[..., c:] = tail.view(B, H, G, W, n - c).sum(3)
         return hs
 
-    once = None
+    once, plain = None, False
     if attn_lse.numel() > 0:
         lse = _combine_lse(attn_lse.float().reshape(1, B, H, G * W, 1))
+    elif len(spans) == 1 and every_in and N >= W:  # one chunk, every row in and seeing a key
+        s, c, vis = logits(0, N)
+        mx = s.amax(-1, keepdim=True)
+        # every row max finite (no overflow): the masks and the combination of one part below are identities
+        plain = bool(torch.isfinite(mx).all())
+        if plain:
+            e = s.sub_(mx).exp_()
+            once, lse = (e, mx, c, vis), mx + torch.log(e.sum(-1, keepdim=True))  # tot >= 1: _lse_from's value
+        else:
+            shift = torch.where(mx == float("-inf"), 0.0, mx)
+            e = s.sub_(shift).exp_()
+            once = e, shift, c, vis
+            lse = _combine_lse(_lse_from(mx, e.sum(-1, keepdim=True))[None])
     else:
         parts = []
         for t0, t1 in spans:
@@ -440,21 +456,23 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
             if len(spans) == 1:
                 once = e, shift, c, vis
         lse = _combine_lse(torch.stack(parts))  # [B, H, G·W, 1]
-    lse = torch.where(left_in & (lse > float("-inf")), lse, 0.0)  # rows that see no finite key: e = 0
+    if not plain:
+        lse = torch.where(left_in & (lse > float("-inf")), lse, 0.0)  # rows that see no finite key: e = 0
     u = torch.empty((B, H, N), dtype=torch.float32, device=dev)
     for t0, t1 in spans:
         if once is not None:
             e, shift, c, vis = once
-            r = torch.where(left_in, torch.exp(shift - lse) * w, 0.0)
+            r = torch.exp(shift - lse) * w
+            r = r if plain else torch.where(left_in, r, 0.0)
         else:
             s, c, vis = logits(t0, t1)
             e, r = s.sub_(lse).exp_(), w
         hs = head_sums(e, r, c, vis)
         red = hs.amax(2) if head_reduce == "max" else hs.sum(2)
-        u[:, :, t0:t1] = torch.where(kfin[:, :, t0:t1], red, float("nan"))
+        u[:, :, t0:t1] = red if every_in else torch.where(kfin[:, :, t0:t1], red, float("nan"))
     if head_reduce == "layer":
         u = (u.sum(1, keepdim=True) / H).expand(B, H, N)
-    return pool_torch(u, max(N - W, 0), kernel_size, pool)
+    return pool_torch(u, max(N - W, 0), kernel_size, pool, no_nan=plain)
 
 
 @triton_op("tritonkv::window_attention_score", mutates_args={"hist0"})

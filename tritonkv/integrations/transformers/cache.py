@@ -140,13 +140,30 @@ class TritonKVLayer(CacheLayerMixin):
         self.allocated = False  # compressed with per-head budgets: every later block is over the layer total
         self.has_invalid = False  # some slot below n holds no token (a pad, or a gap of a shorter row)
         self.peak = 0  # most slots ever in use
-        self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies
+        self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies (a property)
+        self._suffix = None  # within one attention call: ((store, n), held_suffix of its slots) for compress_to
         self._qbuf = self._qcount = None  # reserved: a fixed window of queries kept current on the device
         self.pads: Optional[list[int]] = None  # per batch row, pads fed (set by the first padded forward)
         self.row_n: list[int] = []  # per row: the longest head's tokens held (pads never count)
         self.row_since: list[int] = []  # per row: real tokens fed since its last compression
         self.row_alloc: list[bool] = []  # per row: last compressed with per-head budgets
         self.row_block: list[int] = []  # per row: real tokens fed since the row's last block end
+
+    @property
+    def queries(self) -> Optional[torch.Tensor]:
+        """The last W queries fed (window policies; fewer before W are fed), or None. Queries of forwards shorter
+        than W (decode steps) wait in a list and are joined here, when read or when W of them have come."""
+        self._join_queries()
+        return self._queries
+
+    @queries.setter
+    def queries(self, q: Optional[torch.Tensor]) -> None:
+        self._queries, self._pending = q, []
+
+    def _join_queries(self) -> None:
+        if self._pending:
+            parts = ([] if self._queries is None else [self._queries]) + self._pending
+            self._queries, self._pending = torch.cat(parts, dim=2)[:, :, -self.cache.q_window:].clone(), []
 
     # the owning cache, held weakly: a strong back-reference would put every cache in a reference cycle, so its
     # tensors would outlive the last reference until Python's cyclic collector ran (GBs at long context)
@@ -372,11 +389,19 @@ class TritonKVLayer(CacheLayerMixin):
                 return decode_sdpa(query, key, value, scaling)
             return block_attention(query, key, value, scaling)
         pos = st.view()[2]
-        lengths = held_suffix(pos) if self.pads is None else None
+        lengths = self._held_suffix(pos) if self.pads is None else None
         if lengths is not None and min(min(row) for row in lengths) >= T:  # per-head rows, each ending in the block
             return suffix_attention(query, key, value, lengths, scaling)
         qpos = torch.arange(self.seen - T, self.seen, device=query.device)
         return masked_attention(query, key, value, pos, qpos, scaling)
+
+    def _held_suffix(self, pos):
+        """``held_suffix(pos)`` of the store's slots in use, read once per forward: the attention call's answer is
+        reused by the compression that follows it (the same store, nothing written in between)."""
+        key = (self.store, self.store.n)
+        if self._suffix is None or self._suffix[0] != key:
+            self._suffix = (key, held_suffix(pos))
+        return self._suffix[1]
 
     def after_attention(self, query) -> None:
         """Keep the recent queries for window policies; compress when the schedule says so (eager only)."""
@@ -384,10 +409,15 @@ class TritonKVLayer(CacheLayerMixin):
         T = query.shape[2]
         if cache._wants_queries:
             W = cache.q_window
-            recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
-            self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
+            if T >= W:
+                self.queries = query[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
+            else:  # joined when read or when W have come (a decode step's query: no copy per step)
+                self._pending.append(query)
+                if sum(q.shape[2] for q in self._pending) >= W:
+                    self._join_queries()
             self.roll_queries(query)  # a reserved layer's buffer too (mixed eager and compiled steps)
         cache._maybe_compress(self, prefill=T > 1)
+        self._suffix = None  # it holds the store: keep no old one alive
         if cache.mode == "after_prefill":  # only this forward's compression reads them: keep none between forwards
             self.queries = None
 
@@ -409,7 +439,9 @@ class TritonKVLayer(CacheLayerMixin):
             self.store = self.store.to_dense()
             self.has_invalid = True
         keys, values, pos = self.store.view()
-        if self.has_invalid and held_suffix(pos) is None:
+        suffix = self._held_suffix(pos) if self.has_invalid else ()
+        self._suffix = None  # it holds the store: keep no old one alive
+        if suffix is None:
             keys, values, pos = _compact(keys, values, pos)
         ahead = self._next_block()
         out = self._select(keys, values, pos, k, invalid=self.has_invalid, queries=self.queries, seq_len=self.seen,
