@@ -208,8 +208,8 @@ def test_a_cache_is_freed_with_its_last_reference(model, policy, mode, allocatio
 
 
 def test_a_window_policy_layer_keeps_the_last_window_of_queries(model):
-    """Decode steps' queries wait in a list (no copy per step) and are joined when read or when W have come: the
-    layer always reads the last W queries fed, and holds at most about 2·W of them."""
+    """The layer always reads the last W queries fed, over prefill blocks and decode steps of any length, and
+    holds exactly those (one W-query copy: resident memory counts it)."""
     cache = tt.make_cache(model, "snapkv", 10**6, mode="blockwise")
     layer = cache._layer_class(cache, 0)
     W = cache.q_window
@@ -219,7 +219,7 @@ def test_a_window_policy_layer_keeps_the_last_window_of_queries(model):
         q = torch.randn(1, 8, T, D, generator=g)
         fed.append(q)
         layer.after_attention(q)
-        assert sum(p.shape[2] for p in layer._pending) < W
+        assert layer.queries.shape[2] == min(W, sum(f.shape[2] for f in fed))
         if T == 1 and len(fed) % 3 == 0:
             assert torch.equal(layer.queries, torch.cat(fed, dim=2)[:, :, -W:])
     assert torch.equal(layer.queries, torch.cat(fed, dim=2)[:, :, -W:])

@@ -140,7 +140,7 @@ class TritonKVLayer(CacheLayerMixin):
         self.allocated = False  # compressed with per-head budgets: every later block is over the layer total
         self.has_invalid = False  # some slot below n holds no token (a pad, or a gap of a shorter row)
         self.peak = 0  # most slots ever in use
-        self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies (a property)
+        self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies
         self._suffix = None  # within one attention call: ((store, n), held_suffix of its slots) for compress_to
         self._qbuf = self._qcount = None  # reserved: a fixed window of queries kept current on the device
         self.pads: Optional[list[int]] = None  # per batch row, pads fed (set by the first padded forward)
@@ -148,22 +148,6 @@ class TritonKVLayer(CacheLayerMixin):
         self.row_since: list[int] = []  # per row: real tokens fed since its last compression
         self.row_alloc: list[bool] = []  # per row: last compressed with per-head budgets
         self.row_block: list[int] = []  # per row: real tokens fed since the row's last block end
-
-    @property
-    def queries(self) -> Optional[torch.Tensor]:
-        """The last W queries fed (window policies; fewer before W are fed), or None. Queries of forwards shorter
-        than W (decode steps) wait in a list and are joined here, when read or when W of them have come."""
-        self._join_queries()
-        return self._queries
-
-    @queries.setter
-    def queries(self, q: Optional[torch.Tensor]) -> None:
-        self._queries, self._pending = q, []
-
-    def _join_queries(self) -> None:
-        if self._pending:
-            parts = ([] if self._queries is None else [self._queries]) + self._pending
-            self._queries, self._pending = torch.cat(parts, dim=2)[:, :, -self.cache.q_window:].clone(), []
 
     # the owning cache, held weakly: a strong back-reference would put every cache in a reference cycle, so its
     # tensors would outlive the last reference until Python's cyclic collector ran (GBs at long context)
@@ -409,12 +393,8 @@ class TritonKVLayer(CacheLayerMixin):
         T = query.shape[2]
         if cache._wants_queries:
             W = cache.q_window
-            if T >= W:
-                self.queries = query[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
-            else:  # joined when read or when W have come (a decode step's query: no copy per step)
-                self._pending.append(query)
-                if sum(q.shape[2] for q in self._pending) >= W:
-                    self._join_queries()
+            recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
+            self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
             self.roll_queries(query)  # a reserved layer's buffer too (mixed eager and compiled steps)
         cache._maybe_compress(self, prefill=T > 1)
         self._suffix = None  # it holds the store: keep no old one alive
