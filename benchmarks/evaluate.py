@@ -238,41 +238,26 @@ class Config:
 PAPER_PROFILE = "smollm2-135m-instruct-infsc-paper"  # tritonkv/data/<name>.json: the paper's 6 x 33 grid
 FULL = Config("full", "uniform", "full", "aware", 1.0)
 
-# the claims' cells (budgets are the papers')
+# the claims' cells at the papers' budgets, one group per claim (what each holds and why: docs/benchmarks.md)
 GROUPS: Dict[str, List[Config]] = {
-    # CriticalKV (Table 1 at 40 %, head analysis at 20 %): context compressed before the question
     "criticalkv": [Config(p, a, "after_prefill", "agnostic", b) for b in (0.2, 0.4)
                    for a in ("uniform", "adakv") for p in ("snapkv", "criticalkv")],
-    # KeyDiff vs TOVA, SnapKV, StreamingLLM under block-wise prefill (B = 128); 512 of 2K is KeyDiff's own ratio
-    # (its smallest cache, 2K, against LongBench prompts of ~9K tokens)
     "keydiff": [Config(p, "uniform", "blockwise", "aware", b) for b in (128, 64, 512)
                 for p in ("keydiff", "tova", "snapkv", "streaming_llm")],
-    # LagKV paper mode, S = 16, r = 1/2 and 1/4, through its recursive state; L = 128 ("lagkv"), 512 and 1024
-    # ("lagkv_l512", "lagkv_l1024": these compress nothing until S + 2L tokens, 1040 and 2064)
     "lagkv": [Config(p, "uniform", "lagkv", "aware", r) for p in ("lagkv", "lagkv_l512", "lagkv_l1024")
               for r in (0.5, 0.25)],
-    # allocation end to end at 64 and 128 tokens per head (SCORE and SurfaceLogicKV's KV sizes)
     "allocation": [Config(p, a, "after_prefill", "aware", b) for b in (128, 64)
                    for p, a in (("snapkv", "uniform"), ("snapkv", "pyramid"), ("snapkv", "adakv"),
                                 ("snapkv", "score"), ("score", "score"), ("snapkv", "surfacelogic"),
-                                ("surfacelogic", "surfacelogic"),
-                                # ablation: SnapKV without pooling (kernel 1), the base SCORE's and SurfaceLogicKV's
-                                # selections use
-                                ("snapkv_k1", "uniform"))],
+                                ("surfacelogic", "surfacelogic"), ("snapkv_k1", "uniform"))],
+    "compose": [Config(p, a, "blockwise", "aware", 64)
+                for p, a in (("keydiff_critical", "surfacelogic"), ("keydiff_critical", "uniform"),
+                             ("keydiff", "surfacelogic"), ("criticalkv", "uniform"), ("snapkv", "surfacelogic"),
+                             ("surfacelogic", "surfacelogic"))],
+    "profile": ([Config(p, "surfacelogic_paper", "after_prefill", "aware", b) for b in (128, 64)
+                 for p in ("snapkv", "surfacelogic")]
+                + [Config("keydiff_critical", "surfacelogic_paper", "blockwise", "aware", 64)]),
 }
-# Beyond the seeds: KeyDiff's anchor scores (block-wise, no queries needed) + CriticalKV's
-# value-aware second stage (‖v W_O‖₁) + SurfaceLogicKV's allocation, at 64 tokens per head, against every single
-# seed method measured block-wise at the same budget, and the composition's ablations (one ingredient removed).
-GROUPS["compose"] = [Config(p, a, "blockwise", "aware", b) for b in (64,)
-                     for p, a in (("keydiff_critical", "surfacelogic"), ("keydiff_critical", "uniform"),
-                                  ("keydiff", "surfacelogic"), ("criticalkv", "uniform"), ("snapkv", "surfacelogic"),
-                                  ("surfacelogic", "surfacelogic"))]
-# The profile's effect: SurfaceLogicKV's allocation from the profile on the paper's grid (6 lengths × 33 depths)
-# in the cells of the shipped 4 × 5 one (the allocation claim's and the composition's)
-GROUPS["profile"] = ([Config(p, "surfacelogic_paper", "after_prefill", "aware", b) for b in (128, 64)
-                      for p in ("snapkv", "surfacelogic")]
-                     + [Config("keydiff_critical", "surfacelogic_paper", "blockwise", "aware", 64)])
-WO_GROUP = GROUPS["criticalkv"]  # the configurations that record the error after W_O
 
 
 class LayerInputs(Policy):
@@ -307,16 +292,28 @@ class LayerInputs(Policy):
 
 class LayerOutputs:
     """Context manager: each layer's attention output (``o_proj``'s output) and the last layer's hidden state (the
-    final norm's input) at the last position of every forward inside it, fp32 ``[D_model]`` (the last forward's)."""
+    final norm's input) at the last position of every forward inside it, fp32 ``[D_model]`` (the last forward's);
+    with ``q_rows``, each layer's queries at those positions too (RoPE applied), ``[1, H_q, len(q_rows), D]``."""
 
-    def __init__(self, model):
+    def __init__(self, model, q_rows: Sequence[int] = ()):
         self.model, self.attn, self.hidden, self.hooks = model, {}, None, []
+        self.rows, self.queries = torch.as_tensor(list(q_rows), dtype=torch.long), {}
 
     def __enter__(self):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
         for i, layer in enumerate(self.model.model.layers):
             def hook(mod, args, out, i=i):
                 self.attn[i] = out[0, -1].detach().to(torch.float32, copy=True)  # no view of [B, T, D]
+
+            def q_hook(mod, args, kwargs, i=i):
+                h = kwargs.get("hidden_states", args[0] if args else None)
+                cos, sin = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+                q = mod.q_proj(h[:, self.rows]).view(1, len(self.rows), -1, mod.head_dim).transpose(1, 2)
+                self.queries[i] = apply_rotary_pos_emb(q, q, cos[:, self.rows], sin[:, self.rows])[0]
             self.hooks.append(layer.self_attn.o_proj.register_forward_hook(hook))
+            if len(self.rows):
+                self.hooks.append(layer.self_attn.register_forward_pre_hook(q_hook, with_kwargs=True))
 
         def norm_hook(mod, args):
             self.hidden = args[0][0, -1].detach().to(torch.float32, copy=True)
@@ -338,28 +335,11 @@ class LayerOutputs:
 def capture(model, ids: List[int], q_rows: Sequence[int]):
     """One full forward of ``ids``: per layer ``(keys, values)`` ``[1, H_kv, N, D]`` (RoPE applied) and the queries
     at ``q_rows`` ``[1, H_q, len(q_rows), D]``, the last position's logits ``[V]`` and its ``LayerOutputs``."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    rows = torch.as_tensor(list(q_rows), dtype=torch.long)
-    qs: Dict[int, torch.Tensor] = {}
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        def hook(mod, args, kwargs, i=i):
-            h = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-            hr = h[:, rows]
-            q = mod.q_proj(hr).view(1, len(rows), -1, mod.head_dim).transpose(1, 2)
-            qs[i] = apply_rotary_pos_emb(q, q, cos[:, rows], sin[:, rows])[0]
-        hooks.append(layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with LayerOutputs(model) as outs:
-            out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-    finally:
-        for h in hooks:
-            h.remove()
+    with LayerOutputs(model, q_rows) as outs:
+        out = model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)
     c = output_cache(out)
     kv = [(c.layers[i].keys, c.layers[i].values) for i in range(len(model.model.layers))]
-    return kv, qs, out.logits[0, -1].float(), outs
+    return kv, outs.queries, out.logits[0, -1].float(), outs
 
 
 @dataclasses.dataclass
@@ -373,11 +353,6 @@ class ShiftedKeyDiff(KeyDiff):
         return super().score(keys, values, **inputs) + 1.0
 
 
-def keydiff_critical(alpha: float = 0.5):
-    """The composition: CriticalKV's two-stage selection over KeyDiff's (shifted) scores."""
-    return POLICIES["criticalkv"](base=ShiftedKeyDiff(), alpha=alpha)
-
-
 def lagkv_policy(name: str):
     """LagKV for a configuration's policy name: ``lagkv`` (L = 128) or ``lagkv_l<L>``."""
     lag = int(name[len("lagkv_l"):]) if name.startswith("lagkv_l") else 128
@@ -386,8 +361,8 @@ def lagkv_policy(name: str):
 
 def _policy_object(model, cfg: Config, hd=None):
     """The policy for ``cfg`` with its per-layer inputs attached."""
-    if cfg.policy == "keydiff_critical":
-        return keydiff_critical()
+    if cfg.policy == "keydiff_critical":  # the composition: CriticalKV's two stages over KeyDiff's (shifted) scores
+        return POLICIES["criticalkv"](base=ShiftedKeyDiff(), alpha=0.5)
     if cfg.policy == "criticalkv":
         wo = [l.self_attn.o_proj.weight.detach() for l in model.model.layers]
         return LayerInputs(get_policy("criticalkv"), {"o_proj": wo})
@@ -428,15 +403,6 @@ def replay_cache(model, cfg: Config, kv, qwin, n: int, inputs: dict, hd=None):
     return cache
 
 
-def _dense(cache) -> None:
-    """Per-head (ragged) layers become padded working views (what a prefill block over them does), so the cache
-    can be expanded along the batch for the candidates."""
-    for layer in cache.layers:
-        if getattr(layer, "store", None) is not None and layer.store.ragged:
-            layer.store = layer.store.to_dense()
-            layer.has_invalid = True
-
-
 @torch.no_grad()
 def feed(model, cache, ids: List[int], logits_to_keep: int = 1) -> torch.Tensor:
     """Feed ``ids`` (batch 1) through ``cache`` at their true positions; returns the last logits ``[T', V]``."""
@@ -473,7 +439,11 @@ def score_choices(model, cache, first_logits: torch.Tensor, cands: List[List[int
         for _ in range(greedy_len - 1):
             greedy.append(int(feed(model, g, [greedy[-1]])[-1].argmax()))
         return scores, greedy, torch.stack(true_d)
-    _dense(cache)
+    # per-head (ragged) layers become padded working views (what a prefill block over them does): batch-expandable
+    for layer in cache.layers:
+        if getattr(layer, "store", None) is not None and layer.store.ragged:
+            layer.store = layer.store.to_dense()
+            layer.has_invalid = True
     cache.batch_repeat_interleave(n + 1)
     with use_tritonkv(model):
         for t in range(1, steps + 1):
@@ -495,14 +465,12 @@ def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> float:
     return float((p_log.exp() * (p_log - q_log)).sum(-1).mean())
 
 
-def _top1(scores, answer) -> int:
-    return int(all(scores[answer] > s for i, s in enumerate(scores) if i != answer))
-
-
-def _greedy_hit(tok, greedy: List[int], cand: List[int]) -> int:
-    g = tok.decode(greedy).strip()
-    a = tok.decode(cand).strip()
-    return int(g.startswith(a) and (len(g) == len(a) or not g[len(a)].isalnum()))
+def accuracies(tok, case: Case, scores: List[float], greedy: List[int]) -> Dict[str, int]:
+    """``acc_ll``: the true answer's log-likelihood ranks strictly first; ``acc_greedy``: the greedy answer starts
+    with the true one (the whole word)."""
+    g, a = tok.decode(greedy).strip(), tok.decode(case.cands[case.answer]).strip()
+    return {"acc_ll": int(all(scores[case.answer] > s for i, s in enumerate(scores) if i != case.answer)),
+            "acc_greedy": int(g.startswith(a) and (len(g) == len(a) or not g[len(a)].isalnum()))}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -544,12 +512,6 @@ def wo_errors(model, kv, q_last, qwin_ctx, n_ctx: int, configs: Sequence[Config]
 # records
 
 
-def required_metrics(case: Case, cfg: Config) -> Tuple[str, ...]:
-    """Metrics a finished (case, configuration) must have: the layer-wise error inside the compressed run for the
-    context-compressed-before-the-question configurations of a question task."""
-    return ("layer_err",) if cfg.setting == "agnostic" and case.task != "lm" else ()
-
-
 class Store:
     """Per-case records as gzip-compressed JSON lines, one file per (task, context), one gzip member per
     (case, configuration) appended; ``done`` says what a rerun may skip. Plain ``.jsonl`` files are read too."""
@@ -557,24 +519,19 @@ class Store:
     def __init__(self, out_dir: str = OUT):
         self.dir = out_dir
         os.makedirs(out_dir, exist_ok=True)
-        self.seen, self.metrics = set(), set()
-        for f in jsonl_files(out_dir):  # a record cut short by a kill is left out: that case is measured again
-            for r in read_jsonl(f):
-                if r.get("metric") == "seconds":  # the last line of a (case, configuration): complete
-                    self.seen.add(self._k(r))
-                elif "metric" in r:
-                    self.metrics.add((*self._k(r), r["metric"]))
+        # (case, configuration, metric) recorded; "seconds" is the last line of a complete (case, configuration):
+        # a record cut short by a kill lacks it, and that case is measured again
+        self.metrics = {(r["task"], r["seed"], r["source"], r["context"], r["config"], r["metric"])
+                        for f in jsonl_files(out_dir) for r in read_jsonl(f) if "metric" in r}
         self.commit = git("rev-parse", "--short=10", "HEAD")
 
-    @staticmethod
-    def _k(r) -> Tuple:
-        return (r["task"], r["seed"], r["source"], r["context"], r["config"])
-
     def done(self, case: Case, cfg: Config) -> bool:
-        """Whether ``cfg`` was measured on ``case`` with every metric it now records (a metric added later, e.g.
-        ``layer_err``, measures the configuration again; the index keeps a case's last record)."""
+        """Whether ``cfg`` was measured on ``case`` with every metric it now records (a metric added later measures
+        the configuration again; the index keeps a case's last record): ``layer_err`` for the
+        context-compressed-before-the-question configurations of a question task."""
         k = (*case.key, cfg.name)
-        return k in self.seen and all((*k, m) in self.metrics for m in required_metrics(case, cfg))
+        need = ["seconds"] + (["layer_err"] if cfg.setting == "agnostic" and case.task != "lm" else [])
+        return all((*k, m) in self.metrics for m in need)
 
     def add(self, case: Case, cfg: Config, metrics: Dict[str, object], seconds: float) -> None:
         path = os.path.join(self.dir, f"{case.task}-{case.context}.jsonl.gz")
@@ -583,8 +540,7 @@ class Store:
                     budget=cfg.budget, prompt_tokens=len(case.prompt))
         recs = [dict(base, metric=m, **(v if isinstance(v, dict) else {"value": v})) for m, v in metrics.items()]
         append_jsonl(path, recs + [dict(base, metric="seconds", value=round(seconds, 3), commit=self.commit)])
-        self.seen.add((*case.key, cfg.name))
-        self.metrics.update((*case.key, cfg.name, m) for m in metrics)
+        self.metrics.update((*case.key, cfg.name, m) for m in [*metrics, "seconds"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -612,18 +568,18 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
     rows = sorted(set(range(n_ctx - Q_WINDOW, n_ctx)) | set(range(n_all - Q_WINDOW, n_all)) | set(pos.tolist()))
     kv, qs, last_logits, full_outs = capture(model, case.prompt, rows)
     r_index = {r: i for i, r in enumerate(rows)}
-    sel = lambda l, rr: qs[l][:, :, [r_index[r] for r in rr]]  # noqa: E731
-    L = len(kv)
-    qwin_all = [sel(l, range(n_all - Q_WINDOW, n_all)) for l in range(L)]
-    qwin_ctx = [sel(l, range(n_ctx - Q_WINDOW, n_ctx)) for l in range(L)]
-    hm = torch.stack([head_means_from_queries(sel(l, pos.tolist()), kv[l][0], pos) for l in range(L)])
+    sel = lambda rr: [qs[l][:, :, [r_index[r] for r in rr]] for l in range(len(kv))]  # noqa: E731 (per layer)
+    qwin_all, qwin_ctx = sel(range(n_all - Q_WINDOW, n_all)), sel(range(n_ctx - Q_WINDOW, n_ctx))
+    hm = torch.stack([head_means_from_queries(q, kv[l][0], pos) for l, q in enumerate(sel(pos.tolist()))])
     hd = get_allocator("score").hd(hm, kv[0][0].shape[1])  # [L, B, H_kv]
     t_cap = time.time() - t0
     log(f"  capture {t_cap:.1f}s")
 
-    def run_one(cfg: Config, full_ref=None):
-        t = time.time()
+    def run_one(cfg: Config):
+        """``cfg``'s own metrics (lm: ``ll``; else the accuracies), its log-distributions along the continuation or
+        the true answer, and the metrics only a compressed run records."""
         inputs = {"head_means": hm} if cfg.allocation == "score" else {}
+        extra = {}
         if cfg.mode == "blockwise":
             # W_O comes from each layer's module inside the forward (the cache reads o_proj itself)
             pol = get_policy(cfg.policy) if cfg.policy in POLICIES else _policy_object(model, cfg, hd)
@@ -635,52 +591,46 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
             cache = replay_cache(model, cfg, kv, qwin_ctx, n_ctx, inputs, hd)
             with LayerOutputs(model) as outs:  # the first answer token's query is the question's last token
                 first = feed(model, cache, case.q_ids)[-1]
-            layer_err = outs.errors(full_outs)
+            extra["layer_err"] = outs.errors(full_outs)
         else:
             cache = replay_cache(model, cfg, kv, qwin_all, n_all, inputs, hd)
             first = last_logits
-        kept = _kept(cache)  # tokens held per (layer, head) right after the compression (+ the question, agnostic)
+        # tokens held per (layer, head) right after the compression (+ the question, agnostic)
+        extra = {"kept_per_head": _kept(cache), **extra}
         if lm:
             lp = torch.log_softmax(torch.cat([first[None], feed(model, cache, case.cont_ids[:-1], 0)]), -1)
-            ll = lp[torch.arange(CONT), torch.tensor(case.cont_ids)]
-            if full_ref is None:
-                return {"ll": float(ll.mean())}, lp, time.time() - t
-            metrics = {"kl": kl(full_ref[0], lp), "dll": float(ll.mean()) - full_ref[1]}
-        else:
-            glen = max(len(c) for c in case.cands)
-            s, g, d = score_choices(model, cache, first, case.cands, glen, case.answer, cfg.mode != "lagkv")
-            metrics = {"acc_ll": _top1(s, case.answer), "acc_greedy": _greedy_hit(tok, g, case.cands[case.answer])}
-            if full_ref is None:
-                return metrics, d, time.time() - t
-            metrics["kl_answer"] = kl(full_ref, d)
-        metrics["kept_per_head"] = kept
-        if cfg.setting == "agnostic" and not lm:
-            metrics["layer_err"] = layer_err
-        return metrics, None, time.time() - t
+            return {"ll": float(lp[torch.arange(CONT), torch.tensor(case.cont_ids)].mean())}, lp, extra
+        glen = max(len(c) for c in case.cands)
+        s, g, d = score_choices(model, cache, first, case.cands, glen, case.answer, cfg.mode != "lagkv")
+        return accuracies(tok, case, s, g), d, extra
 
     # the full cache (reference for every KL): always recomputed (cheap next to the capture), recorded once
-    m_full, ref, sec = run_one(FULL)
-    if lm:
-        ref = (ref, m_full["ll"])
+    t = time.time()
+    m_full, ref, _ = run_one(FULL)
+    sec = time.time() - t
     if not store.done(case, FULL):
         store.add(case, FULL, m_full, sec + t_cap)
     log(f"  full {m_full} {sec:.1f}s")
-    wo_cfgs = [c for c in todo if c in WO_GROUP and not lm]
+    wo_cfgs = [c for c in todo if c in GROUPS["criticalkv"] and not lm]  # these record the error after W_O
     wo_metrics, per_cfg_t = {}, 0.0
     if wo_cfgs:
         t = time.time()
-        errs = wo_errors(model, kv, [sel(l, [n_all - 1]) for l in range(L)], qwin_ctx, n_ctx, wo_cfgs, {})
+        errs = wo_errors(model, kv, sel([n_all - 1]), qwin_ctx, n_ctx, wo_cfgs, {})
         per_cfg_t = (time.time() - t) / len(wo_cfgs)
         wo_metrics = {c.name: {"value": float(torch.tensor(errs[c.name]).mean()),
                                "per_head": [[float(f"{x:.5g}") for x in row] for row in errs[c.name]]}
                       for c in wo_cfgs}
     for cfg in todo:
+        t = time.time()
         try:
-            m, _, sec = run_one(cfg, ref)
+            m, d, extra = run_one(cfg)
         except ValueError as e:  # e.g. a budget below a policy's protected tokens
             log(f"  skip {cfg.name}: {e}")
             store.add(case, cfg, {"error": str(e)[:200]}, 0.0)
             continue
+        m = {"kl": kl(ref, d), "dll": m["ll"] - m_full["ll"]} if lm else {**m, "kl_answer": kl(ref, d)}
+        m.update(extra)
+        sec = time.time() - t
         if cfg.name in wo_metrics:
             m["wo_err"] = wo_metrics[cfg.name]
             sec += per_cfg_t
@@ -691,10 +641,7 @@ def run_case(model, tok, case: Case, configs: Sequence[Config], store: Store, *,
 
 def _kept(cache) -> float:
     """Mean tokens held per (layer, KV head) of the compressed prefix + what was fed after it."""
-    try:
-        return float(torch.stack([k.float().mean() for k in cache.kept_tokens()]).mean())
-    except Exception:  # LagKV layers
-        return float(sum(l.n for l in cache.layers) / max(len(cache.layers), 1))
+    return float(torch.stack([k.float().mean() for k in cache.kept_tokens()]).mean())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -714,15 +661,13 @@ def main(argv=None):
     p.add_argument("--tasks", nargs="+", default=["mk_needle"], choices=TASKS)
     p.add_argument("--contexts", nargs="+", type=int, default=[2048])
     p.add_argument("--seeds", default="0-49", help="e.g. 0-49 or 0,3,7")
-    p.add_argument("--sources", nargs="+", default=None,
-                   help="haystack sources, rotated over seeds (default: every available one)")
     p.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS) + ["full"])
     p.add_argument("--out", default=OUT)
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    sources = a.sources or available_sources()
+    sources = available_sources()  # rotated over seeds
     model, tok = load_smollm2()
     store = Store(a.out)
     configs = [c for g in a.groups if g != "full" for c in GROUPS[g]]

@@ -28,17 +28,12 @@ ACC = ("acc_ll", "acc_greedy")
 LOWER = {"kl", "kl_answer", "wo_err", "layer_err"}  # lower is better; dll and accuracies: higher
 
 
-def load(out_dir: str = OUT) -> List[dict]:
-    return [r for f in jsonl_files(out_dir) for r in read_jsonl(f)]
-
-
 def index(recs: Sequence[dict]) -> Dict[Tuple, Dict[Tuple, dict]]:
     """``{(task, context, config, metric): {(seed, source): record}}`` (the last record of a case wins)."""
     out: Dict[Tuple, Dict[Tuple, dict]] = defaultdict(dict)
     for r in recs:
-        if "value" not in r and "per_head" not in r:
-            continue
-        out[(r["task"], r["context"], r["config"], r["metric"])][(r["seed"], r["source"])] = r
+        if "value" in r or "per_head" in r:
+            out[(r["task"], r["context"], r["config"], r["metric"])][(r["seed"], r["source"])] = r
     return out
 
 
@@ -74,8 +69,7 @@ def cells(idx) -> List[dict]:
 def compare(idx, task, ctx, metric, a: str, b: str, *, ratio_margin: Optional[float] = None) -> Optional[dict]:
     """Paired comparison of configuration ``a`` (claimed better) against ``b``."""
     pa, pb = idx.get((task, ctx, a, metric), {}), idx.get((task, ctx, b, metric), {})
-    keys = sorted(set(pa) & set(pb), key=str)
-    keys = [k for k in keys if pa[k].get("value") is not None and pb[k].get("value") is not None]
+    keys = [k for k in sorted(set(pa) & set(pb), key=str) if None not in (pa[k].get("value"), pb[k].get("value"))]
     if len(keys) < MIN_CASES:
         return None
     va, vb = (np.array([p[k]["value"] for k in keys], dtype=float) for p in (pa, pb))
@@ -106,20 +100,14 @@ def _tasks(idx):
     return sorted({(k[0], k[1]) for k in idx})
 
 
-def _gate(idx, task, ctx, metric) -> bool:
-    """Accuracy claims only where the full cache scores >= 90 % on the same metric (a task may pass by likelihood
-    and fail by greedy answer: the needle at 8K); lm and error metrics always pass."""
-    if metric not in ACC:
-        return True
-    f = full_accuracy(idx, task, ctx, metric)
-    return f is not None and f["mean"] >= FULL_GATE
-
-
 def _gated(idx, accuracies_only: bool = False):
-    """Every ``(task, context, metric)`` a claim compares: the task's metrics, accuracies past the gate."""
+    """Every ``(task, context, metric)`` a claim compares: the task's metrics, an accuracy only where the full cache
+    scores >= 90 % on that same accuracy (a task may pass by likelihood and fail by greedy answer: the needle at
+    8K); lm and error metrics always pass the gate."""
     for task, ctx in _tasks(idx):
         for metric in ["kl", "dll"] if task == "lm" else ["acc_ll", "acc_greedy", "kl_answer"]:
-            if _gate(idx, task, ctx, metric) and (metric in ACC or not accuracies_only):
+            full = full_accuracy(idx, task, ctx, metric) if metric in ACC else None
+            if (full["mean"] >= FULL_GATE if full else metric not in ACC and not accuracies_only):
                 yield task, ctx, metric
 
 
@@ -303,12 +291,9 @@ def _short(cfg: str) -> str:
     p, a, mode, setting, b = cfg.split("|")
     if p == "full":
         return "full cache"
-    parts = [p if a == "uniform" else f"{p}+{a}"]
     if mode == "lagkv":
-        parts = [f"lagkv L={p[len('lagkv_l'):] if p.startswith('lagkv_l') else 128} r={b}"]
-    else:
-        parts.append(f"@{b}")
-    return " ".join(parts)
+        return f"lagkv L={p[len('lagkv_l'):] if p.startswith('lagkv_l') else 128} r={b}"
+    return f"{p if a == 'uniform' else f'{p}+{a}'} @{b}"
 
 
 def _vs(x: dict) -> str:
@@ -340,10 +325,8 @@ def _held(comps, cells) -> List[str]:
         b = cfg.rsplit("|", 1)[-1]
         if b.isdigit() and cfg in held and max(held[cfg]) > 1.005 * int(b):
             over.append(f"{_short(cfg)} {max(held[cfg]):.1f}")
-    if not over:
-        return []
     return ["Tokens held per (layer, KV head) above the nominal budget (mean over cases, worst task): "
-            + "; ".join(over) + ".", ""]
+            + "; ".join(over) + ".", ""] if over else []
 
 
 SECOND_LOOK = ("Cases: 50 per task and context in every claim's cells (the n column says how many are paired), "
@@ -418,10 +401,11 @@ def markdown(recs, summary) -> str:
     return "\n".join(out)
 
 
-def plots(recs, out_dir: str) -> List[str]:
+def plots(recs, out_dir: str) -> None:
+    """``<task>-<context>.png`` per task and context: each claim's metric against the budget, with interval bands."""
     plt = pyplot()
     if plt is None:
-        return []
+        return
     idx = index(recs)
     panels = [  # (title, metric, [(label, config template with {b})], budgets)
         ("KeyDiff claim: block-wise prefill", "acc_ll",
@@ -438,7 +422,6 @@ def plots(recs, out_dir: str) -> List[str]:
          [(f"{p}+{a}", cfg_name(p, a, setting="agnostic", budget="{b}")) for a in ("uniform", "adakv")
           for p in ("snapkv", "criticalkv")], (0.2, 0.4)),
     ]
-    paths = []
     for task, ctx in _tasks(idx):
         todo = []
         for title, metric, lines, budgets in panels:
@@ -471,11 +454,8 @@ def plots(recs, out_dir: str) -> List[str]:
             ax.legend(fontsize=6)
         fig.suptitle(f"{task}, {ctx} tokens (95% bootstrap bands)", fontsize=9)
         fig.tight_layout()
-        p = os.path.join(out_dir, f"{task}-{ctx}.png")
-        fig.savefig(p, dpi=90)
+        fig.savefig(os.path.join(out_dir, f"{task}-{ctx}.png"), dpi=90)
         plt.close(fig)
-        paths.append(p)
-    return paths
 
 
 def _headline(comps: Sequence[dict], per_task: int = 3) -> List[dict]:
@@ -567,7 +547,7 @@ def profile_effect(a: str = PAPER_PROFILE, b: str = DEFAULT_PROFILE, prompt: int
 
 
 def build(out_dir: str = OUT, write: bool = True) -> dict:
-    recs = load(out_dir)
+    recs = [r for f in jsonl_files(out_dir) for r in read_jsonl(f)]
     idx = index(recs)
     summary = {"cells": cells(idx), "claims": claim_rows(idx),
                "full_accuracy": {f"{t}/{c}": full_accuracy(idx, t, c) for t, c in _tasks(idx) if t != "lm"},
@@ -586,9 +566,7 @@ def build(out_dir: str = OUT, write: bool = True) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=OUT)
-    a = p.parse_args(argv)
-    s = build(a.out)
-    print(readme_section(s))
+    print(readme_section(build(p.parse_args(argv).out)))
 
 
 if __name__ == "__main__":
