@@ -12,21 +12,21 @@ import ast
 import collections
 import contextlib
 import functools
-import inspect
 import io
 import json
 import math
 import operator
 import os
+import pathlib
 import platform
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import traceback
+from unittest import mock
 
 # Compiled code, never the interpreter: the launchers must take their GPU branch.
 os.environ.pop("TRITON_INTERPRET", None)
@@ -173,8 +173,7 @@ def gpu_like(mode: TorchOps, readback=None):
     ``on_host`` is False in every tritonkv module (validation of host tensors is skipped, as for CUDA
     tensors) and ``Tensor.tolist`` logs a host sync; an integer read-back returns ``readback`` when given
     (what a real run reads; the dry run's memory is unwritten)."""
-    patched = [(m, m.on_host) for m in _tritonkv_modules() if callable(getattr(m, "on_host", None))]
-    tolist, cpu = torch.Tensor.tolist, _common._cpu[0]
+    tolist = torch.Tensor.tolist
 
     def logged_tolist(t):
         real = tolist(t)
@@ -185,29 +184,26 @@ def gpu_like(mode: TorchOps, readback=None):
                   where=_caller(), **({"replaced": [real, list(readback)]} if swap else {}))
         return list(readback) if swap else real
 
-    for m, _ in patched:
-        m.on_host = lambda t: False
-    torch.Tensor.tolist, _common._cpu[0] = logged_tolist, "triton"
-    try:
+    with contextlib.ExitStack() as patches:
+        for m in [m for m in _tritonkv_modules() if callable(getattr(m, "on_host", None))]:
+            patches.enter_context(mock.patch.object(m, "on_host", lambda t: False))
+        patches.enter_context(mock.patch.object(torch.Tensor, "tolist", logged_tolist))
+        patches.enter_context(mock.patch.object(_common, "_cpu", ["triton"]))
         yield
-    finally:
-        torch.Tensor.tolist, _common._cpu[0] = tolist, cpu
-        for m, f in patched:
-            m.on_host = f
 
 
 def dry(fn, readback=None, inputs=()):
     """``(launches, torch ops, error)`` of ``fn()`` with launches logged and not run; ``inputs``: the small
     input tensors (host checks of values derived from them only are ``input_check``s, not syncs)."""
-    log, mode = [], TorchOps(inputs=inputs)
+    log, mode, err = [], TorchOps(inputs=inputs), None
     try:
         with _common.record_launches(execute=False) as log:
             mode.launches = log
             with gpu_like(mode, readback), mode:
                 fn()
     except Exception as e:  # reported per workload
-        return list(log), mode.ops, f"{type(e).__name__}: {e}"
-    return list(log), mode.ops, None
+        err = f"{type(e).__name__}: {e}"
+    return list(log), mode.ops, err
 
 
 def make_inputs(N: int) -> dict:
@@ -436,8 +432,7 @@ def occupancy(regs: int, smem: int, warps: int, cap: int) -> dict:
 def _fors(path: str) -> dict:
     """``{line: (For node, enclosing FunctionDef)}`` of the source file at ``path`` (``{}`` if unreadable)."""
     try:
-        with open(path) as f:
-            tree = ast.parse(f.read())
+        tree = ast.parse(pathlib.Path(path).read_text())
     except (OSError, SyntaxError, TypeError):
         return {}
     out = {}
@@ -514,13 +509,7 @@ def pointer_access(kernel) -> dict:
     """``{argument: "r" | "w" | "rw"}`` of a ``@triton.jit`` kernel's pointer arguments, from its source:
     ``tl.load`` reads, ``tl.store`` writes, ``tl.atomic_*`` both, ``.load``/``.store`` of a block pointer or
     descriptor likewise, following assignments and calls to other ``@triton.jit`` functions."""
-    fn = getattr(kernel, "fn", kernel)
-    try:
-        fdef = next(n for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
-                    if isinstance(n, ast.FunctionDef))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    params = [a.arg for a in fdef.args.args]
+    fdef, params = kernel.parse().body[0], kernel.arg_names  # Triton's own parse of the source
     alias = {p: {p} for p in params}  # variable -> the parameters its value derives from
 
     def roots(node) -> set:
@@ -548,7 +537,7 @@ def pointer_access(kernel) -> dict:
         for p in roots(node):
             acc.setdefault(p, set()).update(kinds)
 
-    g = getattr(fn, "__globals__", {})
+    g = kernel.fn.__globals__
     for node in [n for n in ast.walk(fdef) if isinstance(n, ast.Call)]:
         f, name = node.func, _name(node.func)
         first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
@@ -559,8 +548,8 @@ def pointer_access(kernel) -> dict:
         elif isinstance(f, ast.Attribute) and name in ("load", "store"):  # block pointer / tensor descriptor
             mark(f.value, kinds)
         elif isinstance(f, ast.Name) and isinstance(g.get(f.id), JITFunction):
-            sub, cparams = pointer_access(g[f.id]), list(inspect.signature(g[f.id].fn).parameters)
-            for p, a in [*zip(cparams, node.args), *((kw.arg, kw.value) for kw in node.keywords)]:
+            sub = pointer_access(g[f.id])
+            for p, a in [*zip(g[f.id].arg_names, node.args), *((kw.arg, kw.value) for kw in node.keywords)]:
                 if p in sub:
                     mark(a, set(sub[p]))
     # in parameter order: the same on every run
@@ -744,14 +733,12 @@ def run(args) -> dict:
             key, spec = config_key(rec)
             w["configs"].append(configs.setdefault(key, dict(rec=rec, spec=spec, users={})))
             w["configs"][-1]["users"][w["name"]] = None
-    base, first = base_labels(configs), {}
+    base, stats = base_labels(configs), {}  # stats: of the last config compiled per base label
     for key, c in configs.items():
         c["base"] = base[key]
-        if args.smoke and base[key] in first:  # smoke: one argument specialisation per configuration
-            c["stats"] = first[base[key]]
-        else:
-            c["stats"] = {f"sm_{cap}": _compile(c["rec"], cap, base[key], errors) for cap in archs}
-            first.setdefault(base[key], c["stats"])
+        if not (args.smoke and base[key] in stats):  # smoke: one argument specialisation per configuration
+            stats[base[key]] = {f"sm_{cap}": _compile(c["rec"], cap, base[key], errors) for cap in archs}
+        c["stats"] = stats[base[key]]
     kernels = kernel_rows(configs)
     rows = [workload_row(w, N) for w in wls]
     targets = check_targets(kernels, rows, archs)
@@ -1007,14 +994,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.argv, args.t0 = argv, time.perf_counter()
     if args.compare:
-        results = []
-        for path in args.compare:
-            with open(path) as f:
-                results.append(json.load(f))
-        results.sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["triton"])[:3]))
+        results = sorted((json.loads(pathlib.Path(path).read_text()) for path in args.compare),
+                         key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["triton"])[:3]))
         out = args.out or os.path.join(RESULTS, "kernel_stats.md")
-        with open(out, "w") as f:
-            f.write(compare_markdown(results))
+        pathlib.Path(out).write_text(compare_markdown(results))
         print("wrote", out)
         return 0
     torch.set_num_threads(1)
