@@ -619,20 +619,18 @@ def _short(v):
     return int(v) if isinstance(v, bool) else v
 
 
-def base_labels(configs: dict) -> dict:
-    """``{config key: label}``: the kernel name and the constexprs (and num_warps) that tell its
+def base_labels(configs: dict) -> None:
+    """Sets each config's ``base`` label: the kernel name and the constexprs (and num_warps) that tell its
     configurations apart."""
     recs = [c["rec"] for c in configs.values()]
-    out = {}
-    for key, c in configs.items():
+    for c in configs.values():
         rec = c["rec"]
         same = [r for r in recs if r.name == rec.name]
         parts = [f"{k}={_short(v)}" for k, v in rec.constexprs.items()
                  if len({repr(r.constexprs.get(k)) for r in same}) > 1]
         if len({repr(sorted(r.options.items())) for r in same}) > 1:
             parts.append(f"warps={rec.options.get('num_warps', 4)}")
-        out[key] = f"{rec.name}[{','.join(parts)}]" if parts else rec.name
-    return out
+        c["base"] = f"{rec.name}[{','.join(parts)}]" if parts else rec.name
 
 
 ORDER = ("knorm", "keydiff", "lagkv", "window_attention", "critical", "score", "select", "decode_attention", "cache")
@@ -733,12 +731,12 @@ def run(args) -> dict:
             key, spec = config_key(rec)
             w["configs"].append(configs.setdefault(key, dict(rec=rec, spec=spec, users={})))
             w["configs"][-1]["users"][w["name"]] = None
-    base, stats = base_labels(configs), {}  # stats: of the last config compiled per base label
-    for key, c in configs.items():
-        c["base"] = base[key]
-        if not (args.smoke and base[key] in stats):  # smoke: one argument specialisation per configuration
-            stats[base[key]] = {f"sm_{cap}": _compile(c["rec"], cap, base[key], errors) for cap in archs}
-        c["stats"] = stats[base[key]]
+    base_labels(configs)
+    stats = {}  # base label -> the stats of its last config compiled
+    for c in configs.values():
+        if not (args.smoke and c["base"] in stats):  # smoke: one argument specialisation per configuration
+            stats[c["base"]] = {f"sm_{cap}": _compile(c["rec"], cap, c["base"], errors) for cap in archs}
+        c["stats"] = stats[c["base"]]
     kernels = kernel_rows(configs)
     rows = [workload_row(w, N) for w in wls]
     targets = check_targets(kernels, rows, archs)
