@@ -20,7 +20,6 @@ import os
 import pathlib
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -308,10 +307,8 @@ _FENCED = {"acq_rel", "acquire", "release", "sc", "seq_cst"}
 
 
 def _tool(name: str, *args) -> str:
-    """The output of a CUDA tool, Triton's own copy or the one on the PATH ("" without the tool)."""
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    path = path if os.path.exists(path) else shutil.which(name)
-    return subprocess.run([path, *args], capture_output=True, text=True, timeout=120).stdout if path else ""
+    """The output of a CUDA tool: the copy Triton uses (``knobs.nvidia``; it raises when there is none)."""
+    return subprocess.run([getattr(knobs.nvidia, name).path, *args], capture_output=True, text=True, timeout=120).stdout
 
 
 def compile_stats(rec, cap: int) -> dict:
@@ -747,13 +744,12 @@ def run(args) -> dict:
                           and attr.endswith("_kernel") and f"{m.__name__}.{attr}" not in launched)
     if not_launched:
         targets["not_launched"] = not_launched
-    ptxas = re.search(r"release ([\d.]+)", _tool("ptxas", "--version"))
     return dict(
         program="benchmarks/kernel_stats.py", command=command(args.argv, "benchmarks.kernel_stats"),
         smoke=bool(args.smoke), date=now(), commit=git("rev-parse", "--short", "HEAD") or None,
         dirty_kernels=bool(git("status", "--porcelain", "tritonkv")),
         triton=triton.__version__, triton_path=os.path.dirname(triton.__file__), torch=torch.__version__,
-        python=platform.python_version(), ptxas=ptxas and ptxas.group(1),
+        python=platform.python_version(), ptxas=knobs.nvidia.ptxas.version,
         fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"),
         shape=dict(SHAPE, N=N, H_q=SHAPE["H"] * SHAPE["G"], dtype="bfloat16", keep=KEEP,
                    kept_per_head=tritonkv.resolve_budget(KEEP, N)),
