@@ -119,8 +119,8 @@ class TorchOps(TorchDispatchMode):
         outputs): a check of such a value reads the host when the caller passes the input there."""
         return bool(ts) and all(t.data_ptr() in self.from_inputs for t in ts)
 
-    def note(self, op: str, kind: str, nbytes: int = 0, read: int = 0, write: int = 0, **kw):
-        self.ops.append(dict(op=op, kind=kind, bytes=nbytes, read=read, write=write, at=len(self.launches), **kw))
+    def note(self, op: str, kind: str, read: int = 0, write: int = 0, **kw):
+        self.ops.append(dict(op=op, kind=kind, read=read, write=write, at=len(self.launches), **kw))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -141,14 +141,14 @@ class TorchOps(TorchDispatchMode):
         if kind == "alloc":
             for t in outs:
                 t.zero_()  # outside the log: nothing downstream reads unwritten memory
-            self.note(str(func), kind, _nbytes(outs), shapes=shapes)
+            self.note(str(func), kind, bytes=_nbytes(outs), shapes=shapes)
             return out
         read = 0 if kind == "fill" else _nbytes(ins)
         write = _nbytes(outs or ins[:1]) if kind != "sync" else 0
         if kind != "fill" and self.input_only(ins):
             self.from_inputs.update(t.data_ptr() for t in outs)
             kind = "input_check" if kind == "sync" else kind
-        self.note(str(func), kind, read + write, read, write, shapes=shapes,
+        self.note(str(func), kind, read, write, shapes=shapes,
                   **({"where": _caller()} if kind in ("sync", "input_check") else {}))
         return out
 
@@ -180,7 +180,7 @@ def gpu_like(mode: TorchOps, readback=None):
             return real
         swap = readback is not None and not t.is_floating_point() and t.numel() == len(readback)
         mode.note("Tensor.tolist", "input_check" if mode.input_only([t]) else "sync", shapes=[list(t.shape)],
-                  where=_caller(), **({"replaced": [real, list(readback)]} if swap else {}))
+                  where=_caller())
         return list(readback) if swap else real
 
     with contextlib.ExitStack() as patches:
