@@ -12,21 +12,20 @@ import ast
 import collections
 import contextlib
 import functools
-import inspect
 import io
 import json
 import math
 import operator
 import os
+import pathlib
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 import traceback
+from unittest import mock
 
 # Compiled code, never the interpreter: the launchers must take their GPU branch.
 os.environ.pop("TRITON_INTERPRET", None)
@@ -120,8 +119,8 @@ class TorchOps(TorchDispatchMode):
         outputs): a check of such a value reads the host when the caller passes the input there."""
         return bool(ts) and all(t.data_ptr() in self.from_inputs for t in ts)
 
-    def note(self, op: str, kind: str, nbytes: int = 0, read: int = 0, write: int = 0, **kw):
-        self.ops.append(dict(op=op, kind=kind, bytes=nbytes, read=read, write=write, at=len(self.launches), **kw))
+    def note(self, op: str, kind: str, read: int = 0, write: int = 0, **kw):
+        self.ops.append(dict(op=op, kind=kind, read=read, write=write, at=len(self.launches), **kw))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -142,14 +141,14 @@ class TorchOps(TorchDispatchMode):
         if kind == "alloc":
             for t in outs:
                 t.zero_()  # outside the log: nothing downstream reads unwritten memory
-            self.note(str(func), kind, _nbytes(outs), shapes=shapes)
+            self.note(str(func), kind, bytes=_nbytes(outs), shapes=shapes)
             return out
         read = 0 if kind == "fill" else _nbytes(ins)
         write = _nbytes(outs or ins[:1]) if kind != "sync" else 0
         if kind != "fill" and self.input_only(ins):
             self.from_inputs.update(t.data_ptr() for t in outs)
             kind = "input_check" if kind == "sync" else kind
-        self.note(str(func), kind, read + write, read, write, shapes=shapes,
+        self.note(str(func), kind, read, write, shapes=shapes,
                   **({"where": _caller()} if kind in ("sync", "input_check") else {}))
         return out
 
@@ -173,8 +172,7 @@ def gpu_like(mode: TorchOps, readback=None):
     ``on_host`` is False in every tritonkv module (validation of host tensors is skipped, as for CUDA
     tensors) and ``Tensor.tolist`` logs a host sync; an integer read-back returns ``readback`` when given
     (what a real run reads; the dry run's memory is unwritten)."""
-    patched = [(m, m.on_host) for m in _tritonkv_modules() if callable(getattr(m, "on_host", None))]
-    tolist, cpu = torch.Tensor.tolist, _common._cpu[0]
+    tolist = torch.Tensor.tolist
 
     def logged_tolist(t):
         real = tolist(t)
@@ -182,32 +180,29 @@ def gpu_like(mode: TorchOps, readback=None):
             return real
         swap = readback is not None and not t.is_floating_point() and t.numel() == len(readback)
         mode.note("Tensor.tolist", "input_check" if mode.input_only([t]) else "sync", shapes=[list(t.shape)],
-                  where=_caller(), **({"replaced": [real, list(readback)]} if swap else {}))
+                  where=_caller())
         return list(readback) if swap else real
 
-    for m, _ in patched:
-        m.on_host = lambda t: False
-    torch.Tensor.tolist, _common._cpu[0] = logged_tolist, "triton"
-    try:
+    with contextlib.ExitStack() as patches:
+        for m in [m for m in _tritonkv_modules() if callable(getattr(m, "on_host", None))]:
+            patches.enter_context(mock.patch.object(m, "on_host", lambda t: False))
+        patches.enter_context(mock.patch.object(torch.Tensor, "tolist", logged_tolist))
+        patches.enter_context(mock.patch.object(_common, "_cpu", ["triton"]))
         yield
-    finally:
-        torch.Tensor.tolist, _common._cpu[0] = tolist, cpu
-        for m, f in patched:
-            m.on_host = f
 
 
 def dry(fn, readback=None, inputs=()):
     """``(launches, torch ops, error)`` of ``fn()`` with launches logged and not run; ``inputs``: the small
     input tensors (host checks of values derived from them only are ``input_check``s, not syncs)."""
-    log, mode = [], TorchOps(inputs=inputs)
+    log, mode, err = [], TorchOps(inputs=inputs), None
     try:
         with _common.record_launches(execute=False) as log:
             mode.launches = log
             with gpu_like(mode, readback), mode:
                 fn()
     except Exception as e:  # reported per workload
-        return list(log), mode.ops, f"{type(e).__name__}: {e}"
-    return list(log), mode.ops, None
+        err = f"{type(e).__name__}: {e}"
+    return list(log), mode.ops, err
 
 
 def make_inputs(N: int) -> dict:
@@ -312,10 +307,8 @@ _FENCED = {"acq_rel", "acquire", "release", "sc", "seq_cst"}
 
 
 def _tool(name: str, *args) -> str:
-    """The output of a CUDA tool, Triton's own copy or the one on the PATH ("" without the tool)."""
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-    path = path if os.path.exists(path) else shutil.which(name)
-    return subprocess.run([path, *args], capture_output=True, text=True, timeout=120).stdout if path else ""
+    """The output of a CUDA tool: the copy Triton uses (``knobs.nvidia``; it raises when there is none)."""
+    return subprocess.run([getattr(knobs.nvidia, name).path, *args], capture_output=True, text=True, timeout=120).stdout
 
 
 def compile_stats(rec, cap: int) -> dict:
@@ -436,8 +429,7 @@ def occupancy(regs: int, smem: int, warps: int, cap: int) -> dict:
 def _fors(path: str) -> dict:
     """``{line: (For node, enclosing FunctionDef)}`` of the source file at ``path`` (``{}`` if unreadable)."""
     try:
-        with open(path) as f:
-            tree = ast.parse(f.read())
+        tree = ast.parse(pathlib.Path(path).read_text())
     except (OSError, SyntaxError, TypeError):
         return {}
     out = {}
@@ -514,13 +506,7 @@ def pointer_access(kernel) -> dict:
     """``{argument: "r" | "w" | "rw"}`` of a ``@triton.jit`` kernel's pointer arguments, from its source:
     ``tl.load`` reads, ``tl.store`` writes, ``tl.atomic_*`` both, ``.load``/``.store`` of a block pointer or
     descriptor likewise, following assignments and calls to other ``@triton.jit`` functions."""
-    fn = getattr(kernel, "fn", kernel)
-    try:
-        fdef = next(n for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn))))
-                    if isinstance(n, ast.FunctionDef))
-    except (OSError, TypeError, SyntaxError):
-        return {}
-    params = [a.arg for a in fdef.args.args]
+    fdef, params = kernel.parse().body[0], kernel.arg_names  # Triton's own parse of the source
     alias = {p: {p} for p in params}  # variable -> the parameters its value derives from
 
     def roots(node) -> set:
@@ -548,7 +534,7 @@ def pointer_access(kernel) -> dict:
         for p in roots(node):
             acc.setdefault(p, set()).update(kinds)
 
-    g = getattr(fn, "__globals__", {})
+    g = kernel.fn.__globals__
     for node in [n for n in ast.walk(fdef) if isinstance(n, ast.Call)]:
         f, name = node.func, _name(node.func)
         first = node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "pointer"), None)
@@ -559,8 +545,8 @@ def pointer_access(kernel) -> dict:
         elif isinstance(f, ast.Attribute) and name in ("load", "store"):  # block pointer / tensor descriptor
             mark(f.value, kinds)
         elif isinstance(f, ast.Name) and isinstance(g.get(f.id), JITFunction):
-            sub, cparams = pointer_access(g[f.id]), list(inspect.signature(g[f.id].fn).parameters)
-            for p, a in [*zip(cparams, node.args), *((kw.arg, kw.value) for kw in node.keywords)]:
+            sub = pointer_access(g[f.id])
+            for p, a in [*zip(g[f.id].arg_names, node.args), *((kw.arg, kw.value) for kw in node.keywords)]:
                 if p in sub:
                     mark(a, set(sub[p]))
     # in parameter order: the same on every run
@@ -630,20 +616,18 @@ def _short(v):
     return int(v) if isinstance(v, bool) else v
 
 
-def base_labels(configs: dict) -> dict:
-    """``{config key: label}``: the kernel name and the constexprs (and num_warps) that tell its
+def base_labels(configs: dict) -> None:
+    """Sets each config's ``base`` label: the kernel name and the constexprs (and num_warps) that tell its
     configurations apart."""
     recs = [c["rec"] for c in configs.values()]
-    out = {}
-    for key, c in configs.items():
+    for c in configs.values():
         rec = c["rec"]
         same = [r for r in recs if r.name == rec.name]
         parts = [f"{k}={_short(v)}" for k, v in rec.constexprs.items()
                  if len({repr(r.constexprs.get(k)) for r in same}) > 1]
         if len({repr(sorted(r.options.items())) for r in same}) > 1:
             parts.append(f"warps={rec.options.get('num_warps', 4)}")
-        out[key] = f"{rec.name}[{','.join(parts)}]" if parts else rec.name
-    return out
+        c["base"] = f"{rec.name}[{','.join(parts)}]" if parts else rec.name
 
 
 ORDER = ("knorm", "keydiff", "lagkv", "window_attention", "critical", "score", "select", "decode_attention", "cache")
@@ -744,14 +728,12 @@ def run(args) -> dict:
             key, spec = config_key(rec)
             w["configs"].append(configs.setdefault(key, dict(rec=rec, spec=spec, users={})))
             w["configs"][-1]["users"][w["name"]] = None
-    base, first = base_labels(configs), {}
-    for key, c in configs.items():
-        c["base"] = base[key]
-        if args.smoke and base[key] in first:  # smoke: one argument specialisation per configuration
-            c["stats"] = first[base[key]]
-        else:
-            c["stats"] = {f"sm_{cap}": _compile(c["rec"], cap, base[key], errors) for cap in archs}
-            first.setdefault(base[key], c["stats"])
+    base_labels(configs)
+    stats = {}  # base label -> the stats of its last config compiled
+    for c in configs.values():
+        if not (args.smoke and c["base"] in stats):  # smoke: one argument specialisation per configuration
+            stats[c["base"]] = {f"sm_{cap}": _compile(c["rec"], cap, c["base"], errors) for cap in archs}
+        c["stats"] = stats[c["base"]]
     kernels = kernel_rows(configs)
     rows = [workload_row(w, N) for w in wls]
     targets = check_targets(kernels, rows, archs)
@@ -762,13 +744,12 @@ def run(args) -> dict:
                           and attr.endswith("_kernel") and f"{m.__name__}.{attr}" not in launched)
     if not_launched:
         targets["not_launched"] = not_launched
-    ptxas = re.search(r"release ([\d.]+)", _tool("ptxas", "--version"))
     return dict(
         program="benchmarks/kernel_stats.py", command=command(args.argv, "benchmarks.kernel_stats"),
         smoke=bool(args.smoke), date=now(), commit=git("rev-parse", "--short", "HEAD") or None,
         dirty_kernels=bool(git("status", "--porcelain", "tritonkv")),
         triton=triton.__version__, triton_path=os.path.dirname(triton.__file__), torch=torch.__version__,
-        python=platform.python_version(), ptxas=ptxas and ptxas.group(1),
+        python=platform.python_version(), ptxas=knobs.nvidia.ptxas.version,
         fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"),
         shape=dict(SHAPE, N=N, H_q=SHAPE["H"] * SHAPE["G"], dtype="bfloat16", keep=KEEP,
                    kept_per_head=tritonkv.resolve_budget(KEEP, N)),
@@ -1007,14 +988,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.argv, args.t0 = argv, time.perf_counter()
     if args.compare:
-        results = []
-        for path in args.compare:
-            with open(path) as f:
-                results.append(json.load(f))
-        results.sort(key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["triton"])[:3]))
+        results = sorted((json.loads(pathlib.Path(path).read_text()) for path in args.compare),
+                         key=lambda r: tuple(int(x) for x in re.findall(r"\d+", r["triton"])[:3]))
         out = args.out or os.path.join(RESULTS, "kernel_stats.md")
-        with open(out, "w") as f:
-            f.write(compare_markdown(results))
+        pathlib.Path(out).write_text(compare_markdown(results))
         print("wrote", out)
         return 0
     torch.set_num_threads(1)
