@@ -483,13 +483,13 @@ def trip_count(path: str, line: int, rec) -> int | None:
         return None
     env = {k: v for k, v in {**rec.args, **rec.constexprs}.items() if isinstance(v, (int, float, bool))}
     grid = tuple(rec.grid)
-    for node in ast.walk(fn):  # locals assigned before the loop, in source order
-        if isinstance(node, ast.Assign) and node.lineno < line and len(node.targets) == 1 \
-                and isinstance(node.targets[0], ast.Name):
-            try:
-                env[node.targets[0].id] = _eval(node.value, env, grid)
-            except _EVAL_ERRORS:
-                env.pop(node.targets[0].id, None)
+    assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and n.lineno < line and len(n.targets) == 1
+               and isinstance(n.targets[0], ast.Name)]
+    for node in sorted(assigns, key=lambda n: (n.lineno, n.col_offset)):  # ast.walk is breadth-first: source order
+        try:
+            env[node.targets[0].id] = _eval(node.value, env, grid)
+        except _EVAL_ERRORS:
+            env.pop(node.targets[0].id, None)
     try:
         return len(range(*[_eval(x, env, grid) for x in loop.iter.args]))
     except _EVAL_ERRORS:

@@ -61,14 +61,15 @@ out = dict(n=len(ins), loops=[{k: L[k] for k in ("lo", "hi", "line", "parent", "
 # trip counts from the source loop of a logged launch (a stand-in record)
 src = "def k(x_ptr, N, CHUNK, TILE):\n    c = tl.program_id(0)\n    hi = tl.minimum(N - c * CHUNK, CHUNK)\n" \
       "    for t0 in range(0, hi, TILE):\n        pass\n    for i in range(c):\n        pass\n" \
-      "    n = tl.load(x_ptr)\n    for j in range(0, n):\n        pass\n"
+      "    n = tl.load(x_ptr)\n    for j in range(0, n):\n        pass\n" \
+      "    m = 3\n    if N:\n        m2 = m * 2\n    m = 1000\n    for q in range(m2):\n        pass\n"
 path = os.path.join(sys.argv[1], "k.py")
 open(path, "w").write(src)
 class Rec:
     grid = (4, 2)
     args = dict(N=1000, CHUNK=256, x_ptr=None)
     constexprs = dict(TILE=64)
-out["trips"] = [ks.trip_count(path, line, Rec) for line in (4, 6, 9, 3)]
+out["trips"] = [ks.trip_count(path, line, Rec) for line in (4, 6, 9, 3, 15)]
 
 @triton.jit
 def _helper(p, q, n):
@@ -91,9 +92,9 @@ print(json.dumps(out))
 def test_sass_loops_trip_counts_and_pointer_access(tmp_path):
     """The SASS parser finds the two nested loops by their backward branches (not the final self-branch),
     with own counts excluding the inner loop; trip counts come from the ``for`` on the branch's line (the
-    middle program of the grid, locals evaluated, ``None`` when the bound is loaded); pointer parameters are
-    classified as loaded/stored through assignments and helper calls (an offset loaded from a pointer does
-    not make that pointer written); the occupancy arithmetic on cases worked by hand."""
+    middle program of the grid, locals evaluated in source order, ``None`` when the bound is loaded); pointer
+    parameters are classified as loaded/stored through assignments and helper calls (an offset loaded from a
+    pointer does not make that pointer written); the occupancy arithmetic on cases worked by hand."""
     res = _python(_UNITS, tmp_path)
     assert res["n"] == 11
     outer, inner = res["loops"]
@@ -103,7 +104,7 @@ def test_sass_loops_trip_counts_and_pointer_access(tmp_path):
     assert outer["n"] == 8 and outer["own_n"] == 4 and outer["own"] == dict(ATOMS=0, POPC=0, VOTE=1, BAR=1)
     assert outer["all_atoms"] == 2
     # program 2 of 4: hi = min(1000 - 512, 256) = 256 -> 4 tiles of 64; range(c) = 2; a loaded bound: None
-    assert res["trips"] == [4, 2, None, None]
+    assert res["trips"] == [4, 2, None, None, 6]  # m2 from the m before it (source order, not nesting)
     access = {k: v for k, v in res["access"].items() if k.endswith("_ptr")}
     assert access == {"a_ptr": "r", "b_ptr": "r", "c_ptr": "w", "h_ptr": "rw"}
     # occupancy on an H100, worked by hand: 255 regs -> 8192 per warp, 8 warps/SM; 32 regs -> the thread limit;
