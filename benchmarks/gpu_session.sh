@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# A GPU session in a few calls, for a machine that has torch + Triton but no network (docs/benchmarks.md, "A GPU
+# session"). Parts, run in the order given; each writes under $OUT and prints a short summary last:
+#   wheels   (here, with network) kvpress and gguf as wheels in .cache/wheels, to carry to the GPU machine
+#   tests    the whole suite natively on the GPU, but the tests of the downloaded model (-m "not model")
+#   speed    python -m benchmarks.speed (~2 min on an H200): every policy against its floor and kvpress
+#   prefill  block-wise prefill inside a model at N = 32K (blocks of 512) against the stock model's prefill
+#   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
+# Usage: OUT=<dir> benchmarks/gpu_session.sh tests speed     (PY=<python> to choose the interpreter)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -d .cache/wheels ] && ! $PY -c "import kvpress" 2>/dev/null; then
+    $PY -m pip install -q --no-deps .cache/wheels/*.whl
+fi
+for part in "$@"; do
+    echo "== $part ($(date -u +%T))"
+    case $part in
+    wheels)
+        $PY -m pip download -q --no-deps -d .cache/wheels "kvpress==0.5.5" "gguf==0.19.0" && ls .cache/wheels ;;
+    tests)
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/device.csv"
+        $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+            | tee "$OUT/versions.txt"
+        timeout 420 $PY -m pytest -q -p no:cacheprovider -n 16 -m "not model" --durations=15 tests \
+            > "$OUT/tests.txt" 2>&1
+        grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -20; tail -1 "$OUT/tests.txt" ;;
+    speed)
+        $PY -m benchmarks.speed --out "$OUT/speed" > "$OUT/speed.log" 2>&1; tail -5 "$OUT/speed.log" ;;
+    prefill)
+        $PY -m benchmarks.memory --n 32768 --modes blockwise --policies keydiff snapkv+adakv \
+            --out "$OUT/prefill-32k" > "$OUT/prefill.log" 2>&1; tail -5 "$OUT/prefill.log" ;;
+    lagkv)
+        ncu --section WarpStateStats --section SchedulerStats --section Occupancy -k regex:_lagkv -c 3 \
+            $PY - > "$OUT/lagkv-ncu.txt" 2>&1 <<'EOF'
+import torch, tritonkv
+g = torch.Generator("cuda").manual_seed(0)
+k, v = (torch.randn(1, 8, 32768, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+for _ in range(3):
+    tritonkv.compress((k, v), "lagkv", 0.25)
+torch.cuda.synchronize()
+EOF
+        grep -E "Stall|Warp Cycles|Issued|Eligible|Occupancy" "$OUT/lagkv-ncu.txt" | head -30 ;;
+    *)
+        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv)" >&2; exit 2 ;;
+    esac
+done
