@@ -85,9 +85,7 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
     b_dev = budgets.to(dev)
 
     ragged, mem_ragged = mem_delta(lambda: RaggedKV.from_selection(scores, b_dev, keys, values, total=total), cuda)
-    padded, mem_padded = mem_delta(lambda: _select.select_kv(scores, b_dev, keys, values, N), cuda)
-    Kp, Vp, _, lens = padded
-    del padded
+    (Kp, Vp, _, lens), mem_padded = mem_delta(lambda: _select.select_kv(scores, b_dev, keys, values, N), cuda)
     mem_full = 2 * keys.numel() * keys.element_size()
 
     # correctness first, against fp32 attention over the same tokens

@@ -147,7 +147,7 @@ def import_kvpress():
 def kvpress_case(kvpress, name, keys, values, queries, W):
     """``(press_fn, scores_fn)`` for a policy's kvpress counterpart, or None."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     B, H, N, D = keys.shape
     Hq = queries.shape[1]
@@ -170,12 +170,9 @@ def kvpress_case(kvpress, name, keys, values, queries, W):
     cos, sin = rope(hidden, torch.arange(N, device=keys.device)[None])
     kwargs = {"position_embeddings": (cos, sin), "hidden_states": hidden}
     # the same window queries for tritonkv: q_proj of the last W hidden states, with RoPE
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     q = attn.q_proj(hidden[:, -W:]).view(B, W, Hq, D).transpose(1, 2)
     q, _ = apply_rotary_pos_emb(q, q, cos[:, -W:], sin[:, -W:])
     queries.copy_(q)
-
     return (lambda: press.compress(attn, hidden, keys, values, None, kwargs),
             lambda: press.score(attn, hidden, keys, values, None, kwargs))
 
@@ -586,8 +583,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     a = parser().parse_args(argv)
-    if a.out is None and not a.smoke:
-        a.out = RESULTS
+    a.out = a.out or (None if a.smoke else RESULTS)
     res = run(a)
     if a.out:
         print("wrote", write(res, a.out))
