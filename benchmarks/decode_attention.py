@@ -30,7 +30,7 @@ COLUMNS = ["B", "H_kv", "G", "D", "mean", "max", "ragged_us", "padded_us", "dens
 
 
 def bench(fn, cuda: bool, graph: bool = False) -> float:
-    """Median microseconds of ``fn()`` (``benchmarks.common.gpu_time``; on the CPU after one warm-up call)."""
+    """Median microseconds of ``fn()``, to 0.01 (``benchmarks.common.gpu_time``; on the CPU after one warm-up call)."""
     fn()
     return gpu_time(fn, cuda, graph)["us"]
 
@@ -101,9 +101,8 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
 
     times = dict(ragged_us=lambda: decode_attention(q, ragged), padded_us=lambda: decode_attention(q, (Kp, Vp), lens),
                  dense_us=lambda: decode_attention(q, (Kd, Vd)), sdpa_us=sdpa)
-    for name, fn in times.items():
-        row[name] = round(bench(fn, cuda, graph=cuda), 2)
-    row["ragged_eager_us"] = round(bench(times["ragged_us"], cuda), 2)
+    row.update({name: bench(fn, cuda, graph=cuda) for name, fn in times.items()})
+    row["ragged_eager_us"] = bench(times["ragged_us"], cuda)
 
     # in-place append vs the whole-cache re-copy of an AdaKV-style flat cache
     k1, v1 = q[:, ::G][:, :H].contiguous(), q[:, ::G][:, :H].contiguous()
@@ -118,7 +117,7 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
                       ragged.next_position, H)
 
     row["append_us"] = round(max(bench(append, cuda, graph=cuda) - bench(reset, cuda, graph=cuda), 0.0), 2)
-    row["recopy_us"] = round(bench(lambda: (ragged.keys.clone(), ragged.values.clone()), cuda, graph=cuda), 2)
+    row["recopy_us"] = bench(lambda: (ragged.keys.clone(), ragged.values.clone()), cuda, graph=cuda)
     reset()
 
     elt = keys.element_size()
