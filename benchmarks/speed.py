@@ -522,50 +522,38 @@ def base_name(result) -> str:
     return f"{tag}-speed" if set(parts) == set(PARTS) else f"{tag}-speed-only-{'-'.join(parts)}"
 
 
-def plot(plt, path, lines, size, ylabel, title, log_y=False):
-    """Save ``lines`` (``(args, kwargs)`` of ``ax.plot``) against N on a log2 axis at ``path``."""
-    fig, ax = plt.subplots(figsize=size)
-    for args, kwargs in lines:
-        ax.plot(*args, **kwargs)
-    ax.set_xscale("log", base=2)
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_xlabel("N (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def write(result, out_dir):
-    """JSON, Markdown and the two plots; returns the path stem."""
+    """JSON, Markdown and the two plots against N (log2): compress time over the floor, and the scaling part's
+    time with its floors (log); returns the path stem."""
     base = write_results(os.path.join(out_dir, base_name(result)), result, markdown(result))
     plt = pyplot()
-    if plt is None:
-        return base
     rows = [r for r in result["rows"] if "error" not in r]
-
-    def series(kind, names, y):  # one line per policy, in N order
-        rs = [sorted((r for r in rows if r.get("kind") == kind and r["policy"] == n), key=lambda r: r["N"])
-              for n in names]
-        return [(([r["N"] for r in x], [r[y] for r in x]), dict(marker="o", label=n)) for n, x in zip(names, rs)]
-
-    comp = [r for r in rows if r.get("kind") == "compress"]
-    if comp:
-        plot(plt, base + ".png", series("compress", sorted({r["policy"] for r in comp}), "x_floor"), (7, 4),
-             "time / HBM floor", f"compress, {result['device']}")
-    sc = [r for r in rows if r.get("kind") == "scaling"]
-    if sc:
-        lines = series("scaling", list(dict.fromkeys(r["policy"] for r in sc)), "tritonkv_us")
-        for kv, style in ((False, "--"), (True, ":")):
-            fr = {r["N"]: r["floor_us"] for r in sc if (r["policy"] in KV_POLICIES) == kv}
+    figures = [("compress", "x_floor", ".png", (7, 4), "time / HBM floor", "compress"),
+               ("scaling", "tritonkv_us", "-scaling.png", (7, 4.5), "µs (median)", "compress time vs N")]
+    for kind, y, suffix, size, ylabel, title in figures:
+        of_kind = [r for r in rows if r.get("kind") == kind]
+        if plt is None or not of_kind:
+            continue
+        scaling = kind == "scaling"  # its policies in the order measured, its time on a log axis, and its floors
+        fig, ax = plt.subplots(figsize=size)
+        for name in dict.fromkeys(r["policy"] for r in of_kind) if scaling else sorted({r["policy"] for r in of_kind}):
+            mine = sorted((r for r in of_kind if r["policy"] == name), key=lambda r: r["N"])
+            ax.plot([r["N"] for r in mine], [r[y] for r in mine], marker="o", label=name)
+        for kv, style in ((False, "--"), (True, ":")) if scaling else ():
+            fr = {r["N"]: r["floor_us"] for r in of_kind if (r["policy"] in KV_POLICIES) == kv}
             if fr:
-                label = "copy floor (read K+V)" if kv else "copy floor (read K)"
-                lines.append(((sorted(fr), [fr[n] for n in sorted(fr)], style), dict(color="grey", label=label)))
-        plot(plt, base + "-scaling.png", lines, (7, 4.5), "µs (median)", f"compress time vs N, {result['device']}",
-             log_y=True)
+                ax.plot(sorted(fr), [fr[n] for n in sorted(fr)], style, color="grey",
+                        label="copy floor (read K+V)" if kv else "copy floor (read K)")
+        ax.set_xscale("log", base=2)
+        if scaling:
+            ax.set_yscale("log")
+        ax.set_xlabel("N (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}, {result['device']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(base + suffix, dpi=120)
+        plt.close(fig)
     return base
 
 
