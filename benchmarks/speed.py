@@ -110,14 +110,6 @@ def check_kept(keys, values, out) -> bool:
                 and (torch.where(valid[..., None], values.gather(2, g) == V, True)).all())
 
 
-def floor_row(reads: int, kept_tokens: int, keys, gbps: float, us: float) -> dict:
-    """Floor columns: read ``reads`` bytes, then read and write the kept K+V, at ``gbps``."""
-    fb = reads + 2 * 2 * kept_tokens * keys.shape[-1] * keys.element_size()
-    floor_us = fb / (gbps * 1e3)
-    return dict(floor_bytes=fb, floor_us=round(floor_us, 2), x_floor=round(us / floor_us, 2),
-                achieved_TBps=round(fb / us / 1e6, 3), pct_copy_bw=round(100 * floor_us / us, 1))
-
-
 def score_reads(name, keys) -> int:
     """Bytes the policy's scoring must read: K (K and V for lagkv/criticalkv; none for streaming_llm)."""
     return 0 if name == "streaming_llm" else keys.numel() * keys.element_size() * (2 if name in KV_POLICIES else 1)
@@ -227,10 +219,14 @@ class Ctx:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-
-def time_cols(t: dict, timing: str) -> dict:
-    """A timed result's columns: ``gpu_time``'s median, spread and count, and how it was timed."""
-    return dict(tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing)
+    def timed(self, t: dict, timing: str, keys, reads: int, kept_tokens: int) -> dict:
+        """A timed row's columns: ``gpu_time``'s median, spread and count, how it was timed, and its floor: read
+        ``reads`` bytes, then read and write the kept K+V of ``kept_tokens`` tokens, at the copy bandwidth."""
+        us, fb = t["us"], reads + 2 * 2 * kept_tokens * keys.shape[-1] * keys.element_size()
+        floor_us = fb / (self.copy_GBps * 1e3)
+        return dict(tritonkv_us=us, p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
+                    floor_bytes=fb, floor_us=round(floor_us, 2), x_floor=round(us / floor_us, 2),
+                    achieved_TBps=round(fb / us / 1e6, 3), pct_copy_bw=round(100 * floor_us / us, 1))
 
 
 def error_row(kind, name, N, e, **extra):
@@ -286,8 +282,8 @@ def run_compress(ctx: Ctx, rows: list) -> None:
                     ref_idx, _ = select_indices(scores_fn().float(), k, k, sink=sink, window=window)
                     same = bool(torch.equal(ref_idx, out.indices))
             emit(rows, dict(kind="compress", policy=name, allocation=None, **ctx.base(N),
-                            kept_tokens=ctx.B * ctx.H * k, **time_cols(t, timing), tritonkv_eager_us=eager["us"],
-                            **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
+                            kept_tokens=ctx.B * ctx.H * k, tritonkv_eager_us=eager["us"],
+                            **ctx.timed(t, timing, keys, score_reads(name, keys), ctx.B * ctx.H * k),
                             kvpress_us=kv_us, kvpress_graph_us=kv_graph,
                             x_kvpress_eager=round(kv_us / eager["us"], 2) if kv_us else None,
                             x_kvpress_graph=round(kv_graph / t["us"], 2) if kv_graph and timing == "graph" else None,
@@ -337,24 +333,23 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
             del out, res
             t = gpu_time(fn, ctx.cuda)  # eager, as the committed run (whose compress read the sizes back) was
             emit(rows, dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N),
-                            layer=LAYER, num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, **time_cols(t, "eager"),
-                            **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy_GBps,
-                                        t["us"]), inputs=desc, ok=ok))
+                            layer=LAYER, num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max,
+                            **ctx.timed(t, "eager", keys, score_reads(ALLOC_POLICY, keys) + extra_bytes, kept),
+                            inputs=desc, ok=ok))
 
 
 def run_decode(ctx: Ctx, rows: list) -> None:
     """``decode_attention.py``'s cases (kind ``decode_attention``)."""
-    gbps = ctx.copy_GBps
     for case in da.SMOKE_CASES if ctx.args.smoke else da.CASES:
         if ctx.over_budget(f"decode_attention {case}"):
             continue
         try:
-            row = da.run_case(*case, cuda=ctx.cuda, copy_GBps=gbps)
+            row = da.run_case(*case, cuda=ctx.cuda, copy_GBps=ctx.copy_GBps)
         except Exception as e:
             emit(rows, error_row("decode_attention", None, None, e, case=list(case)))
             continue
         emit(rows, dict(kind="decode_attention", policy=None, allocation=None, tritonkv_us=row["ragged_us"],
-                        timing="graph" if ctx.cuda else "eager", copy_GBps=round(gbps, 1), **row))
+                        timing="graph" if ctx.cuda else "eager", copy_GBps=round(ctx.copy_GBps, 1), **row))
         ctx.free()
 
 
@@ -370,10 +365,9 @@ def run_scaling(ctx: Ctx, rows: list) -> dict:
             ok = res[1]
             del res
             t, timing = measure_graph(fn, ctx.cuda, f"scaling {name} N={N}")
-            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N), **time_cols(t, timing),
+            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N),
                             ns_per_token=round(t["us"] * 1e3 / N, 4), copy_GBps=round(ctx.copy_GBps, 1),
-                            **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
-                            ok=ok))
+                            **ctx.timed(t, timing, keys, score_reads(name, keys), ctx.B * ctx.H * k), ok=ok))
     return {name: fit([(r["N"], r["tritonkv_us"]) for r in rows if r.get("kind") == "scaling"
                        and r["policy"] == name and "tritonkv_us" in r]) for name in SCALING_POLICIES}
 
