@@ -142,9 +142,8 @@ def run(args):
     copy_GBps = copy_bandwidth(cuda, (1 << 30) if cuda else (1 << 20))
     rows = []
     for case in SMOKE_CASES if args.smoke else CASES:
-        row = run_case(*case, cuda=cuda, copy_GBps=copy_GBps)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(run_case(*case, cuda=cuda, copy_GBps=copy_GBps))
+        print(json.dumps(rows[-1]), flush=True)
         if cuda:
             torch.cuda.empty_cache()
     return dict(run_info(cuda), copy_GBps=round(copy_GBps, 1), rows=rows)
