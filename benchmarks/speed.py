@@ -530,7 +530,8 @@ def write(result, out_dir):
             continue
         scaling = kind == "scaling"  # its policies in the order measured, its time on a log axis, and its floors
         fig, ax = plt.subplots(figsize=size)
-        for name in dict.fromkeys(r["policy"] for r in of_kind) if scaling else sorted({r["policy"] for r in of_kind}):
+        names = dict.fromkeys(r["policy"] for r in of_kind) if scaling else sorted({r["policy"] for r in of_kind})
+        for name in names:
             mine = sorted((r for r in of_kind if r["policy"] == name), key=lambda r: r["N"])
             ax.plot([r["N"] for r in mine], [r[y] for r in mine], marker="o", label=name)
         for kv, style in ((False, "--"), (True, ":")) if scaling else ():
