@@ -95,7 +95,7 @@ def markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parser():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help=f"N = {SMOKE_SIZES}, D_model = {SMOKE_D_MODEL}, one timed "
                                                         f"run; writes only with --out")
@@ -103,11 +103,7 @@ def parser():
     p.add_argument("--d-model", type=int, help=f"rows of CriticalKV's W_O (default {D_MODEL}; {SMOKE_D_MODEL} "
                                                f"with --smoke)")
     p.add_argument("--out", help=f"output folder (default {RESULTS}; none with --smoke)")
-    return p
-
-
-def main(argv=None):
-    args = parser().parse_args(argv)
+    args = p.parse_args(argv)
     sizes = SMOKE_SIZES if args.smoke else SIZES
     runs = args.runs or (1 if args.smoke else 5)
     d_model = args.d_model or (SMOKE_D_MODEL if args.smoke else D_MODEL)

@@ -30,7 +30,7 @@ COLUMNS = ["B", "H_kv", "G", "D", "mean", "max", "ragged_us", "padded_us", "dens
 
 
 def bench(fn, cuda: bool, graph: bool = False) -> float:
-    """Median microseconds of ``fn()`` (``benchmarks.common.gpu_time``; on the CPU after one warm-up call)."""
+    """Median microseconds of ``fn()``, to 0.01 (``benchmarks.common.gpu_time``; on the CPU after one warm-up call)."""
     fn()
     return gpu_time(fn, cuda, graph)["us"]
 
@@ -85,9 +85,7 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
     b_dev = budgets.to(dev)
 
     ragged, mem_ragged = mem_delta(lambda: RaggedKV.from_selection(scores, b_dev, keys, values, total=total), cuda)
-    padded, mem_padded = mem_delta(lambda: _select.select_kv(scores, b_dev, keys, values, N), cuda)
-    Kp, Vp, _, lens = padded
-    del padded
+    (Kp, Vp, _, lens), mem_padded = mem_delta(lambda: _select.select_kv(scores, b_dev, keys, values, N), cuda)
     mem_full = 2 * keys.numel() * keys.element_size()
 
     # correctness first, against fp32 attention over the same tokens
@@ -103,9 +101,8 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
 
     times = dict(ragged_us=lambda: decode_attention(q, ragged), padded_us=lambda: decode_attention(q, (Kp, Vp), lens),
                  dense_us=lambda: decode_attention(q, (Kd, Vd)), sdpa_us=sdpa)
-    for name, fn in times.items():
-        row[name] = round(bench(fn, cuda, graph=cuda), 2)
-    row["ragged_eager_us"] = round(bench(times["ragged_us"], cuda), 2)
+    row.update({name: bench(fn, cuda, graph=cuda) for name, fn in times.items()})
+    row["ragged_eager_us"] = bench(times["ragged_us"], cuda)
 
     # in-place append vs the whole-cache re-copy of an AdaKV-style flat cache
     k1, v1 = q[:, ::G][:, :H].contiguous(), q[:, ::G][:, :H].contiguous()
@@ -120,7 +117,7 @@ def run_case(B, H, G, D, mean, *, cuda: bool, copy_GBps: float, dtype=torch.bflo
                       ragged.next_position, H)
 
     row["append_us"] = round(max(bench(append, cuda, graph=cuda) - bench(reset, cuda, graph=cuda), 0.0), 2)
-    row["recopy_us"] = round(bench(lambda: (ragged.keys.clone(), ragged.values.clone()), cuda, graph=cuda), 2)
+    row["recopy_us"] = bench(lambda: (ragged.keys.clone(), ragged.values.clone()), cuda, graph=cuda)
     reset()
 
     elt = keys.element_size()
@@ -145,9 +142,8 @@ def run(args):
     copy_GBps = copy_bandwidth(cuda, (1 << 30) if cuda else (1 << 20))
     rows = []
     for case in SMOKE_CASES if args.smoke else CASES:
-        row = run_case(*case, cuda=cuda, copy_GBps=copy_GBps)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(run_case(*case, cuda=cuda, copy_GBps=copy_GBps))
+        print(json.dumps(rows[-1]), flush=True)
         if cuda:
             torch.cuda.empty_cache()
     return dict(run_info(cuda), copy_GBps=round(copy_GBps, 1), rows=rows)

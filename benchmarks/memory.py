@@ -227,12 +227,11 @@ def worker(spec: dict) -> dict:
         new, cache = _generate(model, ids, spec, spec["new_tokens"], streamer=probe)
     if cuda:
         torch.cuda.synchronize()
+        cuda_peak = torch.cuda.max_memory_allocated()
+        res.update(cuda_base_bytes=cuda_base, cuda_peak_bytes=cuda_peak, cuda_peak_increase_bytes=cuda_peak - cuda_base)
     res["wall_s"] = round(time.perf_counter() - t, 3)
     peak = _maxrss_kb()
     res.update(rss_base_kb=base, peak_rss_kb=peak, peak_increase_kb=peak - base, generated=int(new.shape[1]))
-    if cuda:
-        cuda_peak = torch.cuda.max_memory_allocated()
-        res.update(cuda_base_bytes=cuda_base, cuda_peak_bytes=cuda_peak, cuda_peak_increase_bytes=cuda_peak - cuda_base)
     res.update(after_generate=cache_stats(cache), after_prompt_in_generate=probe.stats)
     del cache, new
     gc.collect()
@@ -434,12 +433,11 @@ def markdown(data) -> str:
     m = data["machine"]
     rows = data["rows"]
     nt = data["settings"]["new_tokens"]
-    dirty = ", ".join(m.get("tritonkv_modified") or []) if m.get("tritonkv_dirty") else ""
     out = ["# Memory inside a model: tritonkv vs stock `model.generate`", "",
            f"Machine: {m['cpu']}, {m['cores']} cores ({m.get('affinity')} usable), {m.get('mem_total_mb')} MiB; "
            f"torch {m['torch']}, transformers {m['transformers']}, triton {m['triton']}"
            f"{' (TRITON_INTERPRET=1)' if m.get('triton_interpret') else ''}; commit `{(m['commit'] or '')[:10]}`"
-           f"{' plus uncommitted changes to ' + dirty if m.get('tritonkv_dirty') else ''}"
+           f"{' plus uncommitted changes to ' + ', '.join(m['tritonkv_modified']) if m.get('tritonkv_dirty') else ''}"
            f"; {m['date']}; run {data.get('wall_s')} s.",
            "", f"Command: `{data['command']}`", "",
            f"Budget {BUDGET} of the prompt per KV head, blockwise blocks of {BLOCK}, {nt} new tokens (greedy); "

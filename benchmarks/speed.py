@@ -110,14 +110,6 @@ def check_kept(keys, values, out) -> bool:
                 and (torch.where(valid[..., None], values.gather(2, g) == V, True)).all())
 
 
-def floor_row(reads: int, kept_tokens: int, keys, gbps: float, us: float) -> dict:
-    """Floor columns: read ``reads`` bytes, then read and write the kept K+V, at ``gbps``."""
-    fb = reads + 2 * 2 * kept_tokens * keys.shape[-1] * keys.element_size()
-    floor_us = fb / (gbps * 1e3)
-    return dict(floor_bytes=fb, floor_us=round(floor_us, 2), x_floor=round(us / floor_us, 2),
-                achieved_TBps=round(fb / us / 1e6, 3), pct_copy_bw=round(100 * floor_us / us, 1))
-
-
 def score_reads(name, keys) -> int:
     """Bytes the policy's scoring must read: K (K and V for lagkv/criticalkv; none for streaming_llm)."""
     return 0 if name == "streaming_llm" else keys.numel() * keys.element_size() * (2 if name in KV_POLICIES else 1)
@@ -147,7 +139,7 @@ def import_kvpress():
 def kvpress_case(kvpress, name, keys, values, queries, W):
     """``(press_fn, scores_fn)`` for a policy's kvpress counterpart, or None."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
     B, H, N, D = keys.shape
     Hq = queries.shape[1]
@@ -170,12 +162,9 @@ def kvpress_case(kvpress, name, keys, values, queries, W):
     cos, sin = rope(hidden, torch.arange(N, device=keys.device)[None])
     kwargs = {"position_embeddings": (cos, sin), "hidden_states": hidden}
     # the same window queries for tritonkv: q_proj of the last W hidden states, with RoPE
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     q = attn.q_proj(hidden[:, -W:]).view(B, W, Hq, D).transpose(1, 2)
     q, _ = apply_rotary_pos_emb(q, q, cos[:, -W:], sin[:, -W:])
     queries.copy_(q)
-
     return (lambda: press.compress(attn, hidden, keys, values, None, kwargs),
             lambda: press.score(attn, hidden, keys, values, None, kwargs))
 
@@ -230,10 +219,14 @@ class Ctx:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
-
-def time_cols(t: dict, timing: str) -> dict:
-    """A timed result's columns: ``gpu_time``'s median, spread and count, and how it was timed."""
-    return dict(tritonkv_us=t["us"], p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing)
+    def timed(self, t: dict, timing: str, keys, reads: int, kept_tokens: int) -> dict:
+        """A timed row's columns: ``gpu_time``'s median, spread and count, how it was timed, and its floor: read
+        ``reads`` bytes, then read and write the kept K+V of ``kept_tokens`` tokens, at the copy bandwidth."""
+        us, fb = t["us"], reads + 2 * 2 * kept_tokens * keys.shape[-1] * keys.element_size()
+        floor_us = fb / (self.copy_GBps * 1e3)
+        return dict(tritonkv_us=us, p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
+                    floor_bytes=fb, floor_us=round(floor_us, 2), x_floor=round(us / floor_us, 2),
+                    achieved_TBps=round(fb / us / 1e6, 3), pct_copy_bw=round(100 * floor_us / us, 1))
 
 
 def error_row(kind, name, N, e, **extra):
@@ -289,8 +282,8 @@ def run_compress(ctx: Ctx, rows: list) -> None:
                     ref_idx, _ = select_indices(scores_fn().float(), k, k, sink=sink, window=window)
                     same = bool(torch.equal(ref_idx, out.indices))
             emit(rows, dict(kind="compress", policy=name, allocation=None, **ctx.base(N),
-                            kept_tokens=ctx.B * ctx.H * k, **time_cols(t, timing), tritonkv_eager_us=eager["us"],
-                            **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
+                            kept_tokens=ctx.B * ctx.H * k, tritonkv_eager_us=eager["us"],
+                            **ctx.timed(t, timing, keys, score_reads(name, keys), ctx.B * ctx.H * k),
                             kvpress_us=kv_us, kvpress_graph_us=kv_graph,
                             x_kvpress_eager=round(kv_us / eager["us"], 2) if kv_us else None,
                             x_kvpress_graph=round(kv_graph / t["us"], 2) if kv_graph and timing == "graph" else None,
@@ -340,24 +333,23 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
             del out, res
             t = gpu_time(fn, ctx.cuda)  # eager, as the committed run (whose compress read the sizes back) was
             emit(rows, dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N),
-                            layer=LAYER, num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max, **time_cols(t, "eager"),
-                            **floor_row(score_reads(ALLOC_POLICY, keys) + extra_bytes, kept, keys, ctx.copy_GBps,
-                                        t["us"]), inputs=desc, ok=ok))
+                            layer=LAYER, num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max,
+                            **ctx.timed(t, "eager", keys, score_reads(ALLOC_POLICY, keys) + extra_bytes, kept),
+                            inputs=desc, ok=ok))
 
 
 def run_decode(ctx: Ctx, rows: list) -> None:
     """``decode_attention.py``'s cases (kind ``decode_attention``)."""
-    gbps = ctx.copy_GBps
     for case in da.SMOKE_CASES if ctx.args.smoke else da.CASES:
         if ctx.over_budget(f"decode_attention {case}"):
             continue
         try:
-            row = da.run_case(*case, cuda=ctx.cuda, copy_GBps=gbps)
+            row = da.run_case(*case, cuda=ctx.cuda, copy_GBps=ctx.copy_GBps)
         except Exception as e:
             emit(rows, error_row("decode_attention", None, None, e, case=list(case)))
             continue
         emit(rows, dict(kind="decode_attention", policy=None, allocation=None, tritonkv_us=row["ragged_us"],
-                        timing="graph" if ctx.cuda else "eager", copy_GBps=round(gbps, 1), **row))
+                        timing="graph" if ctx.cuda else "eager", copy_GBps=round(ctx.copy_GBps, 1), **row))
         ctx.free()
 
 
@@ -373,10 +365,9 @@ def run_scaling(ctx: Ctx, rows: list) -> dict:
             ok = res[1]
             del res
             t, timing = measure_graph(fn, ctx.cuda, f"scaling {name} N={N}")
-            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N), **time_cols(t, timing),
+            emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N),
                             ns_per_token=round(t["us"] * 1e3 / N, 4), copy_GBps=round(ctx.copy_GBps, 1),
-                            **floor_row(score_reads(name, keys), ctx.B * ctx.H * k, keys, ctx.copy_GBps, t["us"]),
-                            ok=ok))
+                            **ctx.timed(t, timing, keys, score_reads(name, keys), ctx.B * ctx.H * k), ok=ok))
     return {name: fit([(r["N"], r["tritonkv_us"]) for r in rows if r.get("kind") == "scaling"
                        and r["policy"] == name and "tritonkv_us" in r]) for name in SCALING_POLICIES}
 
@@ -525,50 +516,39 @@ def base_name(result) -> str:
     return f"{tag}-speed" if set(parts) == set(PARTS) else f"{tag}-speed-only-{'-'.join(parts)}"
 
 
-def plot(plt, path, lines, size, ylabel, title, log_y=False):
-    """Save ``lines`` (``(args, kwargs)`` of ``ax.plot``) against N on a log2 axis at ``path``."""
-    fig, ax = plt.subplots(figsize=size)
-    for args, kwargs in lines:
-        ax.plot(*args, **kwargs)
-    ax.set_xscale("log", base=2)
-    if log_y:
-        ax.set_yscale("log")
-    ax.set_xlabel("N (tokens)")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def write(result, out_dir):
-    """JSON, Markdown and the two plots; returns the path stem."""
+    """JSON, Markdown and the two plots against N (log2): compress time over the floor, and the scaling part's
+    time with its floors (log); returns the path stem."""
     base = write_results(os.path.join(out_dir, base_name(result)), result, markdown(result))
     plt = pyplot()
-    if plt is None:
-        return base
     rows = [r for r in result["rows"] if "error" not in r]
-
-    def series(kind, names, y):  # one line per policy, in N order
-        rs = [sorted((r for r in rows if r.get("kind") == kind and r["policy"] == n), key=lambda r: r["N"])
-              for n in names]
-        return [(([r["N"] for r in x], [r[y] for r in x]), dict(marker="o", label=n)) for n, x in zip(names, rs)]
-
-    comp = [r for r in rows if r.get("kind") == "compress"]
-    if comp:
-        plot(plt, base + ".png", series("compress", sorted({r["policy"] for r in comp}), "x_floor"), (7, 4),
-             "time / HBM floor", f"compress, {result['device']}")
-    sc = [r for r in rows if r.get("kind") == "scaling"]
-    if sc:
-        lines = series("scaling", list(dict.fromkeys(r["policy"] for r in sc)), "tritonkv_us")
-        for kv, style in ((False, "--"), (True, ":")):
-            fr = {r["N"]: r["floor_us"] for r in sc if (r["policy"] in KV_POLICIES) == kv}
+    figures = [("compress", "x_floor", ".png", (7, 4), "time / HBM floor", "compress"),
+               ("scaling", "tritonkv_us", "-scaling.png", (7, 4.5), "µs (median)", "compress time vs N")]
+    for kind, y, suffix, size, ylabel, title in figures:
+        of_kind = [r for r in rows if r.get("kind") == kind]
+        if plt is None or not of_kind:
+            continue
+        scaling = kind == "scaling"  # its policies in the order measured, its time on a log axis, and its floors
+        fig, ax = plt.subplots(figsize=size)
+        names = dict.fromkeys(r["policy"] for r in of_kind) if scaling else sorted({r["policy"] for r in of_kind})
+        for name in names:
+            mine = sorted((r for r in of_kind if r["policy"] == name), key=lambda r: r["N"])
+            ax.plot([r["N"] for r in mine], [r[y] for r in mine], marker="o", label=name)
+        for kv, style in ((False, "--"), (True, ":")) if scaling else ():
+            fr = {r["N"]: r["floor_us"] for r in of_kind if (r["policy"] in KV_POLICIES) == kv}
             if fr:
-                label = "copy floor (read K+V)" if kv else "copy floor (read K)"
-                lines.append(((sorted(fr), [fr[n] for n in sorted(fr)], style), dict(color="grey", label=label)))
-        plot(plt, base + "-scaling.png", lines, (7, 4.5), "µs (median)", f"compress time vs N, {result['device']}",
-             log_y=True)
+                ax.plot(sorted(fr), [fr[n] for n in sorted(fr)], style, color="grey",
+                        label="copy floor (read K+V)" if kv else "copy floor (read K)")
+        ax.set_xscale("log", base=2)
+        if scaling:
+            ax.set_yscale("log")
+        ax.set_xlabel("N (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title}, {result['device']}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(base + suffix, dpi=120)
+        plt.close(fig)
     return base
 
 
@@ -586,8 +566,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     a = parser().parse_args(argv)
-    if a.out is None and not a.smoke:
-        a.out = RESULTS
+    a.out = a.out or (None if a.smoke else RESULTS)
     res = run(a)
     if a.out:
         print("wrote", write(res, a.out))

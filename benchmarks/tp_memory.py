@@ -153,18 +153,14 @@ def worker(spec: dict) -> dict:
 
 
 # -- driver side -------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, spec: dict, timeout: float = 900) -> list[dict]:
     """``world`` ranks of ``spec``, each a fresh process (spawned; gloo over a free local port, one thread, no
     TRITON_INTERPRET: the native CPU op bodies); their rows in rank order."""
     os.environ.pop("TRITON_INTERPRET", None)  # read by the ranks when they start
     os.environ["OMP_NUM_THREADS"] = "1"
-    spec = dict(spec, world=world, port=free_port())
+    with socket.socket() as s:  # a free local port
+        s.bind(("127.0.0.1", 0))
+        spec = dict(spec, world=world, port=s.getsockname()[1])
     ranks = in_processes(multiprocessing.get_context("spawn"), worker, [dict(spec, rank=r) for r in range(world)],
                          timeout)
     for r in ranks:
