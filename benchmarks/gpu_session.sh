@@ -6,10 +6,12 @@
 #   speed    python -m benchmarks.speed (~2 min on an H200): every policy against its floor and kvpress
 #   prefill  block-wise prefill inside a model at N = 32K (blocks of 512) against the stock model's prefill
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
-# Usage: OUT=<dir> benchmarks/gpu_session.sh tests speed     (PY=<python> to choose the interpreter)
+# Usage: OUT=<dir> benchmarks/gpu_session.sh tests speed     (PY=<python> to choose the interpreter; TIMEOUT=<s>
+# bounds each part, 420 by default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
+T=${TIMEOUT:-420}
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -25,16 +27,17 @@ for part in "$@"; do
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/device.csv"
         $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
             | tee "$OUT/versions.txt"
-        timeout 420 $PY -m pytest -q -p no:cacheprovider -n 16 -m "not model" --durations=15 tests \
+        timeout "$T" $PY -m pytest -q -p no:cacheprovider -n 16 -m "not model" --durations=15 tests \
             > "$OUT/tests.txt" 2>&1
         grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -20; tail -1 "$OUT/tests.txt" ;;
     speed)
-        $PY -m benchmarks.speed --out "$OUT/speed" > "$OUT/speed.log" 2>&1; tail -5 "$OUT/speed.log" ;;
+        timeout "$T" $PY -m benchmarks.speed --time-budget $((T - 60)) --out "$OUT/speed" > "$OUT/speed.log" 2>&1
+        tail -5 "$OUT/speed.log" ;;
     prefill)
-        $PY -m benchmarks.memory --n 32768 --modes blockwise --policies keydiff snapkv+adakv \
+        timeout "$T" $PY -m benchmarks.memory --n 32768 --modes blockwise --policies keydiff snapkv+adakv \
             --out "$OUT/prefill-32k" > "$OUT/prefill.log" 2>&1; tail -5 "$OUT/prefill.log" ;;
     lagkv)
-        ncu --section WarpStateStats --section SchedulerStats --section Occupancy -k regex:_lagkv -c 3 \
+        timeout "$T" ncu --section WarpStateStats --section SchedulerStats --section Occupancy -k regex:_lagkv -c 3 \
             $PY - > "$OUT/lagkv-ncu.txt" 2>&1 <<'EOF'
 import torch, tritonkv
 g = torch.Generator("cuda").manual_seed(0)
