@@ -370,21 +370,21 @@ def test_record_launches_logs_and_dry_run_skips():
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + offs, tl.zeros([BLOCK], tl.float32) + value, mask=offs < n)
 
-    out = torch.zeros(10)
+    out = torch.zeros(10, device="cuda" if torch.cuda.is_available() else "cpu")  # the interpreter runs CPU tensors
     with record_launches(execute=False) as log:
         launch(_fill_kernel, (2,), out, 10, 3.0, BLOCK=8, num_warps=1)
         with pytest.raises(RuntimeError, match="nest"):
             with record_launches():
                 pass
-    assert torch.equal(out, torch.zeros(10))  # not run
+    assert torch.equal(out.cpu(), torch.zeros(10))  # not run
     (rec,) = log
     assert rec.name == "_fill_kernel" and rec.grid == (2,) and rec.constexprs == {"BLOCK": 8}
     assert rec.options == {"num_warps": 1} and rec.args["n"] == 10 and rec.args["out_ptr"] is out
     with record_launches() as log:
         launch(_fill_kernel, (2,), out, 10, 3.0, BLOCK=8)
-    assert len(log) == 1 and torch.equal(out, torch.full((10,), 3.0))
+    assert len(log) == 1 and torch.equal(out.cpu(), torch.full((10,), 3.0))
     launch(_fill_kernel, (2,), out, 10, 5.0, BLOCK=8)
-    assert len(log) == 1 and torch.equal(out, torch.full((10,), 5.0))
+    assert len(log) == 1 and torch.equal(out.cpu(), torch.full((10,), 5.0))
 
 
 def test_every_policy_module_is_imported():

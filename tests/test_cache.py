@@ -404,9 +404,9 @@ def test_from_kept_searches_in_several_steps(backend, monkeypatch):
                                       for b in range(B) for h in range(H)])
         g = torch.Generator().manual_seed(2)
         for _ in range(6):  # 4 in place, then a re-pack
-            k, v = _new(B, H, D, g)
+            k, v = (t.cpu() for t in _new(B, H, D, g))  # the backends run CPU tensors
             c.append(k, v)
-            model.append(k[:, :, 0].double().cpu().numpy(), v[:, :, 0].double().cpu().numpy())
+            model.append(k[:, :, 0].double().numpy(), v[:, :, 0].double().numpy())
             _layout_ok(c)
     _same_as_model(c, model)
 
@@ -461,15 +461,16 @@ def test_from_kept_kernel_compiles_ahead_of_time():
                      "constexprs": {"BATCH": 64, "BLOCK_D": 128, "P": 1024}})
 
 
+def _kept(*shape, dtype=torch.int64):
+    return torch.zeros(shape, dtype=dtype, device=DEVICE)  # on the device of K0: each case fails one check
+
+
 KEPT_BAD = [
-    ("kept dtype", lambda: RaggedKV.from_kept(torch.zeros(1, 4, dtype=torch.int32), K0, V0, longest=4), ValueError,
+    ("kept dtype", lambda: RaggedKV.from_kept(_kept(1, 4, dtype=torch.int32), K0, V0, longest=4), ValueError,
      ["kept", "int64"]),
-    ("kept rows", lambda: RaggedKV.from_kept(torch.zeros(2, 4, dtype=torch.int64), K0, V0, longest=4), ValueError,
-     ["kept", "[B = 1, K]"]),
-    ("kept empty", lambda: RaggedKV.from_kept(torch.zeros(1, 0, dtype=torch.int64), K0, V0, longest=4), ValueError,
-     ["kept"]),
-    ("longest", lambda: RaggedKV.from_kept(torch.zeros(1, 4, dtype=torch.int64), K0, V0, longest=-1), ValueError,
-     ["longest"]),
+    ("kept rows", lambda: RaggedKV.from_kept(_kept(2, 4), K0, V0, longest=4), ValueError, ["kept", "[B = 1, K]"]),
+    ("kept empty", lambda: RaggedKV.from_kept(_kept(1, 0), K0, V0, longest=4), ValueError, ["kept"]),
+    ("longest", lambda: RaggedKV.from_kept(_kept(1, 4), K0, V0, longest=-1), ValueError, ["longest"]),
 ]
 
 

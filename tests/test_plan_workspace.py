@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -23,6 +24,9 @@ def _run(code: str):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9),
+                    reason="Triton < 3.9's interpreter cannot take a scalar argument as a loop bound under NumPy 2 "
+                           "(seen with 3.6 on the GPU images; there test_workspace_on_a_gpu checks compiled kernels)")
 def test_garbage_in_the_workspace_changes_nothing():
     res = _run("import workspace_check; workspace_check.main()")
     assert res["cases"] == 8 and res["repeats"] == 16 and res["kept_tensors"] > 30, res

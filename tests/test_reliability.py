@@ -564,7 +564,10 @@ def test_ragged_decode_clamps_lengths_it_cannot_check(monkeypatch):
 
 @pytest.fixture
 def select_chunk(monkeypatch):
-    """Force the select kernel's chunk (tokens per program); records the (N, chunk) of each launch."""
+    """Force the select kernel's chunk (tokens per program); records the (N, chunk) of each launch. Plans are off:
+    a plan repeats its recorded launches without calling ``select_into`` again (GPU)."""
+    from tritonkv.kernels import _plan
+
     orig, seen = ksel.select_into, []
 
     def set_chunk(chunk):
@@ -573,7 +576,11 @@ def select_chunk(monkeypatch):
             return orig(*args[:-1], chunk, **scratch)
         monkeypatch.setattr(ksel, "select_into", patched)
     set_chunk.seen = seen
-    return set_chunk
+    was, _plan._enabled[0] = _plan._enabled[0], False
+    try:
+        yield set_chunk
+    finally:
+        _plan._enabled[0] = was
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

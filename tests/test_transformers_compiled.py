@@ -35,6 +35,19 @@ def test_compiled_decoding_on_an_older_transformers_is_a_clear_error(model):
         cache.reserve(96)
 
 
+def test_a_model_whose_layers_pass_no_attention_kwargs_is_a_clear_error(model):
+    """An eager update that came without the attention kwargs (a transformers before 5.24, whose ``Cache.update``
+    takes ``**kwargs`` but whose layers pass none, or such a model family) marks its layer: ``reserve`` refuses."""
+    from tritonkv.integrations.transformers.attention import _take_layer, hand_over
+
+    cache = tt.make_cache(model, "keydiff", 64)
+    tt.prefill(model, torch.randint(3, 1000, (1, 20)), cache)
+    hand_over(cache.layers[1], None, {})  # what such a layer's update does
+    assert _take_layer({}) == (cache.layers[1], None)
+    with pytest.raises(NotImplementedError, match="transformers.*cache.update"):
+        cache.reserve(96)
+
+
 @compilable
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compiled_loop_compressing_every_step_matches_eager(model, policy):

@@ -476,6 +476,8 @@ class _Workspace:
         self.steps = [s.bind(filled) if s.__class__ is _Launch else s for s in steps]
 
     def __del__(self):
+        if _KEPT_LOCK is None:  # interpreter shutdown: the module's globals are gone, nothing is counted any more
+            return
         with _KEPT_LOCK:
             _kept[0] -= self.nbytes
 

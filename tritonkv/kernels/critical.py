@@ -193,9 +193,11 @@ def _stage2_launch(out, scores, forced, hist0, eps: float, sink: int, window: in
     return args, scalars, flags
 
 
+# no default on a mutated argument: torch < 2.12 drops trailing arguments equal to their default before it
+# indexes the mutated ones by position (IndexError under a dispatch mode, torch.compile or export)
 @triton_op("tritonkv::value_norms", mutates_args={"hist0"})
-def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor, scores: Optional[torch.Tensor] = None,
-                   forced: Optional[torch.Tensor] = None, hist0: Optional[torch.Tensor] = None, eps: float = 0.0,
+def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor, scores: Optional[torch.Tensor],
+                   forced: Optional[torch.Tensor], hist0: Optional[torch.Tensor], eps: float = 0.0,
                    sink: int = 0, window: int = 0) -> torch.Tensor:
     """The raw op: values ``[B, H, N, d]`` (last dim unit-stride), o_proj ``[D_model, H_q·d]``
     -> fp32 ``[B, H, N]``: the norms n, or with ``scores`` (fp32, contiguous, B·H·N elements) CriticalKV's
@@ -357,8 +359,8 @@ def _value_norms_l2_torch(values: torch.Tensor, factors: torch.Tensor) -> torch.
 
 
 @triton_op("tritonkv::value_norms_l2", mutates_args={"hist0"})
-def value_norms_l2_op(values: torch.Tensor, factors: torch.Tensor, scores: Optional[torch.Tensor] = None,
-                      forced: Optional[torch.Tensor] = None, hist0: Optional[torch.Tensor] = None, eps: float = 0.0,
+def value_norms_l2_op(values: torch.Tensor, factors: torch.Tensor, scores: Optional[torch.Tensor],
+                      forced: Optional[torch.Tensor], hist0: Optional[torch.Tensor], eps: float = 0.0,
                       sink: int = 0, window: int = 0) -> torch.Tensor:
     """The raw L2 op: values ``[B, H, N, d]`` (last dim unit-stride), factors bf16 contiguous
     ``[2, H_q, d, d]`` (``split_factors(head_factors(W_O, d))``) -> fp32 ``[B, H, N]``; ``scores``,

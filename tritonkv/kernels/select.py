@@ -429,6 +429,8 @@ def _work_args(work, rows: int, n: int, chunk: int) -> tuple:
     return work
 
 
+# no default on a mutated argument: torch < 2.12 drops trailing arguments equal to their default before it
+# indexes the mutated ones by position (IndexError under a dispatch mode, torch.compile or export)
 @triton_op("tritonkv::select_into",
            mutates_args={"out_idx", "out_lengths", "out_mask", "out_keys", "out_values", "hist0", "work_p1",
                          "work_cnt", "work_cand"})
@@ -437,8 +439,8 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
                 out_idx: torch.Tensor, out_lengths: torch.Tensor, out_mask: Optional[torch.Tensor],
                 out_keys: Optional[torch.Tensor], out_values: Optional[torch.Tensor], hist0: Optional[torch.Tensor],
                 sink: int, window: int, k_max: int, budget: int, full_rows: bool, chunk: int,
-                work_p1: Optional[torch.Tensor] = None, work_cnt: Optional[torch.Tensor] = None,
-                work_cand: Optional[torch.Tensor] = None) -> None:
+                work_p1: Optional[torch.Tensor], work_cnt: Optional[torch.Tensor],
+                work_cand: Optional[torch.Tensor]) -> None:
     """The raw op. ``None`` means "absent" for every optional tensor.
 
     scores fp32 [R, N] contiguous; budgets int32 [R], or None: every row's budget is the int
@@ -750,7 +752,8 @@ def select_indices(scores, budgets, k_max: int, *, sink: int = 0, window: int = 
     h0 = _hist0_arg(hist0, R, sink, window, forced)
     if N > 0 and R > 0:  # no out_start: the padded layout
         select_into(s, b, _forced_2d(forced, (R, N), dev), None, None, None, idx, lengths, mask if with_mask else None,
-                    None, None, h0, sink, window, k_max, bi, full, chunk or 0)
+                    None, None, h0, sink, window, k_max, bi, full, chunk or 0, work_p1=None, work_cnt=None,
+                    work_cand=None)
     else:
         lengths.zero_()
         mask.zero_()

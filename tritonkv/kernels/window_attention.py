@@ -475,10 +475,12 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     return pool_torch(u, max(N - W, 0), kernel_size, pool, no_nan=plain)
 
 
+# no default on a mutated argument: torch < 2.12 drops trailing arguments equal to their default before it
+# indexes the mutated ones by position (IndexError under a dispatch mode, torch.compile or export)
 @triton_op("tritonkv::window_attention_score", mutates_args={"hist0"})
 def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Optional[torch.Tensor],
                         values: torch.Tensor, scale: float, kernel_size: int, pool: str, row_reduce: str,
-                        head_reduce: str, chunk: int, hist0: Optional[torch.Tensor] = None, sink: int = 0,
+                        head_reduce: str, chunk: int, hist0: Optional[torch.Tensor], sink: int = 0,
                         window: int = 0) -> torch.Tensor:
     """The raw op: keys ``[B, H, N, D]``, queries ``[B, G·H, W, D]`` (last dims unit-stride),
     ``attn_lse`` ``[B, G·H, W]``, or None or empty (computed here), ``values`` ``[B, H, N, D_v]`` (last dim

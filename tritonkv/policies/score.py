@@ -92,7 +92,8 @@ def _unpenalised_mask(s: torch.Tensor, budgets, k_max: int, sink: int, window: i
     idx = torch.empty(R * k_max, dtype=torch.int64, device=dev)  # written, never read
     lengths = torch.empty(R, dtype=torch.int32, device=dev)
     _select.select_into(s.view(R, N), b, None, None, None, None, idx, lengths, mask.view(R, N), None, None, None,
-                        sink, window, k_max, bi, _select._full_rows(budgets, N, k_max), 0)
+                        sink, window, k_max, bi, _select._full_rows(budgets, N, k_max), 0, work_p1=None,
+                        work_cnt=None, work_cand=None)
     return mask
 
 

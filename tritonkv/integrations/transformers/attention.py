@@ -31,6 +31,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 import transformers
+from packaging.version import Version
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
@@ -48,18 +49,23 @@ _LAYER_UPDATED_LAST: contextvars.ContextVar = contextvars.ContextVar("tritonkv_l
 
 @functools.lru_cache(maxsize=None)
 def update_gets_attention_kwargs() -> bool:
-    """Whether the installed transformers updates a cache with the attention kwargs (``Cache.update(...,
-    **kwargs)``, as 5.24 does): what a compiled step needs (a context variable would break its graph)."""
-    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(Cache.update).parameters.values())
+    """Whether the installed transformers updates a cache with the attention kwargs (``cache.update(...,
+    kwargs=kwargs)`` in its attention layers, from 5.24): what a compiled step needs (a context variable would break
+    its graph). Earlier 5.x accept ``**kwargs`` in ``Cache.update`` but their layers pass none."""
+    takes = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(Cache.update).parameters.values())
+    return takes and Version(transformers.__version__).release >= (5, 24)
 
 
-def check_compilable() -> None:
-    """A NotImplementedError, before anything is compiled, where a compiled step could not find its layer."""
-    if not update_gets_attention_kwargs():
+def check_compilable(cache=None) -> None:
+    """A NotImplementedError, before anything is compiled, where a compiled step could not find its layer: this
+    transformers, or ``cache``'s model (an eager update of one of its layers came without the attention kwargs);
+    without ``cache``, always."""
+    if cache is None or not update_gets_attention_kwargs() or any(getattr(l, "handed_over_by_context", False)
+                                                                  for l in cache.layers):
         raise NotImplementedError(
             f"compiled decoding with a TritonKVCache needs a transformers whose attention layers pass their kwargs "
-            f"to cache.update (5.24 does); transformers {transformers.__version__} does not: decode eagerly, or "
-            f"upgrade transformers")
+            f"to cache.update (5.24 does); transformers {transformers.__version__} with this model does not: "
+            f"decode eagerly, or upgrade transformers")
 
 
 def hand_over(layer, keys, update_kwargs: dict) -> None:
@@ -73,7 +79,8 @@ def hand_over(layer, keys, update_kwargs: dict) -> None:
             _LAYER_UPDATED_LAST.set(None)  # left by an update no attention call followed: keep nothing alive
         return
     if torch.compiler.is_compiling():
-        check_compilable()
+        check_compilable()  # no cache: always raises (a compiled step cannot set a context variable)
+    layer.handed_over_by_context = True  # what ``check_compilable(cache)`` reads
     _LAYER_UPDATED_LAST.set((layer, keys))
 
 

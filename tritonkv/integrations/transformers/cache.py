@@ -738,7 +738,7 @@ class TritonKVCache(Cache):
     # -- public helpers ---------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
         """Give every layer static buffers of at least ``capacity`` slots (a compiled decode loop)."""
-        check_compilable()
+        check_compilable(self)
         for layer in self.layers:
             layer.reserve(capacity)
 
