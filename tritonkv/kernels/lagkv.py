@@ -70,10 +70,9 @@ def _lohi(lo_a, hi_a, lo_b, hi_b):
 
 @triton.jit
 def _minmax(z, ok, lo, hi):
-    """Per-channel min/max over the tokens ``ok`` (finite ones), folded into ``lo``/``hi`` (one reduction
-    for both)."""
-    zlo, zhi = tl.reduce((tl.where(ok[:, None], z, float("inf")), tl.where(ok[:, None], z, float("-inf"))), 0,
-                         _lohi)
+    """Per-channel min/max over the tokens ``ok`` (finite ones; the others +inf in ``z``), folded into
+    ``lo``/``hi`` (one reduction for both)."""
+    zlo, zhi = tl.reduce((z, tl.where(ok[:, None], z, float("-inf"))), 0, _lohi)
     return tl.minimum(lo, zlo), tl.maximum(hi, zhi)
 
 
@@ -83,8 +82,8 @@ def _minmax_kv(kp, vp, ok, dmask, lo_k, hi_k, lo_v, hi_v):
     tokens ``ok``, K then V. Loading them again holds one fp32 tile at a time rather than both across the stds;
     masked by ``ok``, the loads are not merged with the first ones."""
     m = ok[:, None] & dmask[None, :]
-    lo_k, hi_k = _minmax(tl.load(kp, mask=m, other=0.0).to(tl.float32), ok, lo_k, hi_k)
-    lo_v, hi_v = _minmax(tl.load(vp, mask=m, other=0.0).to(tl.float32), ok, lo_v, hi_v)
+    lo_k, hi_k = _minmax(tl.load(kp, mask=m, other=float("inf")).to(tl.float32), ok, lo_k, hi_k)
+    lo_v, hi_v = _minmax(tl.load(vp, mask=m, other=float("inf")).to(tl.float32), ok, lo_v, hi_v)
     return lo_k, hi_k, lo_v, hi_v
 
 
