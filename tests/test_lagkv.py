@@ -491,14 +491,16 @@ def test_lagkv_kernel_compiles_ahead_of_time():
     as fp64, how torch.compile (Inductor) passes a Python float."""
     sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*i64", "ko_ptr": "*bf16", "vo_ptr": "*bf16",
            "tmp_ptr": "*fp32", "H": "i32", "skb": "i64", "skh": "i64", "skn": "i64", "svb": "i64", "svh": "i64",
-           "svn": "i64", "N": "i32", "D": "i32", "sink": "i32", "lag": "i32", "n_scored": "i32", "parts": "i32",
+           "svn": "i64", "N": "i32", "D": "constexpr", "sink": "i32", "lag": "constexpr", "n_scored": "i32",
+           "parts": "i32",
            "n_runs": "i32", "quota": "i32", "rem": "i32", "n_out": "i32", "window": "i32", "eps": "fp32",
            "BLOCK_L": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "BLOCK_J": "constexpr",
            "MODE": "constexpr"}
     # (tests/aot.py compiles at its default 4 warps: small tiles, so that ptxas stays quick; the shipped
     # 128 x 128 whole-partition tile runs 16 warps)
-    whole = {"BLOCK_L": 32, "BLOCK_T": 32, "BLOCK_D": 64, "BLOCK_J": 32}
-    chunked = {"BLOCK_L": 256, "BLOCK_T": 16, "BLOCK_D": 64, "BLOCK_J": 64}
+    # (D = BLOCK_D and lag = BLOCK_L: the tile masks fold away; smaller: they stay)
+    whole = {"D": 64, "lag": 32, "BLOCK_L": 32, "BLOCK_T": 32, "BLOCK_D": 64, "BLOCK_J": 32}
+    chunked = {"D": 48, "lag": 200, "BLOCK_L": 256, "BLOCK_T": 16, "BLOCK_D": 64, "BLOCK_J": 64}
     specs = [(whole, 2, "fp64", "*i64"), (chunked, 2, "fp32", "*i64"), (whole, 1, "fp32", "*fp32"),
              (chunked, 0, "fp64", "*fp32")]
     assert_compiles(*({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_kernel",

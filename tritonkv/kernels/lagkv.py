@@ -26,9 +26,12 @@ one row and walks it from the last to the first, so the min/max of π_j is gathe
 scored and every partition is read once (plus the reference of the run's last partition). A
 partition is one ``[BLOCK_L, BLOCK_D]`` tile per tensor (K and V, cast to fp32 after the load): the
 per-channel min/max is one cross-warp reduction per partition, the per-token std one within-warp
-reduction, the rank one ``[BLOCK_L, BLOCK_L]`` comparison; then the kept rows are re-read — from L2,
-the program read them a moment before — and stored bit for bit (holding the raw tiles through the
-rank as well spills at 128 registers). Partitions too large for registers (L·d > 16K) go through
+reduction, the two softmaxes share their cross-warp reductions, and the rank is one ``[BLOCK_L,
+BLOCK_L]`` comparison of int64 keys (score bits above the reversed index, so ties need no second
+test). The min/max needs the tokens' finiteness in both K and V, known only after both stds, so the
+tiles are loaded again for it rather than held (one fp32 tile live at a time: no spills at 128
+registers); the kept rows are re-read as well and stored bit for bit. Both re-reads should hit L1/L2:
+the program read those rows a moment before. Partitions too large for registers (L·d > 16K) go through
 ``BLOCK_T``-token chunks and an fp32 scratch row instead. The last program of each
 row writes the protected tokens: +inf scores, or the sinks and the tail copied. On the CPU (outside
 the interpreter) the ops run ``_lagkv_torch``/``_compress_torch``: the same steps on all partitions
@@ -60,25 +63,41 @@ def _std(z, lo, inv, dmask, D):
 
 
 @triton.jit
+def _lohi(lo_a, hi_a, lo_b, hi_b):
+    """Combine of a joint (min, max) reduction."""
+    return tl.minimum(lo_a, lo_b), tl.maximum(hi_a, hi_b)
+
+
+@triton.jit
 def _minmax(z, ok, lo, hi):
-    """Per-channel min/max over the tokens ``ok`` (finite ones), folded into ``lo``/``hi``."""
-    lo = tl.minimum(lo, tl.min(tl.where(ok[:, None], z, float("inf")), 0))
-    hi = tl.maximum(hi, tl.max(tl.where(ok[:, None], z, float("-inf")), 0))
-    return lo, hi
+    """Per-channel min/max over the tokens ``ok`` (finite ones; the others +inf in ``z``), folded into
+    ``lo``/``hi`` (one reduction for both)."""
+    zlo, zhi = tl.reduce((z, tl.where(ok[:, None], z, float("-inf"))), 0, _lohi)
+    return tl.minimum(lo, zlo), tl.maximum(hi, zhi)
+
+
+@triton.jit
+def _minmax_kv(kp, vp, ok, dmask, lo_k, hi_k, lo_v, hi_v):
+    """K and V at ``kp``/``vp`` (a tile loaded a moment before: L1/L2) folded into the min/max over the
+    tokens ``ok``, K then V. Loading them again holds one fp32 tile at a time rather than both across the stds;
+    masked by ``ok``, the loads are not merged with the first ones."""
+    m = ok[:, None] & dmask[None, :]
+    lo_k, hi_k = _minmax(tl.load(kp, mask=m, other=float("inf")).to(tl.float32), ok, lo_k, hi_k)
+    lo_v, hi_v = _minmax(tl.load(vp, mask=m, other=float("inf")).to(tl.float32), ok, lo_v, hi_v)
+    return lo_k, hi_k, lo_v, hi_v
 
 
 @triton.jit
 def _tile(krow, vrow, src, skn, svn, tm, dd, D, nlo_k, inv_k, nlo_v, inv_v, lo_k, hi_k, lo_v, hi_v):
-    """Tokens ``src`` (``tm``: in the partition) of K and V as fp32 tiles: their stds against the
-    reference (nlo, inv), which of them are finite (``ok``), and the min/max folded over those."""
+    """Tokens ``src`` (``tm``: in the partition) of K and V: their stds against the reference (nlo, inv),
+    which of them are finite (``ok``), and the min/max folded over those."""
     m = tm[:, None] & (dd < D)[None, :]
-    zk = tl.load(krow + src * skn + dd[None, :], mask=m, other=0.0).to(tl.float32)
-    zv = tl.load(vrow + src * svn + dd[None, :], mask=m, other=0.0).to(tl.float32)
-    sd_k = _std(zk, nlo_k, inv_k, dd < D, D)
-    sd_v = _std(zv, nlo_v, inv_v, dd < D, D)
+    kp = krow + src * skn + dd[None, :]
+    vp = vrow + src * svn + dd[None, :]
+    sd_k = _std(tl.load(kp, mask=m, other=0.0).to(tl.float32), nlo_k, inv_k, dd < D, D)
+    sd_v = _std(tl.load(vp, mask=m, other=0.0).to(tl.float32), nlo_v, inv_v, dd < D, D)
     ok = tm & (sd_k == sd_k) & (sd_v == sd_v)
-    lo_k, hi_k = _minmax(zk, ok, lo_k, hi_k)
-    lo_v, hi_v = _minmax(zv, ok, lo_v, hi_v)
+    lo_k, hi_k, lo_v, hi_v = _minmax_kv(kp, vp, ok, dd < D, lo_k, hi_k, lo_v, hi_v)
     return sd_k, sd_v, ok, lo_k, hi_k, lo_v, hi_v
 
 
@@ -92,16 +111,25 @@ def _norm(lo, hi, eps):
 @triton.jit
 def _phi(sd_k, sd_v, ok):
     """φ_K + φ_V (Eqs. 8–9): softmaxes over the tokens ``ok``; NaN elsewhere."""
-    ek = tl.where(ok, tl.exp(sd_k - tl.max(tl.where(ok, sd_k, float("-inf")), 0)), 0.0)
-    ev = tl.where(ok, tl.exp(sd_v - tl.max(tl.where(ok, sd_v, float("-inf")), 0)), 0.0)
-    return tl.where(ok, ek / tl.sum(ek, 0) + ev / tl.sum(ev, 0), float("nan"))
+    # K and V side by side ([BLOCK, 2]): one cross-warp reduction for both softmaxes' max and sum
+    sd = tl.join(sd_k, sd_v)
+    e = tl.where(ok[:, None], tl.exp(sd - tl.max(tl.where(ok[:, None], sd, float("-inf")), 0)[None, :]), 0.0)
+    ek, ev = tl.split(e / tl.sum(e, 0)[None, :])
+    return tl.where(ok, ek + ev, float("nan"))
 
 
 @triton.jit
-def _beaten(si, ii, sj, jj, lag):
-    """For each token i: #{j < lag : s_j > s_i, or s_j == s_i and j < i} (NaN scores come as −inf)."""
-    b = (sj[None, :] > si[:, None]) | ((sj[None, :] == si[:, None]) & (jj[None, :] < ii[:, None]))
-    return tl.sum((b & (jj < lag)[None, :]).to(tl.int32), 1)
+def _key(s, i, BLOCK: tl.constexpr):
+    """Scores ``s`` (≥ 0, or −inf for NaN) of tokens ``i`` < BLOCK as int64 keys in the order of (s, −i):
+    the fp32 bits (ordered as integers for s ≥ 0, negative for −inf) above the reversed index."""
+    return s.to(tl.int32, bitcast=True).to(tl.int64) * BLOCK + (BLOCK - 1 - i)
+
+
+@triton.jit
+def _beaten(ki, kj):
+    """For each token i: #{j : key_j > key_i}, i.e. s_j > s_i, or s_j == s_i and j < i. Tokens past the
+    partition must come as −inf: then they beat no token (their index exceeds every i)."""
+    return tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), 1)
 
 
 @triton.jit
@@ -133,11 +161,12 @@ def _emit(nb, pos, tm, quota_j, dst0, out_ptr, orow, lag, krow, vrow, skn, svn, 
 
 
 @triton.jit(do_not_specialize=["N", "n_scored", "parts", "n_runs", "quota", "rem", "n_out", "window"])
-def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, skn, svb, svh, svn, N, D,
-                  sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
+def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, skn, svb, svh, svn, N,
+                  D: tl.constexpr, sink, lag: tl.constexpr, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
                   BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
                   MODE: tl.constexpr):
     # MODE RAW/RANK: out_ptr fp32 scores [R, N]. MODE SELECT: out_ptr int64 indices [R, n_out], ko/vo [R, n_out, D].
+    # D and lag are compile-time: with D = BLOCK_D and lag = BLOCK_L the masks of the tiles fold away.
     # window: the protected tokens after the sinks ([N - window, N)); n_out = sink + window + the quotas.
     eps = tl.cast(eps, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     c = tl.program_id(0)
@@ -174,11 +203,11 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
         t = t0 + tt
         src = (sink + j_hi * lag + t).to(tl.int64)[:, None]
         m = (t < lag)[:, None] & dmask[None, :]
-        zk = tl.load(krow + src * skn + dd[None, :], mask=m, other=0.0).to(tl.float32)
-        zv = tl.load(vrow + src * svn + dd[None, :], mask=m, other=0.0).to(tl.float32)
-        ok = (t < lag) & (tl.sum(zk * 0.0, 1) == 0.0) & (tl.sum(zv * 0.0, 1) == 0.0)  # x·0 is NaN iff x is not finite
-        lo_k, hi_k = _minmax(zk, ok, lo_k, hi_k)
-        lo_v, hi_v = _minmax(zv, ok, lo_v, hi_v)
+        kp = krow + src * skn + dd[None, :]
+        vp = vrow + src * svn + dd[None, :]
+        ok = (t < lag) & (tl.sum(tl.load(kp, mask=m, other=0.0).to(tl.float32) * 0.0, 1) == 0.0)  # x·0 is NaN
+        ok = ok & (tl.sum(tl.load(vp, mask=m, other=0.0).to(tl.float32) * 0.0, 1) == 0.0)  # iff x is not finite
+        lo_k, hi_k, lo_v, hi_v = _minmax_kv(kp, vp, ok, dmask, lo_k, hi_k, lo_v, hi_v)
 
     trow = tmp_ptr + r * (2 * N)  # scratch (chunked partitions only): sd_K at [0, N), sd_V at [N, 2N)
     for q in range(j_lo, j_hi):
@@ -202,8 +231,8 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
             if MODE == RAW:
                 tl.store(out_ptr + orow + start + tt, s, mask=tm)
             else:
-                s = tl.where(ok, s, float("-inf"))  # NaN ranks lowest
-                _emit(_beaten(s, tt, s, tt, lag), start + tt, tm, quota_j, off, out_ptr, orow, lag, krow, vrow, skn,
+                key = _key(tl.where(ok, s, float("-inf")), tt, BLOCK_L)  # NaN ranks lowest
+                _emit(_beaten(key, key), start + tt, tm, quota_j, off, out_ptr, orow, lag, krow, vrow, skn,
                       svn, ko_ptr, vo_ptr, dd, D, MODE)
         else:
             # chunks of BLOCK_T tokens: per-token stds through the scratch row, kept rows re-read
@@ -231,11 +260,12 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
                 for t0 in range(0, lag, BLOCK_T):
                     t = t0 + tt
                     tm = t < lag
-                    si = tl.load(trow + start + t, mask=tm, other=0.0)
+                    ki = _key(tl.load(trow + start + t, mask=tm, other=0.0), t, BLOCK_L)
                     nb = tl.zeros([BLOCK_T], dtype=tl.int32)
                     for j0 in range(0, lag, BLOCK_J):
                         jj = j0 + tl.arange(0, BLOCK_J)
-                        nb += _beaten(si, t, tl.load(trow + start + jj, mask=jj < lag, other=0.0), jj, lag)
+                        kj = _key(tl.load(trow + start + jj, mask=jj < lag, other=float("-inf")), jj, BLOCK_L)
+                        nb += _beaten(ki, kj)
                     base += _emit(nb, start + t, tm, quota_j, base, out_ptr, orow, lag, krow, vrow, skn, svn, ko_ptr,
                                   vo_ptr, dd, D, MODE)
 
@@ -249,8 +279,8 @@ def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: in
     if INTERPRET:  # ~0.5 ms per program and per op: one program per row, whole-partition tiles
         return parts or max(n_scored, 1), block_l, block_l, block_d, block_l, 4
     if block_l <= 128 and block_l * block_d <= WHOLE_TILE:
-        # whole partition: K and V as fp32 [BLOCK_L, BLOCK_D] tiles, live together until a token's
-        # finiteness in both is known; 128 x 128 fits 16 warps at 128 registers (8 warps: 255)
+        # whole partition: K and V as fp32 [BLOCK_L, BLOCK_D] tiles, one live at a time; 128 x 128 fits
+        # 16 warps at 128 registers without spills (8 warps: ~190 registers, one 8-warp program per SM)
         block_t = block_j = block_l
         warps = max(4, min(16, block_l * block_d // 1024))
     else:
