@@ -6,6 +6,7 @@
 #   speed    python -m benchmarks.speed (~2 min on an H200): every policy against its floor and kvpress
 #   prefill  block-wise prefill inside a model at N = 32K (blocks of 512) against the stock model's prefill
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
+#   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
 # Usage: OUT=<dir> benchmarks/gpu_session.sh tests speed     (PY=<python> to choose the interpreter; TIMEOUT=<s>
 # bounds each part, 420 by default)
 set -uo pipefail
@@ -27,9 +28,10 @@ for part in "$@"; do
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/device.csv"
         $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
             | tee "$OUT/versions.txt"
-        timeout "$T" $PY -m pytest -q -p no:cacheprovider -n 16 -m "not model" --durations=15 tests \
-            > "$OUT/tests.txt" 2>&1
-        grep -E "^(FAILED|ERROR)" "$OUT/tests.txt" | head -20; tail -1 "$OUT/tests.txt" ;;
+        timeout "$T" $PY -m pytest -v -p no:cacheprovider -p no:benchmark -n 16 -m "not model" --tb=short -rfs \
+            --durations=15 tests > "$OUT/tests.txt" 2>&1  # -v: a run cut short still names its failures
+        grep -E "^\[gw[0-9]+\].* FAILED" "$OUT/tests.txt" | sed 's/.* FAILED //' | sort -u | head -60
+        tail -1 "$OUT/tests.txt" ;;
     speed)
         timeout "$T" $PY -m benchmarks.speed --time-budget $((T - 60)) --out "$OUT/speed" > "$OUT/speed.log" 2>&1
         tail -5 "$OUT/speed.log" ;;
@@ -47,7 +49,9 @@ for _ in range(3):
 torch.cuda.synchronize()
 EOF
         grep -E "Stall|Warp Cycles|Issued|Eligible|Occupancy" "$OUT/lagkv-ncu.txt" | head -30 ;;
+    pack)
+        tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" ;;
     *)
-        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv)" >&2; exit 2 ;;
+        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, pack)" >&2; exit 2 ;;
     esac
 done

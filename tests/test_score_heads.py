@@ -74,6 +74,17 @@ def test_matches_oracle(backend, case):
     assert (got >= 0).all() and (got <= M).all()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled kernel)")
+@settings(max_examples=60, deadline=None)
+@given(case=cases())
+def test_compiled_kernel_matches_oracle(case):
+    """On a GPU: the compiled kernel's budgets equal the oracle's."""
+    mask, hd, total = case
+    got = score_heads(mask.cuda(), hd.cuda(), total.cuda())
+    assert got.is_cuda and got.dtype == torch.int32
+    np.testing.assert_array_equal(got.cpu().numpy(), oracle(mask, hd, total))
+
+
 @settings(max_examples=80, deadline=None)
 @given(case=cases(free=True), layout=st.sampled_from(["contiguous", "strided", "int8"]))
 def test_kernel_is_the_pytorch_formula(case, layout):

@@ -16,39 +16,34 @@ from tritonkv.integrations import transformers as tt
 
 ATOL = 1e-5  # fp32 round-off (measured: ~1e-7)
 POLICIES = sorted(p for p in tritonkv.POLICIES if p != "lagkv")
-compilable = pytest.mark.skipif(not tt.update_gets_attention_kwargs(),
-                                reason="this transformers passes no attention kwargs to cache.update (see the next test)")
-
-
 @pytest.fixture(scope="module")
 def model():
     return random_llama()
 
 
-@pytest.mark.skipif(tt.update_gets_attention_kwargs(), reason="this transformers supports compiled decoding")
-def test_compiled_decoding_on_an_older_transformers_is_a_clear_error(model):
-    """Where transformers' attention layers do not hand their kwargs to ``cache.update`` (5.2), the layer could
-    reach a compiled attention call only through state that breaks the graph: ``reserve`` says so up front."""
-    cache = tt.make_cache(model, "keydiff", 64)
-    tt.prefill(model, torch.randint(3, 1000, (1, 20)), cache)
-    with pytest.raises(NotImplementedError, match="transformers.*cache.update"):
-        cache.reserve(96)
+@pytest.fixture
+def no_attention_kwargs(monkeypatch):
+    """Layers updated without the attention kwargs, as every transformers before 5.24 updates them (5.17 on the
+    GPU images: its ``Cache.update`` takes ``**kwargs``, its attention layers pass none)."""
+    from tritonkv.integrations.transformers.cache import TritonKVLayer
+
+    update = TritonKVLayer.update
+
+    def without_attention_kwargs(self, keys, values, *args, kwargs=None, **rest):
+        return update(self, keys, values, *args, **rest)
+    monkeypatch.setattr(TritonKVLayer, "update", without_attention_kwargs)
 
 
-def test_a_model_whose_layers_pass_no_attention_kwargs_is_a_clear_error(model):
-    """An eager update that came without the attention kwargs (a transformers before 5.24, whose ``Cache.update``
-    takes ``**kwargs`` but whose layers pass none, or such a model family) marks its layer: ``reserve`` refuses."""
-    from tritonkv.integrations.transformers.attention import _take_layer, hand_over
-
-    cache = tt.make_cache(model, "keydiff", 64)
-    tt.prefill(model, torch.randint(3, 1000, (1, 20)), cache)
-    hand_over(cache.layers[1], None, {})  # what such a layer's update does
-    assert _take_layer({}) == (cache.layers[1], None)
-    with pytest.raises(NotImplementedError, match="transformers.*cache.update"):
-        cache.reserve(96)
+@pytest.mark.parametrize("policy", ["keydiff", "snapkv"])
+def test_compiled_loop_without_attention_kwargs_matches_eager(model, policy, no_attention_kwargs):
+    """A compiled step whose layers get no attention kwargs finds its layer through the traced hand-over (a context
+    variable would break the graph): one graph, eager's logits, the same compressions."""
+    worst, recompiles, compiled_n, eager_n = compiled_vs_eager(model, policy, steps=20)
+    assert recompiles == 0
+    assert compiled_n == eager_n == 2 * 2  # the prompt's compression and one decode one, per layer
+    assert worst <= ATOL, worst
 
 
-@compilable
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compiled_loop_compressing_every_step_matches_eager(model, policy):
     """40 steps: the cache re-compresses at steps 16 and 32 in both loops; one graph, eager's logits."""
@@ -58,7 +53,6 @@ def test_compiled_loop_compressing_every_step_matches_eager(model, policy):
     assert worst <= ATOL, worst
 
 
-@compilable
 def test_window_queries_stay_current_in_compiled_steps(model):
     """SnapKV's saved window after 16 compiled steps holds the 16 decode queries last, as eagerly."""
     ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(1))

@@ -3,8 +3,9 @@
 transformers calls ``cache.update`` and then the attention function registered in ``AttentionInterface``; the layer
 reaches the attention call through transformers' own attention kwargs (``cache.update`` receives the dict the model
 then spreads into the attention call and adds ``LAYER_KWARG`` to it), or, where a transformers version does not hand
-that dict to ``cache.update``, through the context variable ``_LAYER_UPDATED_LAST`` (eager only). Attention is by *position*, not slot: a query at
-sequence index i sees every stored token with index <= i (every kept token precedes the block being fed; the
+that dict to ``cache.update`` (before 5.24), through the context variable ``_LAYER_UPDATED_LAST`` (eager) or the
+attribute ``_TRACED_HAND_OVER.pair`` (a step traced by torch.compile). Attention is by *position*, not slot: a query
+at sequence index i sees every stored token with index <= i (every kept token precedes the block being fed; the
 block itself is causal), never a pad or an empty slot. Three paths, none of which builds an ``[H, T, S]``
 tensor:
 
@@ -47,47 +48,46 @@ LAYER_KWARG = "tritonkv_layer"  # the attention kwarg carrying (layer, the keys 
 _LAYER_UPDATED_LAST: contextvars.ContextVar = contextvars.ContextVar("tritonkv_layer_updated_last", default=None)
 
 
+class _TracedHandOver:
+    """The pair of an update traced by torch.compile, for the attention call traced after it: a traced step reads
+    and writes an object's attribute, where it cannot set a context variable (torch 2.11); the graph holds the
+    pair, the attribute is None again after it."""
+    pair = None
+
+
+_TRACED_HAND_OVER = _TracedHandOver()
+
+
 @functools.lru_cache(maxsize=None)
 def update_gets_attention_kwargs() -> bool:
     """Whether the installed transformers updates a cache with the attention kwargs (``cache.update(...,
-    kwargs=kwargs)`` in its attention layers, from 5.24): what a compiled step needs (a context variable would break
-    its graph). Earlier 5.x accept ``**kwargs`` in ``Cache.update`` but their layers pass none."""
+    kwargs=kwargs)`` in its attention layers, from 5.24). Earlier 5.x accept ``**kwargs`` in ``Cache.update`` but
+    their layers pass none: the layer then goes through ``_LAYER_UPDATED_LAST`` (eager) or ``_TRACED_HAND_OVER``."""
     takes = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(Cache.update).parameters.values())
     return takes and Version(transformers.__version__).release >= (5, 24)
-
-
-def check_compilable(cache=None) -> None:
-    """A NotImplementedError, before anything is compiled, where a compiled step could not find its layer: this
-    transformers, or ``cache``'s model (an eager update of one of its layers came without the attention kwargs);
-    without ``cache``, always."""
-    if cache is None or not update_gets_attention_kwargs() or any(getattr(l, "handed_over_by_context", False)
-                                                                  for l in cache.layers):
-        raise NotImplementedError(
-            f"compiled decoding with a TritonKVCache needs a transformers whose attention layers pass their kwargs "
-            f"to cache.update (5.24 does); transformers {transformers.__version__} with this model does not: "
-            f"decode eagerly, or upgrade transformers")
 
 
 def hand_over(layer, keys, update_kwargs: dict) -> None:
     """Tell the attention call that follows ``cache.update`` which layer (and which returned keys) it reads:
     through the attention kwargs when transformers passes them to ``update`` (as ``kwargs=``), else through
-    ``_LAYER_UPDATED_LAST``."""
+    ``_LAYER_UPDATED_LAST`` (eager) or ``_TRACED_HAND_OVER`` (traced by torch.compile)."""
     attn_kwargs = update_kwargs.get("kwargs")
     if isinstance(attn_kwargs, dict):
         attn_kwargs[LAYER_KWARG] = (layer, keys)
         if not torch.compiler.is_compiling() and _LAYER_UPDATED_LAST.get() is not None:
             _LAYER_UPDATED_LAST.set(None)  # left by an update no attention call followed: keep nothing alive
-        return
-    if torch.compiler.is_compiling():
-        check_compilable()  # no cache: always raises (a compiled step cannot set a context variable)
-    layer.handed_over_by_context = True  # what ``check_compilable(cache)`` reads
-    _LAYER_UPDATED_LAST.set((layer, keys))
+    elif torch.compiler.is_compiling():
+        _TRACED_HAND_OVER.pair = (layer, keys)
+    else:
+        _LAYER_UPDATED_LAST.set((layer, keys))
 
 
 def _take_layer(kwargs: dict):
     """The (layer, keys) handed over by ``hand_over`` for this attention call, or None."""
     active = kwargs.pop(LAYER_KWARG, None)
-    if active is None and not torch.compiler.is_compiling():
+    if active is None and torch.compiler.is_compiling():
+        active, _TRACED_HAND_OVER.pair = _TRACED_HAND_OVER.pair, None
+    elif active is None:
         active = _LAYER_UPDATED_LAST.get()
         if active is not None:
             _LAYER_UPDATED_LAST.set(None)

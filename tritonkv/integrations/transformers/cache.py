@@ -26,7 +26,7 @@ from ...api import Compressed, check_input_names, compress, resolve_budget
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
 from ...kernels._common import on_host
-from .attention import (block_attention, causal_attention, check_compilable, decode_sdpa, hand_over, held_suffix,
+from .attention import (block_attention, causal_attention, decode_sdpa, hand_over, held_suffix,
                         masked_attention, ragged_decode_sdpa, suffix_attention)
 from .storage import SENTINEL, DenseStore, RaggedStore, left_padded, padded_width, slack_for
 
@@ -738,7 +738,6 @@ class TritonKVCache(Cache):
     # -- public helpers ---------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
         """Give every layer static buffers of at least ``capacity`` slots (a compiled decode loop)."""
-        check_compilable(self)
         for layer in self.layers:
             layer.reserve(capacity)
 
