@@ -409,3 +409,35 @@ def test_left_padded_view_of_per_head_rows(free):
     K, V, P, held = left_padded(empty, free)
     assert K.shape == (B, H, free, D) and V.shape == (B, H, free, D) and P.shape == (B, H, free)
     assert not held.any() and (P == -1).all()
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 4), (torch.bfloat16, 8), (torch.float16, 3)])
+@pytest.mark.parametrize("B", [1, 2])
+def test_kept_padded_is_the_padded_view_of_the_kept_rows(dtype, D, B):
+    """``storage.kept_padded`` (AdaKV's winners laid out straight into a padded working view) is the view that
+    ``left_padded`` gives of ``RaggedKV.from_kept`` over the same winners, bit for bit: the same keys, values,
+    positions and width, from strided keys whose slots hold pads (``SENTINEL``), with heads that keep nothing and
+    element sizes that the 16-byte row copy cannot take (D = 3 in fp16)."""
+    from tritonkv.cache import RaggedKV
+    from tritonkv.integrations.transformers.storage import SENTINEL, kept_padded, left_padded
+
+    H, N, cap = 3, 20, 26
+    g = torch.Generator().manual_seed(B * D)
+    buf = torch.randn(B, H, cap, 2 * D, generator=g).to(dtype)
+    keys, values = buf[:, :, :N, :D], buf[:, :, :N, D:]  # strided, like a store's slots in use
+    pos = torch.arange(100, 100 + N, dtype=torch.int32).expand(B, H, N).clone()
+    pos[:, :, :4] = SENTINEL
+    K = 17
+    for trial in range(4):
+        score = torch.rand(B, H, N, generator=g)
+        if trial % 2:
+            score[:, 1] = -1.0  # head 1 keeps nothing
+        kept = score.view(B, H * N).topk(K, dim=1).indices.sort(dim=1).values
+        for free in (0, 5):
+            got = kept_padded(kept, keys, values, pos, lambda width: free + width % 3)
+            kv = RaggedKV.from_kept(kept, keys, values, longest=N)
+            width = int(kv.length.max())
+            Kw, Vw, p, held = left_padded(kv, free + width % 3, width)
+            assert got.n == width and got.capacity == width + free + width % 3
+            assert torch.equal(got.keys, Kw) and torch.equal(got.values, Vw)
+            assert torch.equal(got.pos, torch.where(held & (p >= 0), pos.gather(2, p.clamp(min=0)), SENTINEL))

@@ -118,6 +118,14 @@ def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
     return _compress(kv, policy, budget, allocation, inputs)
 
 
+def compress_kept(kv, policy, budget, *, allocation, **inputs):
+    """``compress`` with an allocator, for a caller that lays the kept tokens out itself: where ``compress`` would
+    copy an allocator's own selection into rows (AdaKV's exact winners, ``RaggedKV.from_kept``), that selection
+    (``allocation.adakv.Kept``, flat indices ``h·N + j`` per batch row) with nothing copied; else what ``compress``
+    returns. Not planned (``kernels/_plan.py``): the transformers integration calls it on the CPU's PyTorch path."""
+    return _compress(kv, policy, budget, allocation, inputs, kept_only=True)
+
+
 _KEY_TYPES = frozenset({int, float, bool, str, type(None)})
 
 
@@ -192,7 +200,7 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
     return tuple(parts), tuple(tensors), tuple(known)
 
 
-def _compress(kv, policy, budget, allocation, inputs: dict):
+def _compress(kv, policy, budget, allocation, inputs: dict, kept_only: bool = False):
     keys, values = _split_kv(kv)
     pol = get_policy(policy)
     if budget is _REQUIRED:
@@ -225,7 +233,7 @@ def _compress(kv, policy, budget, allocation, inputs: dict):
         kout, vout, idx, _ = pol.select(scores, kk, keys, values, sink=sink, window=window, k_max=kk,
                                         budget=kk, **inputs, **({} if hist0 is None else {"hist0": hist0}))
         return Compressed(kout, vout, idx)
-    return _compress_allocated(pol, allocation, keys, values, kk, sink, window, inputs)
+    return _compress_allocated(pol, allocation, keys, values, kk, sink, window, inputs, kept_only)
 
 
 def resolve_budget(budget, n: int) -> int:
@@ -412,7 +420,7 @@ def _allocator(allocation, inputs: dict):
 _CONTEXT = ("layer", "num_layers", "process_group", "seq_len")  # inputs that Allocator.context reads
 
 
-def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs):
+def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs, kept_only: bool = False):
     """Per-head budgets into a ``RaggedKV`` sized from host ints: nothing is read back to the host when the
     allocator knows its sizes statically, so the whole call can be captured in a CUDA graph.
 
@@ -471,6 +479,8 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs):
     if plain and kept is not None and tp is None:  # the first radix pass serves the allocator's per-head select
         kept = kept(scores, ctx, **rest, **({} if sel.get("hist0") is None else {"hist0": sel["hist0"]}))
         if kept is not None:
+            if kept_only:  # the caller lays the rows out (``compress_kept``)
+                return kept
             return RaggedKV.from_kept(kept.indices, keys, values, longest=kept.longest)
     plan = alloc.plan(ctx, scores, **rest)
     budgets = plan.local.to(torch.int32)

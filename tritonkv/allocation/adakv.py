@@ -30,7 +30,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ..kernels.select import select_indices, select_mask
+from ..kernels._common import use_triton
+from ..kernels.select import select_indices, select_mask, signed_keys
 from .base import Allocator, check_int, check_mode, check_positive, check_tensor, floor_eps, register_allocator
 
 MODES = ("exact", "paper")
@@ -90,12 +91,32 @@ def adakv_kept(scores: torch.Tensor, b: int, *, sink: int = 0, window: int = 0, 
         raise ValueError(f"b must lie in (0, avail = {N - p}) (a budget that keeps a part of every row), got {b}")
     f = min(floor_eps(alpha * b), b)
     s = scores.to(torch.float32).contiguous()
+    if not use_triton(s):
+        return _kept_torch(s, H * (b + p), f + p, sink, window)
     forced = None
     if f + p > 0:  # each head's protected tokens and its top f
         forced = select_indices(s, f + p, f + p, sink=sink, window=window, with_mask=True, hist0=hist0)[2]
         forced = forced.view(torch.uint8).view(B, H * N)
     k = H * (b + p)
     return select_indices(s.view(B, H * N), k, k, forced=forced)[0]
+
+
+def _kept_torch(s: torch.Tensor, k: int, first: int, sink: int, window: int) -> torch.Tensor:
+    """``adakv_kept`` in PyTorch: the two top-k steps on one set of keys in the select's order (``signed_keys``,
+    ties to the lower flat index, which is the lower index within a head), the forced tokens of each step raised
+    above every other key: both steps keep all of them, so ties among them do not matter. ``first``: each head's
+    forced tokens (its protected ones and top ``⌊α·b⌋``); ``k``: the row's kept tokens."""
+    B, H, N = s.shape
+    top = torch.iinfo(torch.int64).max
+    key = (signed_keys(s.view(B, H * N)).to(torch.int64) << 31) + (H * N - 1 - torch.arange(H * N, device=s.device))
+    if first > 0:  # each head's top ``first``, its protected tokens above the rest
+        head = key.view(B * H, N)
+        if sink + window:
+            j = torch.arange(N, device=s.device)
+            head = head.masked_fill((j < sink) | (j >= N - window), top)
+        forced = head >= torch.topk(head, first, dim=1).values[:, -1:]
+        key = key.masked_fill(forced.view(B, H * N), top)
+    return torch.topk(key, k, dim=1, sorted=False).indices.sort(dim=1).values
 
 
 def candidates(scores: torch.Tensor, c: int) -> torch.Tensor:

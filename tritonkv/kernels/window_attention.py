@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from typing import Optional
 
 import torch
@@ -339,6 +340,29 @@ def row_weights(queries: torch.Tensor, attn_lse: Optional[torch.Tensor], N: int,
     return w.contiguous()
 
 
+def _unit_weight(W: int, G: int, row_reduce: str, head_reduce: str) -> float:
+    """``row_weights``' entry when every row is left in: the fp32 value of 1/W (``"mean"``), then / G (the group
+    mean), each division rounded to fp32 as the tensor ops round it (a division in double precision rounded once
+    to fp32 is the correctly rounded fp32 quotient: 53 >= 2·24 + 2 bits)."""
+    w = 1.0
+    if row_reduce == "mean":
+        w = _fp32(w / W)
+    if head_reduce != "max":
+        w = _fp32(w / G)
+    return w
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden(G: int, W: int, ahead: int, n: int, device: torch.device) -> torch.Tensor:
+    """bool ``[G·W, n]``: key column m hidden from window row i (i % W is the row's place in the window), for
+    columns that start ``ahead`` keys after the window's first position: ``ahead + m > i % W``. Cached (small)."""
+    return torch.arange(ahead, ahead + n, device=device) > torch.arange(W, device=device).repeat(G)[:, None]
+
+
 def pool_torch(u: torch.Tensor, n_pool: int, kernel_size: int, pool: str, no_nan: bool = False) -> torch.Tensor:
     """``_window_pool_kernel``'s pooling over [0, n_pool) of rows ``[..., N]``: output j covers
     [j − κ//2, j − κ//2 + κ); max ignores the padding, avg counts it as zeros, a NaN neighbour (a
@@ -396,36 +420,52 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     dev = keys.device
     if B * H == 0 or N == 0:
         return torch.empty((B, H, N), dtype=torch.float32, device=dev)
-    w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce).view(B, H, G * W, 1)
-    left_in = w > 0
-    kfin, every_in = finite_rows(keys)  # [B, H, N]; every key finite (read eagerly on the host)
-    if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
-        vfin, every_v = finite_rows(values)
-        kfin, every_in = kfin & vfin, every_in and every_v
-    every_in = every_in and bool(left_in.all())  # eagerly: nothing to mask
+    # eagerly on the CPU, every query row finite and no LSE given (the usual call): the weights are one number and
+    # every row is left in (one host read of a sum: a non-finite element makes it non-finite)
+    host = on_host(keys)
+    rows_in = host and attn_lse.numel() == 0 and bool(torch.isfinite(queries.sum()))
+    if rows_in:
+        w = torch.full((B, H, G * W, 1), _unit_weight(W, G, row_reduce, head_reduce), device=dev)
+        left_in = None
+    else:
+        w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce).view(B, H, G * W, 1)
+        left_in = w > 0
+    if rows_in and values.numel() == 0 and bool(torch.isfinite(keys.sum())):  # likewise every key finite
+        kfin, every_in = None, True
+    else:
+        kfin, every_in = finite_rows(keys)  # [B, H, N]; every key finite (read eagerly on the host)
+        if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
+            vfin, every_v = finite_rows(values)
+            kfin, every_in = kfin & vfin, every_in and every_v
+        every_in = every_in and (rows_in or bool(left_in.all()))  # eagerly: nothing to mask
+    if left_in is None and not every_in:  # a non-finite key: the row mask is read with the key mask
+        left_in = w > 0
     q = queries.float().reshape(B, H, G * W, D)  # rows of KV head h
     q = (q if every_in else torch.where(left_in, q, 0.0)) * scale
-    pos = (N - W + torch.arange(W, device=dev)).repeat(G)[:, None]  # [G·W, 1] position of each row
     first = max(N - W + 1, 0)  # keys before this one are visible to every row
+    columns = _hidden if host else _hidden.__wrapped__  # cached eagerly; traced: built in the graph
     chunk = max(1, TORCH_BLOCK // (B * H * G * W))
     spans = [(t0, min(t0 + chunk, N)) for t0 in range(0, N, chunk)]
 
     def logits(t0: int, t1: int):
-        """Logits of keys [t0, t1), −inf where not visible; (block, c, visibility of columns c…)."""
+        """Logits of keys [t0, t1), −inf where not visible; (block, c, columns c… hidden from each row)."""
         s = q @ keys[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, G·W, n]
         if not every_in:
             s.masked_fill_(~(kfin[:, :, None, t0:t1] & left_in), float("-inf"))
         c = min(max(first - t0, 0), t1 - t0)
-        vis = torch.arange(t0 + c, t1, device=dev) <= pos  # [G·W, n − c]
-        s[..., c:].masked_fill_(~vis, float("-inf"))
-        return s, c, vis
+        hidden = columns(G, W, t0 + c - (N - W), t1 - t0 - c, dev)  # [G·W, n − c]
+        s[..., c:].masked_fill_(hidden, float("-inf"))
+        return s, c, hidden
 
-    def head_sums(e, r, c, vis):
+    def head_sums(e, r, c, hidden, exact_zeros: bool):
         """Σ_i r_i·e_ij over each head's W rows, [B, H, G, n]; columns c… summed again with the
-        entries of invisible keys zeroed (a non-finite r_i must not reach them)."""
+        entries of invisible keys zeroed (a non-finite r_i must not reach them; ``exact_zeros``: r is finite and
+        those entries of e are 0, so they are zero already)."""
         n = e.shape[-1]
         hs = (r.view(B, H, G, 1, W) @ e.view(B, H, G, W, n)).squeeze(-2)
-        tail = (e[..., c:] * r).masked_fill_(~vis, 0.0)
+        tail = e[..., c:] * r
+        if not exact_zeros:
+            tail.masked_fill_(hidden, 0.0)
         hs[..., c:] = tail.view(B, H, G, W, n - c).sum(3)
         return hs
 
@@ -433,41 +473,42 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     if attn_lse.numel() > 0:
         lse = _combine_lse(attn_lse.float().reshape(1, B, H, G * W, 1))
     elif len(spans) == 1 and every_in and N >= W:  # one chunk, every row in and seeing a key
-        s, c, vis = logits(0, N)
+        s, c, hidden = logits(0, N)
         mx = s.amax(-1, keepdim=True)
         # every row max finite (no overflow): the masks and the combination of one part below are identities
         plain = bool(torch.isfinite(mx).all())
         if plain:
             e = s.sub_(mx).exp_()
-            once, lse = (e, mx, c, vis), mx + torch.log(e.sum(-1, keepdim=True))  # tot >= 1: _lse_from's value
+            once, lse = (e, mx, c, hidden), mx + torch.log(e.sum(-1, keepdim=True))  # tot >= 1: _lse_from's value
         else:
             shift = torch.where(mx == float("-inf"), 0.0, mx)
             e = s.sub_(shift).exp_()
-            once = e, shift, c, vis
+            once = e, shift, c, hidden
             lse = _combine_lse(_lse_from(mx, e.sum(-1, keepdim=True))[None])
     else:
         parts = []
         for t0, t1 in spans:
-            s, c, vis = logits(t0, t1)
+            s, c, hidden = logits(t0, t1)
             mx = s.amax(-1, keepdim=True)
             shift = torch.where(mx == float("-inf"), 0.0, mx)
             e = s.sub_(shift).exp_()
             parts.append(_lse_from(mx, e.sum(-1, keepdim=True)))
             if len(spans) == 1:
-                once = e, shift, c, vis
+                once = e, shift, c, hidden
         lse = _combine_lse(torch.stack(parts))  # [B, H, G·W, 1]
     if not plain:
+        left_in = w > 0 if left_in is None else left_in
         lse = torch.where(left_in & (lse > float("-inf")), lse, 0.0)  # rows that see no finite key: e = 0
     u = torch.empty((B, H, N), dtype=torch.float32, device=dev)
     for t0, t1 in spans:
         if once is not None:
-            e, shift, c, vis = once
+            e, shift, c, hidden = once
             r = torch.exp(shift - lse) * w
             r = r if plain else torch.where(left_in, r, 0.0)
         else:
-            s, c, vis = logits(t0, t1)
+            s, c, hidden = logits(t0, t1)
             e, r = s.sub_(lse).exp_(), w
-        hs = head_sums(e, r, c, vis)
+        hs = head_sums(e, r, c, hidden, plain)
         red = hs.amax(2) if head_reduce == "max" else hs.sum(2)
         u[:, :, t0:t1] = red if every_in else torch.where(kfin[:, :, t0:t1], red, float("nan"))
     if head_reduce == "layer":

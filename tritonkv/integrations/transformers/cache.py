@@ -22,13 +22,13 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ...api import Compressed, check_input_names, compress, resolve_budget
+from ...api import Compressed, check_input_names, compress, compress_kept, resolve_budget
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
-from ...kernels._common import on_host
+from ...kernels._common import on_host, use_triton
 from .attention import (block_attention, causal_attention, decode_sdpa, hand_over, held_suffix,
                         masked_attention, ragged_decode_sdpa, suffix_attention)
-from .storage import SENTINEL, DenseStore, RaggedStore, left_padded, padded_width, slack_for
+from .storage import SENTINEL, DenseStore, RaggedStore, kept_padded, left_padded, padded_width, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
 
@@ -488,10 +488,17 @@ class TritonKVLayer(CacheLayerMixin):
         module = getattr(self, "module", lambda: None)()
         if "o_proj" in policy.needs and "o_proj" not in inputs and module is not None:
             inputs["o_proj"] = module.o_proj.weight  # CriticalKV: this layer's W_O
-        out = compress((keys, values), policy, k, allocation=cache.allocation, **inputs)
+        if padded and cache.allocation is not None and not use_triton(keys):  # the PyTorch path: AdaKV's winners
+            out = compress_kept((keys, values), policy, k, allocation=cache.allocation, **inputs)  # laid out below
+        else:
+            out = compress((keys, values), policy, k, allocation=cache.allocation, **inputs)
         if isinstance(out, Compressed):
             return out.keys, out.values, pos.gather(2, out.indices)
         if padded:  # the layout RaggedStore.to_dense gives
+            from ...allocation.adakv import Kept  # imported by compress already
+
+            if isinstance(out, Kept):  # straight from the winners: one copy, no ragged rows in between
+                return kept_padded(out.indices, keys, values, pos, lambda width: max(self._slack(width), padded))
             width = padded_width(out)
             K, V, p, held = left_padded(out, max(self._slack(width), padded), width)
             P = torch.where(held & (p >= 0), pos.gather(2, p.clamp(min=0)), SENTINEL)

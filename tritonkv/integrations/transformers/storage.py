@@ -26,6 +26,7 @@ import torch
 
 from ...cache import RaggedKV
 from ...kernels._common import on_host
+from ...kernels.select import _rows16
 
 SENTINEL = 2**31 - 1  # ``pos`` of a slot that holds no token (empty, or a pad): attended by nobody
 MIN_SLACK = 16
@@ -79,6 +80,37 @@ def left_padded(kv: RaggedKV, free: int = 0, width: Optional[int] = None):
             _zero_rows(t, held)
         p = torch.where(held, kv.positions.index_select(0, src).view(R, S), -1)
     return K.view(B, H, S, D), V.view(B, H, S, Dv), p.reshape(B, H, S), held.view(B, H, S)
+
+
+def kept_padded(kept: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, free_for):
+    """The ``DenseStore`` that ``left_padded`` gives of ``RaggedKV.from_kept(kept, keys, values)``, built with one
+    copy: ``kept`` int64 ``[B, K]`` holds each batch row's kept tokens as ascending flat indices ``h·N + j`` into
+    ``keys``/``values`` ``[B, H, N, D]`` (unit-stride last dim) whose slots are at sequence indices ``pos`` int32
+    ``[B, H, N]``. Each head's tokens take the last of ``W`` slots (W: the longest head's count, one host read),
+    then ``free_for(W)`` free slots; K and V zero and ``pos`` ``SENTINEL`` outside the rows."""
+    B, H, N, D = keys.shape
+    Dv, K = values.shape[3], kept.shape[1]
+    dev = keys.device
+    head = kept // N
+    row = (head + torch.arange(0, B * H, H, device=dev)[:, None]).view(-1)  # [B·K]: row b·H + h of each entry
+    counts = torch.bincount(row, minlength=B * H)  # tokens of each row
+    width = int(counts.max())
+    S = width + free_for(width)
+    # flat entry t, the i-th token of its row, goes to slot W - count + i = W + t - (the tokens of rows <= its own)
+    dst = row * S + (width + torch.arange(B * K, device=dev)) - counts.cumsum(0)[row]
+    out, src = [], None
+    for t in (keys, values):
+        sb, sh, sn, _ = t.stride()
+        if src is None or t.stride() != keys.stride():  # token j of head h: b·sb + h·sh + j·sn, j = kept - h·N
+            src = (kept * sn + head * (sh - N * sn) + torch.arange(0, B * sb, sb, device=dev)[:, None]).view(-1)
+        flat = t.as_strided(((B - 1) * sb + (H - 1) * sh + (N - 1) * sn + 1, t.shape[3]), (1, 1))
+        o = t.new_zeros(B * H * S, t.shape[3])
+        wide = _rows16(o)  # 16-byte elements where the layout allows: index_copy_ pays per element
+        wide.index_copy_(0, dst, flat.index_select(0, src).view(wide.dtype))
+        out.append(o)
+    P = torch.full((B * H * S,), SENTINEL, dtype=torch.int32, device=dev)
+    P.index_copy_(0, dst, pos.reshape(B, H * N).gather(1, kept).view(-1))
+    return DenseStore(out[0].view(B, H, S, D), out[1].view(B, H, S, Dv), P.view(B, H, S), width)
 
 
 class DenseStore:
