@@ -64,7 +64,7 @@ ARCH = {90: dict(gpu="H100", **_SM, smem_per_sm=228 * 1024, smem_reserved_per_ct
 # Time model (sm_90 SASS); where the parameters come from: docs/benchmarks.md, "kernel_stats.py: method".
 MACHINES = {m: dict(copy_GBps=bw, sms=132, clock_GHz=1.98, issue_per_clk=4, launch_us=3.0)
             for m, bw in (("H100", 2900.0), ("H200", 4226.0))}
-UNCALIBRATED = ("Against the H100 run of 2026-11-26 (gpu_tests.md), measured / model was 0.95-1.06 for Knorm, "
+MODEL_VS_GPU = ("Against the H100 run of 2026-11-26 (gpu_tests.md), measured / model was 0.95-1.06 for Knorm, "
                 "KeyDiff and StreamingLLM, 1.3-2.1 for the window policies, 2.9 for CriticalKV, 3.7 for LagKV")
 ATOMS_WAVEFRONTS = 32  # shared-memory wavefronts per ATOMS instruction (worst case: 32-way bank conflict)
 MODEL_ARCH = "sm_90"
@@ -854,7 +854,7 @@ def markdown(res: dict) -> str:
             "over the device launches (parameters: " + "; ".join(
                 f"{m} {p['copy_GBps']:.0f} GB/s, {p['sms']} SMs at {p['clock_GHz']} GHz, {p['launch_us']} µs/launch"
                 for m, p in res["machines"].items()) + f"; {res['atoms_wavefronts']} wavefronts per ATOMS). "
-            f"{UNCALIBRATED}; it ignores latency, L2 and host time.", ""]
+            f"{MODEL_VS_GPU}; it ignores latency, L2 and host time.", ""]
     rows = [[r["name"], f"error: {r['error'][:150]}"] if r["error"] else
             [r["name"], r["triton_launches"], r["torch_launches"], r["launches"], r["host_syncs"],
              _mb(r["read_bytes"]), _mb(r["write_bytes"]), _mb(r["floor_bytes"]), r["model_us"]["H100"],
@@ -938,7 +938,7 @@ def compare_markdown(results: list[dict]) -> str:
                        f"(commit {r['commit']}, {r['date']})" for r in results)
            + ". GPU images with torch 2.11 run Triton 3.6. Times are the model of "
              "`benchmarks/kernel_stats.py` (bytes / bandwidth, launches, SASS instructions and shared atomics), "
-             f"not measurements. {UNCALIBRATED}.", "",
+             f"not measurements. {MODEL_VS_GPU}.", "",
            "## Per workload", ""]
 
     def cols(items, f) -> str:

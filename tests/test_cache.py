@@ -461,16 +461,16 @@ def test_from_kept_kernel_compiles_ahead_of_time():
                      "constexprs": {"BATCH": 64, "BLOCK_D": 128, "P": 1024}})
 
 
-def _kept(*shape, dtype=torch.int64):
+def _kept_rows(*shape, dtype=torch.int64):
     return torch.zeros(shape, dtype=dtype, device=DEVICE)  # on the device of K0: each case fails one check
 
 
 KEPT_BAD = [
-    ("kept dtype", lambda: RaggedKV.from_kept(_kept(1, 4, dtype=torch.int32), K0, V0, longest=4), ValueError,
+    ("kept dtype", lambda: RaggedKV.from_kept(_kept_rows(1, 4, dtype=torch.int32), K0, V0, longest=4), ValueError,
      ["kept", "int64"]),
-    ("kept rows", lambda: RaggedKV.from_kept(_kept(2, 4), K0, V0, longest=4), ValueError, ["kept", "[B = 1, K]"]),
-    ("kept empty", lambda: RaggedKV.from_kept(_kept(1, 0), K0, V0, longest=4), ValueError, ["kept"]),
-    ("longest", lambda: RaggedKV.from_kept(_kept(1, 4), K0, V0, longest=-1), ValueError, ["longest"]),
+    ("kept rows", lambda: RaggedKV.from_kept(_kept_rows(2, 4), K0, V0, longest=4), ValueError, ["kept", "[B = 1, K]"]),
+    ("kept empty", lambda: RaggedKV.from_kept(_kept_rows(1, 0), K0, V0, longest=4), ValueError, ["kept"]),
+    ("longest", lambda: RaggedKV.from_kept(_kept_rows(1, 4), K0, V0, longest=-1), ValueError, ["longest"]),
 ]
 
 
