@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from ..kernels._common import use_triton
-from ..kernels.select import select_indices, select_mask, signed_keys
+from ..kernels.select import _composite_keys, select_indices, select_mask
 from .base import Allocator, check_int, check_mode, check_positive, check_tensor, floor_eps, register_allocator
 
 MODES = ("exact", "paper")
@@ -102,13 +102,13 @@ def adakv_kept(scores: torch.Tensor, b: int, *, sink: int = 0, window: int = 0, 
 
 
 def _kept_torch(s: torch.Tensor, k: int, first: int, sink: int, window: int) -> torch.Tensor:
-    """``adakv_kept`` in PyTorch: the two top-k steps on one set of keys in the select's order (``signed_keys``,
-    ties to the lower flat index, which is the lower index within a head), the forced tokens of each step raised
-    above every other key: both steps keep all of them, so ties among them do not matter. ``first``: each head's
-    forced tokens (its protected ones and top ``⌊α·b⌋``); ``k``: the row's kept tokens."""
+    """``adakv_kept`` in PyTorch: the two top-k steps on one set of keys, the select's own (``_composite_keys`` of
+    the flat row: ties to the lower flat index, which is the lower index within a head), the forced tokens of each
+    step raised above every other key: both steps keep all of them, so ties among them do not matter. ``first``:
+    each head's forced tokens (its protected ones and top ``⌊α·b⌋``); ``k``: the row's kept tokens."""
     B, H, N = s.shape
     top = torch.iinfo(torch.int64).max
-    key = (signed_keys(s.view(B, H * N)).to(torch.int64) << 31) + (H * N - 1 - torch.arange(H * N, device=s.device))
+    key = _composite_keys(s.view(B, H * N), s.new_empty(0), 0, 0)
     if first > 0:  # each head's top ``first``, its protected tokens above the rest
         head = key.view(B * H, N)
         if sink + window:

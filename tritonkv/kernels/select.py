@@ -525,14 +525,6 @@ def _or(t: Optional[torch.Tensor], other: torch.Tensor, dtype=None) -> torch.Ten
 _IDX_BITS = 31  # composite key = (sortable score key << 31) | (N - 1 - index), N < 2**31
 
 
-def signed_keys(scores: torch.Tensor) -> torch.Tensor:
-    """int32 keys of fp32 ``scores`` in the kernel's order: NaN -> -inf, -0 -> +0, then the float order as an int
-    order (``_composite_keys`` appends the index)."""
-    s = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    b = torch.where(s == 0, 0.0, s).view(torch.int32)  # -0 -> +0
-    return b ^ ((b >> 31) & 0x7FFFFFFF)  # int32 order == float order
-
-
 def _composite_keys(scores: torch.Tensor, forced: torch.Tensor, sink: int, window: int) -> torch.Tensor:
     """int64 ``[R, N]``: ``(u << 31) | (N - 1 - index)`` with u the kernel's order-preserving uint32
     key of the score (NaN -> -inf, -0 -> +0; protected tokens 0xFFFFFFFF, above a genuine +inf).
@@ -540,7 +532,9 @@ def _composite_keys(scores: torch.Tensor, forced: torch.Tensor, sink: int, windo
     lower index). Computed as ``(signed key << 31) + 2**62 + N - 1 - index``, the same number."""
     N = scores.shape[1]
     pos = torch.arange(N, device=scores.device)
-    signed = signed_keys(scores)
+    s = torch.nan_to_num(scores, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    b = torch.where(s == 0, 0.0, s).view(torch.int32)  # -0 -> +0
+    signed = b ^ ((b >> 31) & 0x7FFFFFFF)  # int32 order == float order
     low = (2 ** 62 + N - 1) - pos
     prot = (pos < sink) | (pos >= N - window)
     if forced.numel() > 0:

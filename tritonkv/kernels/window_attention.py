@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 from typing import Optional
 
 import torch
@@ -340,20 +339,10 @@ def row_weights(queries: torch.Tensor, attn_lse: Optional[torch.Tensor], N: int,
     return w.contiguous()
 
 
+@functools.lru_cache(maxsize=64)
 def _unit_weight(W: int, G: int, row_reduce: str, head_reduce: str) -> float:
-    """``row_weights``' entry when every row is left in: the fp32 value of 1/W (``"mean"``), then / G (the group
-    mean), each division rounded to fp32 as the tensor ops round it (a division in double precision rounded once
-    to fp32 is the correctly rounded fp32 quotient: 53 >= 2·24 + 2 bits)."""
-    w = 1.0
-    if row_reduce == "mean":
-        w = _fp32(w / W)
-    if head_reduce != "max":
-        w = _fp32(w / G)
-    return w
-
-
-def _fp32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
+    """``row_weights``' entry when every query row is finite and no LSE is given (then the same for every row)."""
+    return row_weights(torch.zeros(1, G, W, 1), None, W, 1, row_reduce, head_reduce)[0, 0, 0].item()
 
 
 @functools.lru_cache(maxsize=64)

@@ -48,11 +48,11 @@ and writes into the reserved buffers in place.
 
 transformers 5.2 to the newest: the layer answers both cache-layer interfaces (see ``TritonKVLayer``).
 """
-from .attention import ATTN_IMPLEMENTATION, attention, masked_attention, update_gets_attention_kwargs, use_tritonkv
+from .attention import ATTN_IMPLEMENTATION, attention, masked_attention, use_tritonkv
 from .cache import MODES, LagKVLayer, TritonKVCache, TritonKVLayer
 from .generate import answer, cache_kwarg, compressing, decode, generate, make_cache, output_cache, prefill
 from .storage import SENTINEL, DenseStore, RaggedStore, slack_for
 
 __all__ = ["TritonKVCache", "TritonKVLayer", "LagKVLayer", "MODES", "SENTINEL", "ATTN_IMPLEMENTATION", "attention",
            "masked_attention", "use_tritonkv", "make_cache", "prefill", "generate", "decode", "compressing", "answer",
-           "cache_kwarg", "output_cache", "DenseStore", "RaggedStore", "slack_for", "update_gets_attention_kwargs"]
+           "cache_kwarg", "output_cache", "DenseStore", "RaggedStore", "slack_for"]

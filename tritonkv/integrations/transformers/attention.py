@@ -25,16 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
-import inspect
 import weakref
 
 import torch
 import torch.nn.functional as F
-import transformers
-from packaging.version import Version
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache
 from transformers.masking_utils import AttentionMaskInterface
 
 from ...kernels._common import on_host
@@ -56,15 +51,6 @@ class _TracedHandOver:
 
 
 _TRACED_HAND_OVER = _TracedHandOver()
-
-
-@functools.lru_cache(maxsize=None)
-def update_gets_attention_kwargs() -> bool:
-    """Whether the installed transformers updates a cache with the attention kwargs (``cache.update(...,
-    kwargs=kwargs)`` in its attention layers, from 5.24). Earlier 5.x accept ``**kwargs`` in ``Cache.update`` but
-    their layers pass none: the layer then goes through ``_LAYER_UPDATED_LAST`` (eager) or ``_TRACED_HAND_OVER``."""
-    takes = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(Cache.update).parameters.values())
-    return takes and Version(transformers.__version__).release >= (5, 24)
 
 
 def hand_over(layer, keys, update_kwargs: dict) -> None:
