@@ -6,6 +6,7 @@
 #   speed    python -m benchmarks.speed (~2 min on an H200): every policy against its floor and kvpress
 #   prefill  block-wise prefill inside a model at N = 32K (blocks of 512) against the stock model's prefill
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
+#   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
 # Usage: OUT=<dir> benchmarks/gpu_session.sh tests speed     (PY=<python> to choose the interpreter; TIMEOUT=<s>
 # bounds each part, 420 by default)
@@ -49,9 +50,37 @@ for _ in range(3):
 torch.cuda.synchronize()
 EOF
         grep -E "Stall|Warp Cycles|Issued|Eligible|Occupancy" "$OUT/lagkv-ncu.txt" | head -30 ;;
+    kernels)
+        timeout "$T" $PY - > "$OUT/kernels.txt" 2>&1 <<'EOF'
+import torch, tritonkv
+from torch.profiler import ProfilerActivity, profile
+from benchmarks.common import policy_inputs, random_case
+from benchmarks.speed import window_lse
+keys, values, pool = random_case(32768, 1, 8, 4, 128, 32, torch.bfloat16, "cuda", seed=0)
+pool["attn_lse"] = window_lse(keys, pool["queries"])
+for name in sorted(tritonkv.POLICIES):
+    pol = tritonkv.POLICIES[name]()
+    fn = lambda: tritonkv.compress((keys, values), pol, 0.25, **policy_inputs(pol, pool))  # noqa: E731
+    try:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+    except Exception as e:
+        print(name, "failed:", type(e).__name__, e)
+        continue
+    rows = [(e.self_device_time_total / 10, e.count // 10, e.key) for e in prof.key_averages() if e.self_device_time_total]
+    print(f"{name}: {sum(r[0] for r in rows):.1f} us per compress on the device")
+    for us, n, key in sorted(rows, reverse=True):
+        print(f"  {us:8.1f} us  x{n}  {key[:110]}")
+EOF
+        head -80 "$OUT/kernels.txt" ;;
     pack)
         tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" ;;
     *)
-        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, pack)" >&2; exit 2 ;;
+        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, kernels, pack)" >&2; exit 2 ;;
     esac
 done

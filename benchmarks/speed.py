@@ -567,7 +567,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None):
     a = parser().parse_args(argv)
     a.out = a.out or (None if a.smoke else RESULTS)
-    res = run(a)
+    with torch.no_grad():  # inference, as in a model's forward (the window queries come from q_proj's weights)
+        res = run(a)
     if a.out:
         print("wrote", write(res, a.out))
     else:

@@ -76,10 +76,18 @@ for sink in (0, 4, 0, 4, 0, 4):  # a policy object's settings, nested policies t
     tritonkv.compress((k, v), CriticalKV(base=SnapKV(window=4 + sink)), 16, queries=q, o_proj=w)
 out["settings_plans"] = plans()
 _plan._PLANS.clear()
-kg = k.clone().requires_grad_()
+kg, qg = k.clone().requires_grad_(), q.clone().requires_grad_()  # a call is not differentiable: planned detached
+want = [tritonkv.compress((k, v), "knorm", 16), tritonkv.compress((k, v), SnapKV(window=8), 16, queries=q)]
+_plan._PLANS.clear()
 for _ in range(3):
-    tritonkv.compress((kg, v), "knorm", 16)
+    got = [tritonkv.compress((kg, v), "knorm", 16), tritonkv.compress((kg, v), SnapKV(window=8), 16, queries=qg)]
 out["grad_plans"] = plans()
+out["grad_same"] = all(a.shape == b.shape and a.dtype == b.dtype and not b.requires_grad  # stub kernels: no values
+                      for w, g in zip(want, got) for a, b in zip(w, g))
+_plan._PLANS.clear()
+for _ in range(3):  # nothing dropped: the input itself comes back, so the call stays off plans
+    whole = tritonkv.compress((kg, v), "knorm", 64)
+out["grad_whole"] = [plans(), whole.keys is kg]
 _plan._PLANS.clear()
 with torch.autocast("cpu", dtype=torch.bfloat16):  # replayed ops would be cast again: autocast keeps plans off
     for _ in range(3):
@@ -100,15 +108,16 @@ print(json.dumps(out))
 
 
 def test_plans_repeat_only_what_they_may():
-    """A warning, a value read back to the host, a patched Triton ``run`` (``record_launches``) or an input that
-    requires grad, or autocast, keep a call off plans; a policy object's settings are part of the plan key; a plan that used a
+    """A warning, a value read back to the host, a patched Triton ``run`` (``record_launches``), autocast, or
+    keys that require grad returned as they are, keep a call off plans (inputs that require grad are planned detached); a policy object's settings are part of the plan key; a plan that used a
     table cached per input object serves that object only, unchanged."""
     res = _run(PLAN_GUARDS)
     assert res["warned"] == 4 and res["warning_plans"] == ["False"], res
     assert res["read_plans"] == ["False"], res
     assert res["logged"] == 4, res  # knorm: score + finish + tail + compact
     assert res["settings_plans"] == ["_Plan"] * 5, res  # "knorm" and four policy objects
-    assert res["grad_plans"] == [], res
+    assert res["grad_plans"] == ["_Plan", "_Plan"] and res["grad_same"], res  # repeated detached, no output needs grad
+    assert res["grad_whole"] == [[], True], res
     assert res["autocast_plans"] == [], res
     # served from the plan: the 3rd and 4th calls; not another head_means object (the plan is then recorded again,
     # for hm, by the 6th call), nor hm changed in place

@@ -108,12 +108,13 @@ def compress(kv, policy, budget=_REQUIRED, *, allocation=None, **inputs):
     Returns:
         ``Compressed(keys, values, indices)`` with ``[B, H_kv, k, D]`` tensors and int64 original
         positions in ascending order; the input tensors themselves (and ``arange`` indices) when
-        ``k >= N``. With ``allocation``: a ``tritonkv.RaggedKV``.
+        ``k >= N``. With ``allocation``: a ``tritonkv.RaggedKV``. The selection is not differentiable: no
+        output requires grad (but the input itself), and inputs that require grad cost no more than others.
     """
     if _plan.on():  # the call repeated from its plan (kernels/_plan.py)
         got = _plan_key(kv, policy, budget, allocation, inputs)
         if got is not None:
-            key, tensors, known = got
+            key, tensors, known, kv, inputs = got
             return _plan.call(key, tensors, lambda: _compress(kv, policy, budget, allocation, inputs), known)
     return _compress(kv, policy, budget, allocation, inputs)
 
@@ -165,17 +166,24 @@ def _by_value(name: str, t: torch.Tensor) -> bool:
 
 
 def _plan_key(kv, policy, budget, allocation, inputs: dict):
-    """``(key, tensors, known)``: what an eager ``compress`` call's every decision depends on, the call's tensors
-    (keys, values, then the tensor inputs in order) and the positions among them of those whose values the key
-    holds; None when the key cannot be told from metadata and small host tensors' values (traced, under
-    autocast, tensor subclasses, inputs that are not tensors or plain values, tensors that require grad)."""
+    """``(key, tensors, known, kv, inputs)``: what an eager ``compress`` call's every decision depends on, the call's
+    tensors (keys, values, then the tensor inputs in order), the positions among them of those whose values the key
+    holds, and the call's ``kv`` and ``inputs`` with every tensor that requires grad detached (a call is not
+    differentiable: its kernels run without autograd and no output requires grad, but for the input itself returned
+    when nothing is dropped, so keys and values that require grad are then kept off plans); None when the key cannot
+    be told from metadata and small host tensors' values (traced, under autocast, tensor subclasses, inputs that are
+    not tensors or plain values)."""
     if type(kv) is not tuple or len(kv) != 2 or type(budget) not in (int, float):
         return None
     keys, values = kv
-    if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or keys.requires_grad
-            or values.requires_grad or not _common.use_triton(keys) or not _common._eager((), None)
+    if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or not _common.use_triton(keys)
+            or not _common._eager((), None)
             or torch.is_autocast_enabled(keys.device.type)):  # a replayed op would be cast again, not as recorded
         return None
+    if keys.requires_grad or values.requires_grad:
+        if allocation is None and not _drops(budget, keys.shape[2]):
+            return None
+        kv = keys, values = keys.detach(), values.detach()
     pk = _config(policy)
     ak = None if allocation is None else _config(allocation, _allocators())
     if pk is None or allocation is not None and ak is None:
@@ -186,7 +194,10 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
     tensors, known = [keys, values], []
     for name, v in inputs.items():
         t = type(v)
-        if t is torch.Tensor and not v.requires_grad:
+        if t is torch.Tensor:
+            if v.requires_grad:
+                v = v.detach()
+                inputs = {**inputs, name: v}  # the loop goes on over the caller's dict
             held = None
             if _by_value(name, v):
                 known.append(len(tensors))
@@ -197,7 +208,16 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
             parts.append((name, t, v))
         else:
             return None
-    return tuple(parts), tuple(tensors), tuple(known)
+    return tuple(parts), tuple(tensors), tuple(known), kv, inputs
+
+
+def _drops(budget, n: int) -> bool:
+    """A dense ``compress`` of a row of ``n`` tokens with this budget keeps fewer than ``n`` (False for a budget
+    ``compress`` refuses)."""
+    try:
+        return resolve_budget(budget, n) < n
+    except (TypeError, ValueError):
+        return False
 
 
 def _compress(kv, policy, budget, allocation, inputs: dict, kept_only: bool = False):
