@@ -4,7 +4,8 @@
 #   wheels   (here, with network) kvpress and gguf as wheels in .cache/wheels, to carry to the GPU machine
 #   tests    the whole suite natively on the GPU, but the tests of the downloaded model (-m "not model")
 #   speed    python -m benchmarks.speed (~2 min on an H200): every policy against its floor and kvpress
-#   prefill  block-wise prefill inside a model at N = 32K (blocks of 512) against the stock model's prefill
+#   prefill  block-wise prefill inside a model at N = 32K (blocks of 512) against the stock model's prefill time
+#            (SmolLM2-135M's shape, random weights, bf16, SDPA)
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
 #   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
@@ -37,8 +38,49 @@ for part in "$@"; do
         timeout "$T" $PY -m benchmarks.speed --time-budget $((T - 60)) --out "$OUT/speed" > "$OUT/speed.log" 2>&1
         tail -5 "$OUT/speed.log" ;;
     prefill)
-        timeout "$T" $PY -m benchmarks.memory --n 32768 --modes blockwise --policies keydiff snapkv+adakv \
-            --out "$OUT/prefill-32k" > "$OUT/prefill.log" 2>&1; tail -5 "$OUT/prefill.log" ;;
+        timeout "$T" $PY - > "$OUT/prefill.txt" 2>&1 <<'EOF'
+import sys, time, torch
+from benchmarks.common import random_llama
+from tritonkv.integrations import transformers as tt
+N, BLOCK = int(sys.argv[1]) if len(sys.argv) > 1 else 32768, 512
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+# SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads of 64), random weights, bf16, SDPA
+model = random_llama(max_positions=N + 64, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                     attn_implementation="sdpa").to(dev, torch.bfloat16)
+ids = torch.randint(0, 49152, (1, N), generator=torch.Generator().manual_seed(0)).to(dev)
+
+def stock(x):
+    return model(x, use_cache=True, logits_to_keep=1).logits
+
+def blockwise(policy, allocation):
+    def run(x):
+        cache = tt.make_cache(model, policy, 0.1, mode="blockwise", allocation=allocation, block_size=BLOCK,
+                              prompt_length=x.shape[1])
+        return tt.prefill(model, x, cache)
+    return run
+
+def timed(fn, reps=3):
+    fn(ids[:, :2048])  # warm-up: compilation, first launches, plans
+    fn(ids[:, :2048])
+    best = float("inf")
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        fn(ids)
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+with torch.no_grad():
+    base = timed(stock)
+    print(f"N={N} block={BLOCK} {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; stock prefill {base * 1e3:.1f} ms")
+    for pol, alloc in (("keydiff", None), ("snapkv", "adakv"), ("knorm", None)):
+        t = timed(blockwise(pol, alloc))
+        print(f"blockwise {pol}{'+' + alloc if alloc else ''}: {t * 1e3:.1f} ms, x{t / base:.2f} stock")
+EOF
+        cat "$OUT/prefill.txt" ;;
     lagkv)
         timeout "$T" ncu --section WarpStateStats --section SchedulerStats --section Occupancy -k regex:_lagkv -c 3 \
             $PY - > "$OUT/lagkv-ncu.txt" 2>&1 <<'EOF'
