@@ -64,8 +64,9 @@ ARCH = {90: dict(gpu="H100", **_SM, smem_per_sm=228 * 1024, smem_reserved_per_ct
 # Time model (sm_90 SASS); where the parameters come from: docs/benchmarks.md, "kernel_stats.py: method".
 MACHINES = {m: dict(copy_GBps=bw, sms=132, clock_GHz=1.98, issue_per_clk=4, launch_us=3.0)
             for m, bw in (("H100", 2900.0), ("H200", 4226.0))}
-MODEL_VS_GPU = ("Against the H100 run of 2026-11-26 (gpu_tests.md), measured / model was 0.95-1.06 for Knorm, "
-                "KeyDiff and StreamingLLM, 1.3-2.1 for the window policies, 2.9 for CriticalKV, 3.7 for LagKV")
+MODEL_VS_GPU = ("Against the H100 run of 2026-11-26 (gpu_tests.md), measured / model was 1.06 for StreamingLLM, "
+                "1.3 for Knorm, KeyDiff and TOVA, 1.9-2.0 for the other window policies, 2.9 for CriticalKV, "
+                "4.3 for LagKV")
 ATOMS_WAVEFRONTS = 32  # shared-memory wavefronts per ATOMS instruction (worst case: 32-way bank conflict)
 MODEL_ARCH = "sm_90"
 
@@ -427,14 +428,19 @@ def occupancy(regs: int, smem: int, warps: int, cap: int) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
+def _tree(path: str):
+    """The parsed source file at ``path`` (None if unreadable)."""
+    try:
+        return ast.parse(pathlib.Path(path).read_text())
+    except (OSError, SyntaxError, TypeError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
 def _fors(path: str) -> dict:
     """``{line: (For node, enclosing FunctionDef)}`` of the source file at ``path`` (``{}`` if unreadable)."""
-    try:
-        tree = ast.parse(pathlib.Path(path).read_text())
-    except (OSError, SyntaxError, TypeError):
-        return {}
-    out = {}
-    for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]:
+    tree, out = _tree(path), {}
+    for fn in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] if tree else []:
         for node in [n for n in ast.walk(fn) if isinstance(n, ast.For)]:
             out.setdefault(node.lineno, (node, fn))
     return out
@@ -475,15 +481,10 @@ def _eval(node, env: dict, grid):
     raise ValueError(ast.dump(node)[:60])
 
 
-def trip_count(path: str, line: int, rec) -> int | None:
-    """Iterations of the source loop ``for ... in range(...)`` at ``path:line`` for launch ``rec``: the launch's
-    arguments, locals assigned before the loop evaluated in order (None: not a ``range`` loop, or its bounds
-    depend on values not known before the launch, such as bounds read from memory)."""
-    loop, fn = _fors(path).get(line, (None, None))
-    if loop is None or not isinstance(loop.iter, ast.Call) or _name(loop.iter.func) not in ("range", "static_range"):
-        return None
-    env = {k: v for k, v in {**rec.args, **rec.constexprs}.items() if isinstance(v, (int, float, bool))}
-    grid = tuple(rec.grid)
+def _locals(fn, env: dict, grid, line: int) -> dict:
+    """``env`` and the locals of function ``fn`` assigned before ``line``, evaluated in source order (a value
+    not known here is dropped)."""
+    env = dict(env)
     assigns = [n for n in ast.walk(fn) if isinstance(n, ast.Assign) and n.lineno < line and len(n.targets) == 1
                and isinstance(n.targets[0], ast.Name)]
     for node in sorted(assigns, key=lambda n: (n.lineno, n.col_offset)):  # ast.walk is breadth-first: source order
@@ -491,10 +492,83 @@ def trip_count(path: str, line: int, rec) -> int | None:
             env[node.targets[0].id] = _eval(node.value, env, grid)
         except _EVAL_ERRORS:
             env.pop(node.targets[0].id, None)
-    try:
-        return len(range(*[_eval(x, env, grid) for x in loop.iter.args]))
-    except _EVAL_ERRORS:
+    return env
+
+
+def _function(jit) -> tuple:
+    """``(path, FunctionDef)`` of a ``@triton.jit`` function's source (the def None if not found)."""
+    path = jit.fn.__code__.co_filename
+    tree = _tree(path)
+    return path, next((n for n in (tree.body if tree else []) if isinstance(n, ast.FunctionDef)
+                       and n.name == jit.fn.__name__), None)
+
+
+def _callee(f, g: dict):
+    """The ``@triton.jit`` function a call's ``f`` names in globals ``g``: a helper (``hist0_of_chunk``) or a
+    module's (``_select._copy_kv_rows``); None for anything else."""
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name):
+        obj = getattr(g.get(f.value.id), f.attr, None)
+    else:
+        obj = g.get(f.id) if isinstance(f, ast.Name) else None
+    return obj if isinstance(obj, JITFunction) else None
+
+
+def _bind(fn, call, env: dict, grid) -> dict:
+    """The parameters of ``fn`` bound from ``call``: its positional and keyword arguments evaluated in the
+    caller's ``env``, constant defaults (a value not known here is left out)."""
+    params = [a.arg for a in fn.args.args]
+    defaults = zip(params[len(params) - len(fn.args.defaults):], fn.args.defaults)
+    exprs = {p: d for p, d in defaults if isinstance(d, ast.Constant)}
+    exprs.update(zip(params, call.args))
+    exprs.update((k.arg, k.value) for k in call.keywords)
+    out = {}
+    for p, e in exprs.items():
+        try:
+            out[p] = _eval(e, env, grid)
+        except _EVAL_ERRORS:
+            pass
+    return out
+
+
+def _entry_envs(jit, env: dict, grid, target: tuple, depth: int = 0) -> list[dict]:
+    """The parameter values of function ``target`` = ``(path, name)`` on entry, one per call site on the
+    chains from ``jit`` (called with ``env``) down to it through ``@triton.jit`` calls (``jit`` itself first)."""
+    path, fn = _function(jit)
+    if fn is None or depth > 8:
+        return []
+    if (os.path.realpath(path), fn.name) == target:
+        return [env]
+    out = []
+    for call in [n for n in ast.walk(fn) if isinstance(n, ast.Call)]:
+        callee = _callee(call.func, jit.fn.__globals__)
+        callee_fn = _function(callee)[1] if callee is not None else None
+        if callee_fn is not None:
+            args = _bind(callee_fn, call, _locals(fn, env, grid, call.lineno), grid)
+            out += _entry_envs(callee, args, grid, target, depth + 1)
+    return out
+
+
+def trip_count(path: str, line: int, rec) -> int | None:
+    """Iterations of the source loop ``for ... in range(...)`` at ``path:line`` for launch ``rec``. In the kernel:
+    its bounds evaluated with the launch's arguments and the locals assigned before the loop, in order. In an
+    inlined ``@triton.jit`` helper: with the helper's parameters bound at its call site (evaluated with the
+    caller's arguments and locals before the call), through helpers calling helpers. None: not a ``range``
+    loop, bounds that depend on values not known before the launch (such as bounds read from memory), a helper
+    not reached from the kernel, or call sites that disagree (each inlined copy is its own SASS loop, and which
+    site a copy comes from is not known)."""
+    loop, fn = _fors(path).get(line, (None, None))
+    if loop is None or not isinstance(loop.iter, ast.Call) or _name(loop.iter.func) not in ("range", "static_range"):
         return None
+    env = {k: v for k, v in {**rec.args, **rec.constexprs}.items() if isinstance(v, (int, float, bool))}
+    grid = tuple(rec.grid)
+    counts = set()
+    for entry in _entry_envs(rec.kernel, env, grid, (os.path.realpath(path), fn.name)):
+        local = _locals(fn, entry, grid, line)
+        try:
+            counts.add(len(range(*[_eval(x, local, grid) for x in loop.iter.args])))
+        except _EVAL_ERRORS:
+            return None
+    return counts.pop() if len(counts) == 1 else None
 
 
 # calls through which a pointer stays a pointer (any other call's result is a value, not a pointer)

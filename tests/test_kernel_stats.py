@@ -65,10 +65,13 @@ src = "def k(x_ptr, N, CHUNK, TILE):\n    c = tl.program_id(0)\n    hi = tl.mini
       "    m = 3\n    if N:\n        m2 = m * 2\n    m = 1000\n    for q in range(m2):\n        pass\n"
 path = os.path.join(sys.argv[1], "k.py")
 open(path, "w").write(src)
+sys.path.insert(0, sys.argv[1])
+import k as kmod
 class Rec:
     grid = (4, 2)
     args = dict(N=1000, CHUNK=256, x_ptr=None)
     constexprs = dict(TILE=64)
+    kernel = triton.jit(kmod.k)
 out["trips"] = [ks.trip_count(path, line, Rec) for line in (4, 6, 9, 3, 15)]
 
 @triton.jit
@@ -111,6 +114,95 @@ def test_sass_loops_trip_counts_and_pointer_access(tmp_path):
     # 233472 // (102400 + 1024) = 2 CTAs; 40 regs -> 1280 per warp, 51 warps -> 6 CTAs of 8
     assert [(o["ctas_per_sm"], o["occupancy"], o["limiter"]) for o in res["occupancy"]] == [
         (2, 0.125, "registers"), (16, 1.0, "threads"), (2, 0.125, "shared memory"), (6, 0.75, "registers")]
+
+
+_CALLEES = r'''
+import json, os, sys
+from benchmarks import kernel_stats as ks
+from tritonkv.kernels import knorm, select
+
+# helpers' loops: parameters bound at the call site, not looked up by name among the kernel's arguments
+src = """import triton
+import triton.language as tl
+
+
+@triton.jit
+def _inner(n, STEP: tl.constexpr):
+    for i in range(0, n, STEP):
+        pass
+
+
+@triton.jit
+def _helper(CHUNK, TILE: tl.constexpr, REPS: tl.constexpr = 3):
+    for t0 in range(0, CHUNK, TILE):
+        pass
+    for q in range(REPS):
+        pass
+    _inner(CHUNK * 2, STEP=TILE)
+
+
+@triton.jit
+def _sum(n, SB: tl.constexpr):
+    for i0 in range(0, n, SB):
+        pass
+
+
+@triton.jit
+def _kernel(CHUNK, C0, TILE: tl.constexpr, HIST_TILE: tl.constexpr, SB: tl.constexpr):
+    c = tl.program_id(0)
+    half = CHUNK // 2
+    _helper(half, HIST_TILE)
+    C = tl.num_programs(0)
+    _sum(C0, SB)
+    _sum(C, SB)
+
+
+@triton.jit
+def _agree_kernel(C0, SB: tl.constexpr):
+    _sum(C0, SB)
+    _sum(tl.num_programs(0), SB)
+"""
+open(os.path.join(sys.argv[1], "calls.py"), "w").write(src)
+sys.path.insert(0, sys.argv[1])
+import calls
+path = calls.__file__
+
+class Rec:
+    grid = (16, 8)
+    args = dict(CHUNK=1024, C0=32, n=5, REPS=7)  # n and REPS: names of the helpers' parameters, other values
+    constexprs = dict(TILE=64, HIST_TILE=256, STEP=8, SB=16)
+    kernel = calls._kernel
+
+class Agree(Rec):
+    args = dict(C0=16)
+    kernel = calls._agree_kernel
+
+out = dict(helper=[ks.trip_count(path, line, Rec) for line in (7, 13, 15, 22)],
+           agree=ks.trip_count(path, 22, Agree))
+
+# Knorm at 32K: the scoring kernel fuses the select's pass 0 (hist0_of_chunk, 1-D tiles of HIST_TILE)
+rec = next(r for w in ks.workloads(ks.N_FULL, ["knorm"]) for r in w["launches"] if r.name == "_knorm_kernel")
+fors = {fn.name: line for p in (select.__file__, knorm.__file__) for line, (_, fn) in ks._fors(p).items()}
+out["knorm"] = dict(CHUNK=rec.args["CHUNK"], TILE=rec.constexprs["TILE"], HIST_TILE=rec.constexprs["HIST_TILE"],
+                    own=ks.trip_count(knorm.__file__, fors["_knorm_kernel"], rec),
+                    hist0=ks.trip_count(select.__file__, fors["hist0_of_chunk"], rec))
+print(json.dumps(out))
+'''
+
+
+def test_trip_counts_of_inlined_helpers(tmp_path):
+    """A loop in a ``@triton.jit`` helper counts with the helper's parameters bound at its call site (the
+    caller's arguments and locals before the call, positional and keyword arguments, defaults), through a
+    helper calling a helper, even where a kernel argument shares a parameter's name; a helper called from
+    two sites counts when the sites agree, else None. Knorm at 32K: its own loop takes CHUNK / TILE steps,
+    the fused pass-0 histogram CHUNK / HIST_TILE (one 1024-key step), not CHUNK / TILE."""
+    res = _python(_CALLEES, tmp_path)
+    # _helper(512, TILE=256): 2 steps; REPS = its default 3; _inner(1024, STEP=256): 4; _sum: C0 = 32 vs C = 16
+    assert res["helper"] == [4, 2, 3, None]
+    assert res["agree"] == 1  # _sum(16, 16) and _sum(num_programs = 16, 16)
+    kn = res["knorm"]
+    assert (kn["CHUNK"], kn["TILE"], kn["HIST_TILE"]) == (1024, 64, 1024), kn
+    assert kn["own"] == 16 and kn["hist0"] == 1, kn
 
 
 _SMOKE = r'''
