@@ -8,6 +8,7 @@
 #            (SmolLM2-135M's shape, random weights, bf16, SDPA)
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
 #   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
+#   select   the shared select + compaction (8 rows, keep 25 %) at 4K/32K/128K for each chunk size (CUDA graphs)
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
 # Usage: OUT=<dir> benchmarks/gpu_session.sh tests speed     (PY=<python> to choose the interpreter; TIMEOUT=<s>
 # bounds each part, 420 by default)
@@ -120,9 +121,32 @@ for name in sorted(tritonkv.POLICIES):
         print(f"  {us:8.1f} us  x{n}  {key[:110]}")
 EOF
         head -80 "$OUT/kernels.txt" ;;
+    select)
+        timeout "$T" $PY - > "$OUT/select.txt" 2>&1 <<'EOF'
+import torch
+from benchmarks.common import gpu_time
+from tritonkv.kernels.select import _blocks, select_kv
+cuda = torch.cuda.is_available()
+dev = "cuda" if cuda else "cpu"
+g = torch.Generator(dev).manual_seed(0)
+for N in (4096, 32768, 131072) if cuda else (512,):
+    keys, values = (torch.randn(1, 8, N, 128, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
+    scores = torch.randn(1, 8, N, device=dev, generator=g)
+    k = N // 4
+    ref = select_kv(scores, k, keys, values, k)[2]
+    row = [f"N={N} default chunk {_blocks(N, 8, None)[0]}:"]
+    for chunk in (256, 512, 1024, 2048, 4096, 8192):
+        if chunk > N:
+            continue
+        fn = lambda: select_kv(scores, k, keys, values, k, chunk=chunk)  # noqa: E731
+        assert torch.equal(fn()[2], ref), chunk  # the same kept tokens whatever the chunk
+        row.append(f"{chunk}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
+    print(" ".join(row), flush=True)
+EOF
+        cat "$OUT/select.txt" ;;
     pack)
         tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" ;;
     *)
-        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, kernels, pack)" >&2; exit 2 ;;
+        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, kernels, select, pack)" >&2; exit 2 ;;
     esac
 done
