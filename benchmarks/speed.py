@@ -331,10 +331,13 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
             out, ok = res
             kept, k_max = (int(x) for x in torch.stack([out.length.sum(), out.length.max()]).tolist())
             del out, res
-            t = gpu_time(fn, ctx.cuda)  # eager, as the committed run (whose compress read the sizes back) was
+            eager = gpu_time(fn, ctx.cuda)
+            # a CUDA graph where the call can be captured (no host read-back), else eager with the reason printed
+            t, timing = measure_graph(fn, ctx.cuda, f"allocation {name} N={N}") if ctx.cuda else (eager, "eager")
             emit(rows, dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N),
                             layer=LAYER, num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max,
-                            **ctx.timed(t, "eager", keys, score_reads(ALLOC_POLICY, keys) + extra_bytes, kept),
+                            tritonkv_eager_us=eager["us"],
+                            **ctx.timed(t, timing, keys, score_reads(ALLOC_POLICY, keys) + extra_bytes, kept),
                             inputs=desc, ok=ok))
 
 
@@ -447,12 +450,15 @@ def run(args):
 
 
 def _dense_ratio(rows):
-    """``x_dense_eager`` of allocation rows: their time over the dense snapkv compress (eager) at that N."""
-    dense = {r["N"]: r["tritonkv_eager_us"] for r in rows
+    """``x_dense_eager`` of allocation rows: their eager time over the dense snapkv compress's at that N; ``x_dense``:
+    their time over the dense compress's, both as timed (graph against graph where both were captured)."""
+    dense = {r["N"]: r for r in rows
              if r.get("kind") == "compress" and r["policy"] == ALLOC_POLICY and "tritonkv_eager_us" in r}
     for r in rows:
         if r.get("kind") == "allocation" and "tritonkv_us" in r and r["N"] in dense:
-            r["x_dense_eager"] = round(r["tritonkv_us"] / dense[r["N"]], 2)
+            d = dense[r["N"]]
+            r["x_dense_eager"] = round(r["tritonkv_eager_us"] / d["tritonkv_eager_us"], 2)
+            r["x_dense"] = round(r["tritonkv_us"] / d["tritonkv_us"], 2) if r["timing"] == d["timing"] else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,11 +480,11 @@ def markdown(result) -> str:
               ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "pct_copy_bw", "kvpress_us",
                "x_kvpress_eager", "kvpress_graph_us", "x_kvpress_graph", "torch_compile_us", "same_kept", "ok"]),
              ("allocation", f"**Allocation** (`compress(..., \"{s.get('allocation_policy')}\", allocation=...)` as "
-                            f"layer {s.get('layer')} of {s.get('num_layers')}, RaggedKV output, eager; the score "
-                            "allocator's floor also reads its head_means; x_dense_eager = time over the dense "
-                            "compress, eager)",
-              ["allocation", "N", "kept_tokens", "k_max", "tritonkv_us", "floor_us", "x_floor", "pct_copy_bw",
-               "x_dense_eager", "ok"]),
+                            f"layer {s.get('layer')} of {s.get('num_layers')}, RaggedKV output; the score "
+                            "allocator's floor also reads its head_means; x_dense = time over the dense compress "
+                            "timed alike, x_dense_eager = the same for the eager calls)",
+              ["allocation", "N", "kept_tokens", "k_max", "tritonkv_us", "timing", "tritonkv_eager_us", "floor_us",
+               "x_floor", "pct_copy_bw", "x_dense", "x_dense_eager", "ok"]),
              ("decode_attention", "**Decode attention** (one query per head over a RaggedKV with AdaKV-like budgets; "
                                   "µs, CUDA graph; see `benchmarks/decode_attention.py`)", da.COLUMNS)]
     for kind, title, cols in kinds:
