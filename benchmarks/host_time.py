@@ -64,6 +64,7 @@ CASES = [
     ("knorm+surfacelogic", "knorm", ("layer", "profile"), "surfacelogic"),
     ("knorm+cake", "knorm", ("layer", "layer_preference"), "cake"),
     ("knorm+score", "knorm", ("layer", "head_means"), "score"),
+    ("knorm+fixed", "knorm", ("layer",), "fixed"),  # a Fixed allocator of HeadKV budgets from the profile
 ]
 
 
@@ -138,6 +139,13 @@ def make_inputs():
     return keys, values, pool
 
 
+def fixed(pool):
+    """A ``Fixed`` allocator object (a tensor attribute) of HeadKV budgets from ``pool``'s profile."""
+    from tritonkv.allocation import Fixed, headkv_budgets
+
+    return Fixed(budgets=headkv_budgets(pool["profile"], int(KEEP * N), N))
+
+
 def measure(calls: int, rounds: int, warmup: int, only=None) -> dict:
     """``{case: host µs per call}`` for this process's tritonkv."""
     gpu_path_on_cpu()
@@ -151,7 +159,7 @@ def measure(calls: int, rounds: int, warmup: int, only=None) -> dict:
         if only and case not in only:
             continue
         inputs = {n: pool[n] for n in needs}
-        extra = {} if allocation is None else {"allocation": allocation}
+        extra = {} if allocation is None else {"allocation": fixed(pool) if allocation == "fixed" else allocation}
 
         def call():
             return tritonkv.compress((keys, values), name, KEEP, **extra, **inputs)

@@ -103,6 +103,14 @@ for m in (hm, hm, hm, hm, torch.rand(4, 1, 8, 64), hm):  # a table cached per he
 hm.mul_(2)  # changed in place: its version moves on
 tritonkv.compress((k, v), "knorm", 0.5, allocation="score", layer=1, head_means=hm)
 out["served"] = [r is not _plan._MISS and r is not _plan._STALE for r in served]
+del served[:]
+from tritonkv.allocation import Fixed
+b1, b2 = torch.full((4, 2), 8, dtype=torch.int32), torch.full((4, 2), 4, dtype=torch.int32)
+for b in (b1, b1, b1, b1, b2, b1):  # an allocator's tensor attribute: read on the host once per object
+    tritonkv.compress((k, v), "knorm", 0.5, allocation=Fixed(budgets=b), layer=1)
+b1.fill_(6)  # changed in place
+tritonkv.compress((k, v), "knorm", 0.5, allocation=Fixed(budgets=b1), layer=1)
+out["fixed_served"] = [r is not _plan._MISS and r is not _plan._STALE for r in served]
 print(json.dumps(out))
 """
 
@@ -122,3 +130,4 @@ def test_plans_repeat_only_what_they_may():
     # served from the plan: the 3rd and 4th calls; not another head_means object (the plan is then recorded again,
     # for hm, by the 6th call), nor hm changed in place
     assert res["served"] == [True, True, False, False], res
+    assert res["fixed_served"] == [True, True, False, False], res  # likewise Fixed's budgets

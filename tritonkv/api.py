@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -136,9 +136,11 @@ def _allocators() -> dict:
     return ALLOCATORS
 
 
-def _config(obj, names: dict = POLICIES):
+def _config(obj, names: dict = POLICIES, tensors: Optional[list] = None):
     """A hashable stand-in for a policy (or allocator: ``names``, their registry) given by name, class or object
-    (its type and attributes), or None when one of its attributes is not a plain value (or such an object)."""
+    (its type and attributes), or None when one of its attributes is not a plain value (or such an object). With
+    ``tensors`` (a plan's tensor list), a tensor attribute (e.g. ``Fixed``'s budgets) is appended to it and stands
+    in by its metadata: the plan reads it as one of the call's tensors."""
     if type(obj) is str:
         return obj, names.get(obj)  # the class the name maps to now
     if isinstance(obj, type):
@@ -149,7 +151,11 @@ def _config(obj, names: dict = POLICIES):
     out = [type(obj)]
     for name, v in items.items():
         if type(v) not in _KEY_TYPES:
-            v = _config(v, names) if hasattr(v, "__dataclass_fields__") else None
+            if type(v) is torch.Tensor and tensors is not None and not v.requires_grad:
+                tensors.append(v)
+                v = ("tensor", _plan.tensor_key(v))
+            else:
+                v = _config(v, names, tensors) if hasattr(v, "__dataclass_fields__") else None
             if v is None:
                 return None
         out.append((name, v))
@@ -167,7 +173,7 @@ def _by_value(name: str, t: torch.Tensor) -> bool:
 
 def _plan_key(kv, policy, budget, allocation, inputs: dict):
     """``(key, tensors, known, kv, inputs)``: what an eager ``compress`` call's every decision depends on, the call's
-    tensors (keys, values, then the tensor inputs in order), the positions among them of those whose values the key
+    tensors (keys, values, the policy's and allocator's tensor attributes, then the tensor inputs in order), the positions among them of those whose values the key
     holds, and the call's ``kv`` and ``inputs`` with every tensor that requires grad detached (a call is not
     differentiable: its kernels run without autograd and no output requires grad, but for the input itself returned
     when nothing is dropped, so keys and values that require grad are then kept off plans); None when the key cannot
@@ -184,14 +190,14 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
         if allocation is None and not _drops(budget, keys.shape[2]):
             return None
         kv = keys, values = keys.detach(), values.detach()
-    pk = _config(policy)
-    ak = None if allocation is None else _config(allocation, _allocators())
+    tensors, known = [keys, values], []
+    pk = _config(policy, POLICIES, tensors)
+    ak = None if allocation is None else _config(allocation, _allocators(), tensors)
     if pk is None or allocation is not None and ak is None:
         return None
     tensor_key = _plan.tensor_key
     parts = [pk, ak, type(budget), budget, tensor_key(keys), tensor_key(values), _common._cpu[0],
              torch.get_default_dtype()]
-    tensors, known = [keys, values], []
     for name, v in inputs.items():
         t = type(v)
         if t is torch.Tensor:
