@@ -178,7 +178,7 @@ def ragged_from_kept(kept: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     launch(_ragged_from_kept_kernel, (max(cdiv(longest + slack, span), 1), B * H), kept, keys, values, out_keys,
            out_values, positions, row_start, length, next_position, H, N, kept.shape[1], slack, span,
            *keys.stride()[:3], *values.stride()[:3], D, BATCH=KEPT_BATCH, BLOCK_D=min(next_pow2(D), 128),
-           P=KEPT_PROBES)
+           P=KEPT_PROBES, num_warps=_select.COMPACT_WARPS)
 
 
 def _ragged_from_kept_torch(kept, keys, values, out_keys, out_values, positions, row_start, length, next_position,
