@@ -220,6 +220,16 @@ def copy_bandwidth(cuda: bool, nbytes: int) -> float:
     return 2 * x.numel() * x.element_size() / gpu_time(lambda: x.clone(), cuda)["us"] / 1e3
 
 
+def matmul_tflops(cuda: bool, n: int) -> float:
+    """TFLOP/s of one bf16 ``[n, n] @ [n, n]`` on the device (2n³ flops): the compute floors' rate."""
+    import torch
+
+    dev = "cuda" if cuda else "cpu"
+    a, b = (torch.randn(n, n, device=dev).to(torch.bfloat16) for _ in range(2))
+    a @ b
+    return 2 * n ** 3 / gpu_time(lambda: a @ b, cuda)["us"] / 1e6
+
+
 def cpu_times(fns, runs: int) -> list:
     """Wall-clock seconds of ``runs`` alternating calls of each of ``fns`` (already warmed up), so that every
     function sees the same machine load: one list of times per function."""

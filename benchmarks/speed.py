@@ -27,8 +27,8 @@ from tritonkv import POLICIES  # noqa: E402
 from tritonkv.kernels.select import select_indices  # noqa: E402
 
 from benchmarks import baselines, decode_attention as da  # noqa: E402
-from benchmarks.common import (RESULTS, copy_bandwidth, device_tag, gpu_time, policy_inputs, pyplot,  # noqa: E402
-                               random_case, run_info, table, write_results)
+from benchmarks.common import (RESULTS, copy_bandwidth, device_tag, gpu_time, matmul_tflops,  # noqa: E402
+                               policy_inputs, pyplot, random_case, run_info, table, write_results)
 
 KV_POLICIES = {"lagkv", "criticalkv"}  # scores read V too
 PARTS = ("compress", "allocation", "decode", "scaling")
@@ -188,6 +188,8 @@ class Ctx:
         # every floor at the bandwidth of one 1 GiB device copy (1 MiB in the CPU smoke run)
         self.copy_bytes = COPY_BYTES if self.cuda else 1 << 20
         self.copy_GBps = copy_bandwidth(self.cuda, self.copy_bytes)
+        # CriticalKV's exact stage is compute-bound: its floor is its flops at the rate of a large bf16 matmul
+        self.mm_TFLOPS = matmul_tflops(self.cuda, 8192 if self.cuda else 256)
 
     def case(self, N, seed=0):
         """Random K/V ``[B, H, N, D]`` and the inputs (``common.random_case``), with the window queries' lse."""
@@ -218,6 +220,16 @@ class Ctx:
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+
+    def compute_floor(self, name, t: dict, keys, inputs) -> dict:
+        """CriticalKV's exact L1 stage, ``‖W_O^q v_j‖₁`` for every token and query head: 2·B·H_q·N·d·D_model
+        flops; its floor at the measured matmul rate and the time over it (empty for the other policies)."""
+        if name != "criticalkv":
+            return {}
+        B, H, N, d = keys.shape
+        flops = 2 * B * inputs["queries"].shape[1] * N * d * inputs["o_proj"].shape[0]
+        floor_us = flops / (self.mm_TFLOPS * 1e6)
+        return dict(floor_flops=flops, compute_floor_us=round(floor_us, 2), x_compute_floor=round(t["us"] / floor_us, 2))
 
     def timed(self, t: dict, timing: str, keys, reads: int, kept_tokens: int) -> dict:
         """A timed row's columns: ``gpu_time``'s median, spread and count, how it was timed, and its floor: read
@@ -284,6 +296,7 @@ def run_compress(ctx: Ctx, rows: list) -> None:
             emit(rows, dict(kind="compress", policy=name, allocation=None, **ctx.base(N),
                             kept_tokens=ctx.B * ctx.H * k, tritonkv_eager_us=eager["us"],
                             **ctx.timed(t, timing, keys, score_reads(name, keys), ctx.B * ctx.H * k),
+                            **ctx.compute_floor(name, t, keys, mine),
                             kvpress_us=kv_us, kvpress_graph_us=kv_graph,
                             x_kvpress_eager=round(kv_us / eager["us"], 2) if kv_us else None,
                             x_kvpress_graph=round(kv_graph / t["us"], 2) if kv_graph and timing == "graph" else None,
@@ -427,7 +440,7 @@ def run(args):
                settings=dict(B=ctx.B, H_kv=ctx.H, H_q=ctx.H * ctx.G, D=ctx.D, W=ctx.W, dtype="bfloat16", keep=KEEP,
                              allocation_policy=ALLOC_POLICY, layer=LAYER, num_layers=NUM_LAYERS,
                              time_budget_s=args.time_budget),
-               copy_GBps=round(ctx.copy_GBps, 1), copy_bytes=ctx.copy_bytes,
+               copy_GBps=round(ctx.copy_GBps, 1), copy_bytes=ctx.copy_bytes, matmul_TFLOPS=round(ctx.mm_TFLOPS, 1),
                phase_s={}, scaling_fit={}, skipped=ctx.skipped, complete=False, rows=[])
     rows = res["rows"]
     steps = [(p, {"compress": run_compress, "allocation": run_allocation, "decode": run_decode,
@@ -472,12 +485,16 @@ def markdown(result) -> str:
     of = lambda kind: [r for r in rows if r.get("kind") == kind and "error" not in r]  # noqa: E731
     out = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}; commit "
            f"{result['commit']}; {result['date']}; copy {result['copy_GBps']} GB/s (one "
-           f"{result.get('copy_bytes', 1 << 30) >> 20} MiB clone); run {result.get('wall_s')} s", ""]
+           f"{result.get('copy_bytes', 1 << 30) >> 20} MiB clone)"
+           + (f"; bf16 matmul {result['matmul_TFLOPS']} TFLOP/s" if result.get("matmul_TFLOPS") else "")
+           + f"; run {result.get('wall_s')} s", ""]
     shape = (f"B={s.get('B')}, H_kv={s.get('H_kv')}, H_q={s.get('H_q')}, D={s.get('D')}, {s.get('dtype')}, "
              f"keep {s.get('keep')}")
     kinds = [("compress", f"**Compress** (one layer's `tritonkv.compress`, {shape}; µs, median; floor = bytes that "
-                           "must move over the copy bandwidth)",
-              ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "pct_copy_bw", "kvpress_us",
+                           "must move over the copy bandwidth; x_compute_floor, CriticalKV only: time over its exact "
+                           "stage's flops at the bf16 matmul rate)",
+              ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "x_compute_floor", "pct_copy_bw",
+               "kvpress_us",
                "x_kvpress_eager", "kvpress_graph_us", "x_kvpress_graph", "torch_compile_us", "same_kept", "ok"]),
              ("allocation", f"**Allocation** (`compress(..., \"{s.get('allocation_policy')}\", allocation=...)` as "
                             f"layer {s.get('layer')} of {s.get('num_layers')}, RaggedKV output; the score "
