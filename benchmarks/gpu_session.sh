@@ -8,7 +8,8 @@
 #            (SmolLM2-135M's shape, random weights, bf16, SDPA)
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
 #   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
-#   select   the shared select + compaction (8 rows, keep 25 %) at 4K/32K/128K for each chunk size (CUDA graphs)
+#   tuning   at 4K/32K/128K (8 rows, keep 25 %, CUDA graphs): the shared select for each chunk size, LagKV for each
+#            number of partitions per program (neither default was tuned on a GPU)
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
 # Usage: OUT=<dir> benchmarks/gpu_session.sh tests speed     (PY=<python> to choose the interpreter; TIMEOUT=<s>
 # bounds each part, 420 by default)
@@ -121,8 +122,8 @@ for name in sorted(tritonkv.POLICIES):
         print(f"  {us:8.1f} us  x{n}  {key[:110]}")
 EOF
         head -80 "$OUT/kernels.txt" ;;
-    select)
-        timeout "$T" $PY - > "$OUT/select.txt" 2>&1 <<'EOF'
+    tuning)
+        timeout "$T" $PY - > "$OUT/tuning.txt" 2>&1 <<'EOF'
 import torch
 from benchmarks.common import gpu_time
 from tritonkv.kernels.select import _blocks, select_kv
@@ -142,11 +143,28 @@ for N in (4096, 32768, 131072) if cuda else (512,):
         assert torch.equal(fn()[2], ref), chunk  # the same kept tokens whatever the chunk
         row.append(f"{chunk}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
     print(" ".join(row), flush=True)
+from tritonkv.kernels.lagkv import lagkv_compress, num_partitions
+from tritonkv.policies import LagKV
+pol = LagKV()
+for N in (4096, 32768, 131072) if cuda else (1024,):
+    keys, values = (torch.randn(1, 8, N, 128, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
+    k = N // 4
+    sink, window = pol.protected(N, k)
+    p = num_partitions(N, pol.sink, pol.lag)
+    quota, rem = divmod(k - sink - window, p - 1)
+    ref = lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota, rem=rem, window=window)[2]
+    row = [f"LagKV N={N} ({p - 1} scored partitions a row):"]
+    for parts in (1, 2, 4, 8, 16, 32):
+        fn = lambda: lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota, rem=rem,  # noqa: E731
+                                    window=window, parts=parts)
+        assert torch.equal(fn()[2], ref), parts  # the same kept tokens whatever the partitions per program
+        row.append(f"{parts}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
+    print(" ".join(row), flush=True)
 EOF
-        cat "$OUT/select.txt" ;;
+        cat "$OUT/tuning.txt" ;;
     pack)
         tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" ;;
     *)
-        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, kernels, select, pack)" >&2; exit 2 ;;
+        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, kernels, tuning, pack)" >&2; exit 2 ;;
     esac
 done
