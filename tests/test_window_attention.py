@@ -407,18 +407,21 @@ def test_bad_inputs(what, call, exc, words):
 
 
 def test_kernels_compile_ahead_of_time():
-    """Every kernel for sm_80 and sm_90: bf16 operands straight into tl.dot (one hoisted row block)
-    and fp32 inputs (IEEE dot, several row blocks, group max); pooling max and avg + layer mean."""
+    """Every kernel for sm_80 and sm_90: bf16 operands straight into tl.dot (one hoisted row block, values read),
+    fp32 inputs (IEEE dot, several row blocks, group max) and fp16 (one hoisted row block, group max); pooling
+    max and avg + layer mean."""
     mod = "tritonkv.kernels.window_attention"
     i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
     kq = i32("H", "G", "N", "W", "D", "skb", "skh", "skn", "sqb", "sqh", "sqw", "DV", "svb", "svh", "svn")
     specs = []
     # the fp32 build takes its scales as fp64, the type torch.compile (Inductor) gives a Python float
-    for dt, cast, gmax, hoist, gb, bw in (("bf16", False, False, True, 4, 32), ("fp32", True, True, False, 1, 16)):
+    for dt, cast, gmax, hoist, has_v, gb, bw in (("bf16", False, False, True, True, 4, 32),
+                                                 ("fp32", True, True, False, False, 1, 16),
+                                                 ("fp16", False, True, True, False, 4, 32)):
         f = "fp64" if dt == "fp32" else "fp32"
         blocks = {"BLOCK_N": 64, "GB": gb, "BW": bw, "BLOCK_D": 128}
         tail = {"CAST_FP32": cast, "DOT_PREC": "ieee"}
-        vals = {"BLOCK_DV": 128, "HAS_V": True} if hoist else {"BLOCK_DV": 16, "HAS_V": False}  # values read or not
+        vals = {"BLOCK_DV": 128, "HAS_V": True} if has_v else {"BLOCK_DV": 16, "HAS_V": False}  # values read or not
         lse_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "v_ptr": f"*{dt}", "part_ptr": "*fp32", **kq, "C": "i32",
                    "scale": f, "CHUNK": "i32"}
         score_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "v_ptr": f"*{dt}", "lse_ptr": "*fp32", "u_ptr": "*fp32",

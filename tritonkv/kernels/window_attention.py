@@ -94,17 +94,40 @@ def _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32: tl.constexpr):
 
 
 @triton.jit
-def _values_ok(v_ptr, vbase, svn, j, N, DV, BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr):
-    """Per key j: False where the token's value has a non-finite element (``HAS_V``: the values are
-    read with the keys), else True."""
+def _load_k(k_ptr, kbase, skn, j, N, d, D, CAST_FP32: tl.constexpr):
+    """Keys j as a [BLOCK_N, BLOCK_D] tile."""
+    m = (j < N)[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + kbase + j.to(tl.int64)[:, None] * skn + d[None, :], mask=m, other=0.0)
+    if CAST_FP32:
+        k = k.to(tl.float32)
+    return k
+
+
+@triton.jit
+def _value_nan(v_ptr, vbase, svn, j, N, DV, BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr):
+    """Per key j (``HAS_V``: the values are read with the keys): NaN where the token's value has a non-finite
+    element, else ±0."""
     if HAS_V:
         dv = tl.arange(0, BLOCK_DV)
         v = tl.load(v_ptr + vbase + j.to(tl.int64)[:, None] * svn + dv[None, :],
                     mask=(j < N)[:, None] & (dv < DV)[None, :], other=0.0).to(tl.float32)
-        ok = tl.sum(tl.where(v * 0.0 == 0.0, 0, 1), 1) == 0
+        z = tl.sum(v * 0.0, 1)  # x·0 is ±0 for a finite x, NaN for ±inf and NaN
     else:
-        ok = j >= 0
-    return ok
+        z = tl.zeros(j.shape, tl.float32)  # not read
+    return z
+
+
+@triton.jit
+def _nan_term(s, vz, HAS_V: tl.constexpr, KEY_AXIS: tl.constexpr):
+    """Per logit s (keys along ``KEY_AXIS``): ±0 where s (and, ``HAS_V``, the key's value: ``vz`` from
+    ``_value_nan``) is finite, else NaN. With a finite query, s is finite exactly where the key is."""
+    z = s * 0.0
+    if HAS_V:
+        if KEY_AXIS == 1:
+            z = z + vz[None, :]
+        else:
+            z = z + vz[:, None]
+    return z
 
 
 @triton.jit
@@ -168,11 +191,11 @@ def _window_lse_kernel(k_ptr, q_ptr, v_ptr, part_ptr, H, G, N, W, D, skb, skh, s
             for t0 in range(0, n_chunk, BLOCK_N):
                 j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
                 kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
-                vok = _values_ok(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
+                vz = _value_nan(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
                 s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
                 # a non-finite key makes s non-finite in every row whose query is finite: masked out
                 # (a token with a non-finite value too, when the values are read)
-                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & (s * 0.0 == 0.0) & vok[None, :]
+                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & (_nan_term(s, vz, HAS_V, 1) == 0.0)
                 s = tl.where(vis, s, float("-inf"))
                 new = tl.maximum(mx, tl.max(s, 1))
                 safe = tl.where(new == float("-inf"), 0.0, new)
@@ -182,6 +205,31 @@ def _window_lse_kernel(k_ptr, q_ptr, v_ptr, part_ptr, H, G, N, W, D, skb, skh, s
             part = tl.where(tot > 0, mx + tl.log(tl.where(tot > 0, tot, 1.0)),
                             tl.where(tot == tot, float("-inf"), tot))
             tl.store(part_ptr + ((r * C + c) * G + g) * W + i, part, mask=(g < G) & (i < W))
+
+
+@triton.jit
+def _probs(k, q_t, scale, lse, pos, valid, j, vz, DOT_PREC: tl.constexpr, HAS_V: tl.constexpr):
+    """exp(τ·k·q − lse), [BLOCK_N, rows], of the keys j of the tile ``k`` [BLOCK_N, BLOCK_D] and the rows of a row
+    block, from its transposed queries ``q_t`` [BLOCK_D, rows]: 0 for a row left out (``valid`` False) and a key its
+    row does not see, NaN in the rows left in for a non-finite key (``HAS_V``: ``vz`` is NaN for a token with a
+    non-finite value, else ±0). Keys first: on Hopper the queries are the dot's shared-memory operand (no registers
+    held across the key loop) and a key's sum over rows adds up mostly a thread's own registers."""
+    s = tl.dot(k, q_t, input_precision=DOT_PREC) * scale
+    p = tl.exp(tl.where(j[:, None] <= pos[None, :], s - lse[None, :], float("-inf")))
+    # + ±0, or NaN for a non-finite key or value (its u is NaN: no column reduction); s itself is left as it is
+    # (its rounding into s − lse does not depend on HAS_V)
+    return tl.where(valid[None, :], p + _nan_term(s, vz, HAS_V, 0), 0.0)
+
+
+@triton.jit
+def _group_reduce(acc, hs, GROUP_MAX: tl.constexpr):
+    """acc combined with the head sums ``hs`` [BLOCK_N, GB] of a group block: sum, or (``GROUP_MAX``) max."""
+    if GROUP_MAX:  # padded heads add zeros; u >= 0. tl.max skips NaN: a NaN head makes the max NaN
+        hsum = tl.sum(hs, 1)
+        acc = tl.maximum(acc, tl.where(hsum == hsum, tl.max(hs, 1), hsum), propagate_nan=tl.PropagateNan.ALL)
+    else:
+        acc += tl.sum(hs, 1)
+    return acc
 
 
 @triton.jit(do_not_specialize=["slb", "slh", "slc", "NC", "CHUNK"])
@@ -202,42 +250,38 @@ def _window_score_kernel(k_ptr, q_ptr, v_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb
     wbase = r * G * W  # row weights [B, H_q, W], contiguous
     d = tl.arange(0, BLOCK_D)
     n_chunk = tl.minimum(CHUNK, N - c * CHUNK)  # keys of this chunk
-    if HOIST:  # a single row block: queries, LSEs and weights stay in registers for every key tile
+    if HOIST:  # a single row block: queries (shared memory, for the dot), LSEs and weights loaded once
         g_h, i_h, pos_h, valid_h = _rows(0, 0, G, W, N, GB, BW)
         q_h = _load_q(q_ptr, qbase, sqh, sqw, g_h, i_h, (g_h < G) & (i_h < W), d, D, CAST_FP32)
         lse_h = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g_h, i_h, valid_h)
         w_h, lw_h = _hoisted_w(q_h, lse_h, g_h, i_h, pos_h, G, W, GB, BW, HAS_LSE, ROW_MEAN, HEAD_MEAN)
         valid_h = valid_h & (w_h > 0)
         lse_h = lse_h - lw_h
+        q_t = tl.trans(q_h)
     for t0 in range(0, n_chunk, BLOCK_N):
         j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
-        kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
-        vok = _values_ok(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for g0 in range(0, G, GB):
-            hs = tl.zeros([GB, BLOCK_N], tl.float32)  # per-head sums over the window rows
-            for w0 in range(0, W, BW):
-                if HOIST:
-                    q, lse, pos, valid = q_h, lse_h, pos_h, valid_h
-                else:
+        k = _load_k(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
+        vz = _value_nan(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
+        if HOIST:  # straight-line code: a loop over the one row block kept its loop-invariant masks in registers
+            p = _probs(k, q_t, scale, lse_h, pos_h, valid_h, j, vz, DOT_PREC, HAS_V)
+            if GROUP_MAX:
+                acc = _group_reduce(tl.zeros([BLOCK_N], tl.float32), tl.sum(tl.reshape(p, [BLOCK_N, GB, BW]), 2),
+                                    GROUP_MAX)
+            else:  # the block holds every row of the group (the weights hold the means): one sum over its rows
+                acc = tl.sum(p, 1)
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for g0 in range(0, G, GB):
+                hs = tl.zeros([BLOCK_N, GB], tl.float32)  # per-head sums over the window rows
+                for w0 in range(0, W, BW):
                     g, i, pos, valid = _rows(g0, w0, G, W, N, GB, BW)
                     q = _load_q(q_ptr, qbase, sqh, sqw, g, i, valid, d, D, CAST_FP32)
                     w, lw = _load_w(w_ptr, wbase, W, g, i, valid)
                     valid = valid & (w > 0)
                     lse = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid) - lw
-                s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
-                # in a row with a finite query, s is not finite exactly for a non-finite key (vok: value)
-                fin = (s * 0.0 == 0.0) & vok[None, :]
-                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & fin
-                p = tl.exp(tl.where(vis, s - lse[:, None], float("-inf")))
-                p = tl.where(valid[:, None] & ~fin, float("nan"), p)  # ... whose u is NaN: no column reduction
-                hs += tl.sum(tl.reshape(p, [GB, BW, BLOCK_N]), 1)
-            if GROUP_MAX:  # padded heads add zeros; u >= 0. tl.max skips NaN: a NaN head makes the max NaN
-                hsum = tl.sum(hs, 0)
-                acc = tl.maximum(acc, tl.where(hsum == hsum, tl.max(hs, 0), hsum),
-                                 propagate_nan=tl.PropagateNan.ALL)
-            else:
-                acc += tl.sum(hs, 0)
+                    p = _probs(k, tl.trans(q), scale, lse, pos, valid, j, vz, DOT_PREC, HAS_V)
+                    hs += tl.sum(tl.reshape(p, [BLOCK_N, GB, BW]), 2)
+                acc = _group_reduce(acc, hs, GROUP_MAX)
         tl.store(u_ptr + r * N + j, acc, mask=j < N)
 
 
@@ -309,7 +353,11 @@ def _config(N: int, G: int, W: int, D: int, chunk: int) -> dict:
             chunk = max(block_n, next_pow2(-(-N // 32)))
         warps = 8 if gb * bw * block_n >= 8192 else 4
     chunk = next_pow2(chunk)
-    return dict(CHUNK=chunk, BLOCK_N=min(block_n, chunk), GB=gb, BW=bw, BLOCK_D=block_d, num_warps=warps)
+    # key tiles double-buffered (cp.async): at 128 rows × 64 keys × D 128 the hoisted queries and two bf16 key
+    # tiles take 66 KB of shared memory; a third stage costs CTAs per SM (Triton 3.6 with values: 148 registers;
+    # small row blocks: shared memory)
+    return dict(CHUNK=chunk, BLOCK_N=min(block_n, chunk), GB=gb, BW=bw, BLOCK_D=block_d, num_warps=warps,
+                num_stages=2)
 
 
 #: elements of one fp32 ``[B, H_kv, G·W, n]`` logit block of ``_window_attention_torch`` (128 MiB):
