@@ -2,6 +2,7 @@
 ``H·T·S`` tensor, a layer holds what it keeps (kept tokens + the stated slack, uniform and per-head budgets
 alike), per-head budgets stay ragged through decoding, and float budgets are a fraction of the tokens seen.
 On a small random Llama (2 layers, 8 query / 2 KV heads, head_dim 32); no download."""
+import importlib
 import math
 
 import pytest
@@ -137,6 +138,53 @@ def test_masked_attention_takes_any_sdpa_output_layout(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
     assert torch.equal(tt.masked_attention(q, k, v, pos, torch.arange(4, 9), 0.25, ordered=False), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_elements", [None, 64])
+def test_suffix_attention_shares_one_mask(monkeypatch, dtype, mask_elements):
+    """Per-head rows (each (row, head)'s last ``lengths`` slots, the block last): the layers of a forward share one
+    mask (``masks``), the last columns of the widest built, and get bit for bit what a mask of their own gives, over
+    wider and narrower views in turn, grouped queries (G = 4), two batch rows, chunks of queries (``mask_elements``
+    small); both equal masked attention over the same slots (the others ``SENTINEL``)."""
+    at = importlib.import_module("tritonkv.integrations.transformers.attention")  # the package's name is the function
+    if mask_elements is not None:
+        monkeypatch.setattr(at, "MASK_ELEMENTS", mask_elements)
+    g = torch.Generator().manual_seed(0)
+    B, T, masks, widest = 2, 5 if mask_elements is None else 40, {}, 0  # 40 queries: chunks of 16, 16 and 8
+    for S in (T + 7, T + 15, T + 4, T + 15, T + 11):
+        q = torch.randn(B, 8, T, 16, generator=g).to(dtype)
+        k, v = (torch.randn(B, 2, S, 16, generator=g).to(dtype) for _ in range(2))
+        lengths = torch.randint(T, S + 1, (B, 2), generator=g)
+        lengths[0, 0] = S  # a row over the whole view
+        got = at.suffix_attention(q, k, v, lengths.tolist(), 0.25, masks)
+        assert torch.equal(got, at.suffix_attention(q, k, v, lengths.tolist(), 0.25))
+        j = torch.arange(S)
+        pos = torch.where(j >= S - lengths[..., None], 100 + j, tt.SENTINEL).to(torch.int32)
+        want = tt.masked_attention(q, k, v, pos, torch.arange(100 + S - T, 100 + S), 0.25)
+        assert torch.allclose(got.float(), want.float(), atol=1e-6 if dtype == torch.float32 else 1e-2)
+        widest = max(widest, S)
+        assert len(masks) == 1 and (mask_elements or next(iter(masks.values())).shape[1] == widest)
+
+
+def test_ragged_decode_sdpa_rows():
+    """One decode query over per-head rows of two batch rows, one row empty (zeros), grouped queries (G = 4): each
+    row's SDPA lands on its own query heads, as masked attention over the padded view of the same rows gives."""
+    from tritonkv.cache import RaggedKV
+    from tritonkv.integrations.transformers.storage import left_padded
+
+    at = importlib.import_module("tritonkv.integrations.transformers.attention")
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, H_KV, 12, D, generator=g), torch.randn(2, H_KV, 12, D, generator=g)
+    kv = RaggedKV.from_selection(torch.randn(2, H_KV, 12, generator=g), torch.tensor([5, 0, 12, 3]), keys, values)
+    q = torch.randn(2, 4 * H_KV, 1, D, generator=g)
+    got = at.ragged_decode_sdpa(q, kv, D ** -0.5)
+    K, V, _, held = left_padded(kv)
+    pos = torch.where(held, 0, tt.SENTINEL).to(torch.int32)  # every held token precedes the query (position 1)
+    want = tt.masked_attention(q, K, V, pos, torch.tensor([1]), D ** -0.5)
+    assert torch.allclose(got, torch.where(held.any(-1).repeat_interleave(4, 1)[:, None, :, None], want, 0.0),
+                          atol=1e-6)
+    assert not got[0, 0, 4:].any()  # the empty row (batch 0, KV head 1)
 
 
 @pytest.mark.parametrize("policy", ["keydiff", "snapkv"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -117,11 +118,27 @@ def held_suffix(pos):
     return count.tolist()
 
 
-def suffix_attention(query, key, value, lengths, scaling):
+def lower_right_mask(c: int, s: int, dtype, device, masks: Optional[dict] = None) -> torch.Tensor:
+    """Float ``[c, s]``: 0 where slot j is visible to query i (``j <= s - c + i``: the c queries are the last
+    tokens), -inf elsewhere. The mask depends on ``s - j`` alone, so the last ``s`` columns of a wider one are
+    this one: ``masks`` (a dict the caller keeps between calls, e.g. for the layers of one forward) holds the
+    widest built, one entry, and serves every call of the same ``c``, dtype and device that it covers."""
+    key = (c, dtype, device)
+    mask = None if masks is None else masks.get(key)
+    if mask is None or mask.shape[1] < s:
+        visible = torch.ones(c, s, dtype=torch.bool, device=device).tril(s - c)
+        mask = torch.zeros(c, s, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        if masks is not None:
+            masks.clear()  # one mask kept: at most MASK_ELEMENTS elements
+            masks[key] = mask
+    return mask[:, mask.shape[1] - s:]
+
+
+def suffix_attention(query, key, value, lengths, scaling, masks: Optional[dict] = None):
     """Attention of a block of T queries over rows whose tokens are each (batch row, KV head)'s last
     ``lengths[b][h]`` (>= T) slots, in position order, the block's own T tokens last (``held_suffix``): per row,
     ``block_attention`` of its G query heads over those slots alone (no per-head mask, no slot of another row's
-    length). Returns ``[B, T, H_q, D]``."""
+    length). ``masks``: reuse the mask between calls (``lower_right_mask``). Returns ``[B, T, H_q, D]``."""
     B, Hq, T, D = query.shape
     H, S = key.shape[1], key.shape[2]
     G = Hq // H
@@ -130,8 +147,7 @@ def suffix_attention(query, key, value, lengths, scaling):
     for c0 in range(0, T, chunk):
         c = min(chunk, T - c0)
         s = S - T + c0 + c  # slots up to the chunk's last query
-        mask = torch.ones(c, s, dtype=torch.bool, device=query.device).tril(s - c)  # a row's: its last columns
-        mask = torch.zeros(c, s, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+        mask = lower_right_mask(c, s, query.dtype, query.device, masks)  # a row's: its last columns
         for b in range(B):
             for h in range(H):
                 s0 = S - lengths[b][h]
@@ -192,17 +208,14 @@ def ragged_decode_sdpa(query, kv, scaling):
     (no padded copy); an empty row gives zeros (as ``decode_attention``). ``[B, 1, H_q, D]``."""
     B, Hq, _, D = query.shape
     H = kv.num_heads
-    G = Hq // H
-    q = query.reshape(B, H, G, D)
-    out = query.new_zeros(B, 1, Hq, kv.values.shape[1])
+    q = query.reshape(B * H, 1, Hq // H, D)  # row r = b·H + h: the G query heads of KV head h
+    out = query.new_zeros(B * H, 1, Hq // H, kv.values.shape[1])
     for r, (start, n) in enumerate(zip(kv.row_start.tolist(), kv.length.tolist())):
         if n == 0:
             continue
-        b, h = divmod(r, H)
-        k, v = kv.keys[start:start + n], kv.values[start:start + n]
-        o = F.scaled_dot_product_attention(q[b, h][None, None], k[None, None], v[None, None], scale=scaling)
-        out[b, 0, h * G:(h + 1) * G] = o[0, 0]
-    return out
+        k, v = kv.keys[None, None, start:start + n], kv.values[None, None, start:start + n]
+        out[r] = F.scaled_dot_product_attention(q[r:r + 1], k, v, scale=scaling)[0]
+    return out.view(B, 1, Hq, -1)
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):

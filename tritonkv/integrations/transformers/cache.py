@@ -375,7 +375,7 @@ class TritonKVLayer(CacheLayerMixin):
         pos = st.view()[2]
         lengths = self._held_suffix(pos) if self.pads is None else None
         if lengths is not None and min(min(row) for row in lengths) >= T:  # per-head rows, each ending in the block
-            return suffix_attention(query, key, value, lengths, scaling)
+            return suffix_attention(query, key, value, lengths, scaling, self.cache._masks)
         qpos = torch.arange(self.seen - T, self.seen, device=query.device)
         return masked_attention(query, key, value, pos, qpos, scaling)
 
@@ -398,6 +398,8 @@ class TritonKVLayer(CacheLayerMixin):
             self.roll_queries(query)  # a reserved layer's buffer too (mixed eager and compiled steps)
         cache._maybe_compress(self, prefill=T > 1)
         self._suffix = None  # it holds the store: keep no old one alive
+        if self.layer_idx == len(cache.layers) - 1:
+            cache._masks.clear()  # the forward's last layer: no mask is kept between forwards
         if cache.mode == "after_prefill":  # only this forward's compression reads them: keep none between forwards
             self.queries = None
 
@@ -701,6 +703,7 @@ class TritonKVCache(Cache):
         self.compressions = 0
         self.frozen = False
         self._block_ends: Optional[list[bool]] = None  # set by ``prefill`` around row-aligned blocks of a padded batch
+        self._masks: dict = {}  # the attention mask that the layers of one forward share (suffix_attention)
         self.record = record
         self.trace: list[tuple[int, int]] = []  # (layer, slots in use) after every change, when ``record``
 
