@@ -78,3 +78,32 @@ def test_a_one_token_block_of_a_row_aligned_prefill_marks_its_pads(model):
                 ids=[torch.randint(3, 1000, (n,), generator=g) for n in lengths], inputs={})
     r = bi.run_case(model, case)
     assert r["kept_equal"] and r["worst"] <= bi.ATOL, r
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "surfacelogic", "keydiff", "knorm"])
+def test_a_head_with_empty_slots_scores_as_alone(policy):
+    """Per-head rows of different lengths share one view whose shorter heads start with empty slots (what a layer
+    with per-head budgets or pads hands its policy): a head's real tokens score as that head's tokens alone. The empty
+    slots held zero keys, which counted in every window row's softmax: a head's scores shrank with its empty slots
+    (AdaKV then compares them across heads)."""
+    from tritonkv import POLICIES
+    from tritonkv.integrations.transformers.cache import _MaskedPolicy
+
+    g = torch.Generator().manual_seed(0)
+    B, H, G, N, D, W, empty = 1, 2, 2, 64, 16, 8, 24
+    keys, values = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    keys[:, 1, :empty] = 0.0  # head 1's first slots hold no token
+    q = torch.randn(B, H * G, W, D, generator=g)
+    valid = torch.ones(B, H, N, dtype=torch.bool)
+    valid[:, 1, :empty] = False
+    pol = POLICIES[policy](window=W) if policy in ("snapkv", "h2o", "surfacelogic") else POLICIES[policy]()
+    inputs = {"queries": q} if "queries" in pol.needs else {}
+    got = _MaskedPolicy(pol, valid).score(keys, values, **inputs)
+    assert bool((got[:, 1, :empty] == float("-inf")).all())
+    for h, start in ((0, 0), (1, empty)):
+        alone = pol.score(keys[:, h:h + 1, start:], values[:, h:h + 1, start:],
+                          **({"queries": q[:, h * G:(h + 1) * G]} if inputs else {}))
+        mine = got[:, h:h + 1, start:]
+        torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-7)
+        assert torch.equal(torch.argsort(mine, dim=-1, descending=True, stable=True)[..., :16],
+                           torch.argsort(alone, dim=-1, descending=True, stable=True)[..., :16])

@@ -57,6 +57,11 @@ class _MaskedPolicy(Policy):
         return 0, self.base.protected(n, budget)[1]
 
     def score(self, keys, values, **inputs):
+        # the empty slots enter the base as non-finite tokens, which every statistic over tokens leaves out (softmax
+        # normalisers, means, partition ranges): each head's real tokens score as they would alone, whatever the
+        # other heads hold (a zero key there counted in every window row's softmax)
+        hole = ~self.valid[..., None]
+        keys, values = keys.masked_fill(hole, float("nan")), values.masked_fill(hole, float("nan"))
         return torch.where(self.valid, self.base.score(keys, values, **inputs).float(), float("-inf"))
 
 
