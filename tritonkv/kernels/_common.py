@@ -466,10 +466,11 @@ def finite_rows(x: torch.Tensor, reduced: Optional[torch.Tensor] = None) -> tupl
     """``(torch.isfinite(x).all(-1), whether every row is finite)`` for the CPU bodies' non-finite checks, without
     the boolean copy of ``x`` in the common case: a row holding a NaN or ±inf element has a non-finite sum (or
     ``reduced``: any reduction over the last dim that propagates them, such as a norm), so when every row's is
-    finite so is every element. Else (or where values cannot be read: tracing, meta or fake tensors) the
-    elementwise check, and False."""
+    finite so is every element. Else (or where values cannot be read: tracing, meta or fake tensors) the exact
+    check ``Σ x·0 == 0`` per row (x·0 is ±0 for a finite x, NaN for ±inf and NaN; a sum of zeros cannot
+    overflow), and False."""
     if on_host(x):
         fin = torch.isfinite(x.sum(-1) if reduced is None else reduced)
         if bool(fin.all()):
             return fin, True
-    return torch.isfinite(x).all(-1), False
+    return x.mul(0.0).sum(-1) == 0, False

@@ -468,13 +468,14 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
         w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce).view(B, H, G * W, 1)
         left_in = w > 0
     if rows_in and values.numel() == 0 and bool(torch.isfinite(keys.sum())):  # likewise every key finite
-        kfin, every_in = None, True
+        kfin, every_in, rows_all = None, True, True
     else:
         kfin, every_in = finite_rows(keys)  # [B, H, N]; every key finite (read eagerly on the host)
         if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
             vfin, every_v = finite_rows(values)
             kfin, every_in = kfin & vfin, every_in and every_v
-        every_in = every_in and (rows_in or bool(left_in.all()))  # eagerly: nothing to mask
+        rows_all = rows_in or bool(left_in.all())  # eagerly: every query row left in
+        every_in = every_in and rows_all  # eagerly: nothing to mask
     if left_in is None and not every_in:  # a non-finite key: the row mask is read with the key mask
         left_in = w > 0
     q = queries.float().reshape(B, H, G * W, D)  # rows of KV head h
@@ -488,7 +489,9 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
         """Logits of keys [t0, t1), −inf where not visible; (block, c, columns c… hidden from each row)."""
         s = q @ keys[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, G·W, n]
         if not every_in:
-            s.masked_fill_(~(kfin[:, :, None, t0:t1] & left_in), float("-inf"))
+            s.masked_fill_(~kfin[:, :, None, t0:t1], float("-inf"))  # broadcast over the rows: no [G·W, n] mask
+            if not rows_in:
+                s.masked_fill_(~left_in, float("-inf"))
         c = min(max(first - t0, 0), t1 - t0)
         hidden = columns(G, W, t0 + c - (N - W), t1 - t0 - c, dev)  # [G·W, n − c]
         s[..., c:].masked_fill_(hidden, float("-inf"))
@@ -509,7 +512,7 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     once, plain = None, False
     if attn_lse.numel() > 0:
         lse = _combine_lse(attn_lse.float().reshape(1, B, H, G * W, 1))
-    elif len(spans) == 1 and every_in and N >= W:  # one chunk, every row in and seeing a key
+    elif len(spans) == 1 and rows_all and N >= W:  # one chunk, every row in (non-finite keys masked) and seeing a key
         s, c, hidden = logits(0, N)
         mx = s.amax(-1, keepdim=True)
         # every row max finite (no overflow): the masks and the combination of one part below are identities
@@ -550,7 +553,7 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
         u[:, :, t0:t1] = red if every_in else torch.where(kfin[:, :, t0:t1], red, float("nan"))
     if head_reduce == "layer":
         u = (u.sum(1, keepdim=True) / H).expand(B, H, N)
-    return pool_torch(u, max(N - W, 0), kernel_size, pool, no_nan=plain)
+    return pool_torch(u, max(N - W, 0), kernel_size, pool, no_nan=plain and every_in)
 
 
 # no default on a mutated argument: torch < 2.12 drops trailing arguments equal to their default before it
