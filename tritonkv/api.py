@@ -173,12 +173,12 @@ def _by_value(name: str, t: torch.Tensor) -> bool:
 
 def _plan_key(kv, policy, budget, allocation, inputs: dict):
     """``(key, tensors, known, kv, inputs)``: what an eager ``compress`` call's every decision depends on, the call's
-    tensors (keys, values, the policy's and allocator's tensor attributes, then the tensor inputs in order), the positions among them of those whose values the key
-    holds, and the call's ``kv`` and ``inputs`` with every tensor that requires grad detached (a call is not
-    differentiable: its kernels run without autograd and no output requires grad, but for the input itself returned
-    when nothing is dropped, so keys and values that require grad are then kept off plans); None when the key cannot
-    be told from metadata and small host tensors' values (traced, under autocast, tensor subclasses, inputs that are
-    not tensors or plain values)."""
+    tensors (keys, values, the policy's and allocator's tensor attributes, then the tensor inputs in order), the
+    positions among them of those whose values the key holds, and the call's ``kv`` and ``inputs`` with every tensor
+    that requires grad detached (a call is not differentiable: its kernels run without autograd and no output requires
+    grad, but for the input itself returned when nothing is dropped, so keys and values that require grad are then
+    kept off plans); None when the key cannot be told from metadata and small host tensors' values (traced, under
+    autocast, tensor subclasses, inputs that are not tensors or plain values)."""
     if type(kv) is not tuple or len(kv) != 2 or type(budget) not in (int, float):
         return None
     keys, values = kv
