@@ -474,7 +474,7 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
         if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
             vfin, every_v = finite_rows(values)
             kfin, every_in = kfin & vfin, every_in and every_v
-        rows_all = rows_in or bool(left_in.all())  # eagerly: every query row left in
+        rows_all = rows_in or (host and bool(left_in.all()))  # eagerly: every query row left in (traced: unknown)
         every_in = every_in and rows_all  # eagerly: nothing to mask
     if left_in is None and not every_in:  # a non-finite key: the row mask is read with the key mask
         left_in = w > 0
