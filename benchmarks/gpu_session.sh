@@ -77,7 +77,8 @@ def timed(fn, reps=3):
 
 with torch.no_grad():
     base = timed(stock)
-    print(f"N={N} block={BLOCK} {torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}; stock prefill {base * 1e3:.1f} ms")
+    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+    print(f"N={N} block={BLOCK} {name}; stock prefill {base * 1e3:.1f} ms")
     for pol, alloc in (("keydiff", None), ("snapkv", "adakv"), ("knorm", None)):
         t = timed(blockwise(pol, alloc))
         print(f"blockwise {pol}{'+' + alloc if alloc else ''}: {t * 1e3:.1f} ms, x{t / base:.2f} stock")
@@ -116,7 +117,8 @@ for name in sorted(tritonkv.POLICIES):
     except Exception as e:
         print(name, "failed:", type(e).__name__, e)
         continue
-    rows = [(e.self_device_time_total / 10, e.count // 10, e.key) for e in prof.key_averages() if e.self_device_time_total]
+    rows = [(e.self_device_time_total / 10, e.count // 10, e.key) for e in prof.key_averages()
+            if e.self_device_time_total]
     print(f"{name}: {sum(r[0] for r in rows):.1f} us per compress on the device")
     for us, n, key in sorted(rows, reverse=True):
         print(f"  {us:8.1f} us  x{n}  {key[:110]}")

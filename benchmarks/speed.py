@@ -229,7 +229,8 @@ class Ctx:
         B, H, N, d = keys.shape
         flops = 2 * B * inputs["queries"].shape[1] * N * d * inputs["o_proj"].shape[0]
         floor_us = flops / (self.mm_TFLOPS * 1e6)
-        return dict(floor_flops=flops, compute_floor_us=round(floor_us, 2), x_compute_floor=round(t["us"] / floor_us, 2))
+        return dict(floor_flops=flops, compute_floor_us=round(floor_us, 2),
+                    x_compute_floor=round(t["us"] / floor_us, 2))
 
     def timed(self, t: dict, timing: str, keys, reads: int, kept_tokens: int) -> dict:
         """A timed row's columns: ``gpu_time``'s median, spread and count, how it was timed, and its floor: read

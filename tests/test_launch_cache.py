@@ -117,8 +117,9 @@ print(json.dumps(out))
 
 def test_plans_repeat_only_what_they_may():
     """A warning, a value read back to the host, a patched Triton ``run`` (``record_launches``), autocast, or
-    keys that require grad returned as they are, keep a call off plans (inputs that require grad are planned detached); a policy object's settings are part of the plan key; a plan that used a
-    table cached per input object serves that object only, unchanged."""
+    keys that require grad returned as they are, keep a call off plans (inputs that require grad are planned
+    detached); a policy object's settings are part of the plan key; a plan that used a table cached per input
+    object (or an allocator's tensor attribute) serves that object only, unchanged."""
     res = _run(PLAN_GUARDS)
     assert res["warned"] == 4 and res["warning_plans"] == ["False"], res
     assert res["read_plans"] == ["False"], res

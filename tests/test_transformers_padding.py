@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import batch_invariance as bi
+from helpers import on_backend
 from tritonkv.integrations import transformers as tt
 
 CASES = 33  # every policy in every mode, every allocation several times
@@ -80,8 +81,9 @@ def test_a_one_token_block_of_a_row_aligned_prefill_marks_its_pads(model):
     assert r["kept_equal"] and r["worst"] <= bi.ATOL, r
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "surfacelogic", "keydiff", "knorm"])
-def test_a_head_with_empty_slots_scores_as_alone(policy):
+def test_a_head_with_empty_slots_scores_as_alone(policy, backend):
     """Per-head rows of different lengths share one view whose shorter heads start with empty slots (what a layer
     with per-head budgets or pads hands its policy): a head's real tokens score as that head's tokens alone. The empty
     slots held zero keys, which counted in every window row's softmax: a head's scores shrank with its empty slots
@@ -98,11 +100,13 @@ def test_a_head_with_empty_slots_scores_as_alone(policy):
     valid[:, 1, :empty] = False
     pol = POLICIES[policy](window=W) if policy in ("snapkv", "h2o", "surfacelogic") else POLICIES[policy]()
     inputs = {"queries": q} if "queries" in pol.needs else {}
-    got = _MaskedPolicy(pol, valid).score(keys, values, **inputs)
+    with on_backend(backend):  # the ops' PyTorch bodies, or the Triton kernels (the interpreter)
+        got = _MaskedPolicy(pol, valid).score(keys, values, **inputs)
+        heads = ((0, 0), (1, empty))  # (head, its first real slot)
+        alones = [pol.score(keys[:, h:h + 1, start:], values[:, h:h + 1, start:],
+                            **({"queries": q[:, h * G:(h + 1) * G]} if inputs else {})) for h, start in heads]
     assert bool((got[:, 1, :empty] == float("-inf")).all())
-    for h, start in ((0, 0), (1, empty)):
-        alone = pol.score(keys[:, h:h + 1, start:], values[:, h:h + 1, start:],
-                          **({"queries": q[:, h * G:(h + 1) * G]} if inputs else {}))
+    for (h, start), alone in zip(heads, alones):
         mine = got[:, h:h + 1, start:]
         torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-7)
         assert torch.equal(torch.argsort(mine, dim=-1, descending=True, stable=True)[..., :16],
