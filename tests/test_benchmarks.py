@@ -122,7 +122,7 @@ def test_speed_markdown_from_committed_run():
     """speed.py's Markdown of the committed GPU run, rendered again from its JSON, is the committed file."""
     from benchmarks import speed
 
-    base = os.path.join(ROOT, "benchmarks", "results", "nvidia-h200-speed")
+    base = os.path.join(ROOT, "benchmarks", "results", "nvidia-h100-speed")
     with open(base + ".json") as f, open(base + ".md") as g:
         assert speed.markdown(json.load(f)) == g.read()
 
