@@ -288,9 +288,12 @@ def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: in
         block_j = max(1, min(block_l, 4096 // block_t))
         warps = 8
     # runs of consecutive partitions, so that each partition is read about once (a run re-reads only
-    # its last partition's reference): ~2 programs per SM of a 132-SM GPU at one 16-warp program per SM
-    # (32K tokens x 8 rows: 8 partitions per run, 264 programs); not tuned on a GPU yet
-    parts = parts or max(1, min(16, cdiv(n_scored * rows, 264)))
+    # its last partition's reference): one wave, ~132 programs at one 16-warp program per SM, runs of at
+    # most 32. An H100 run (Triton 3.6, ``benchmarks/gpu_session.sh tuning``, 8 rows, CUDA graph), µs
+    # by parts: 4K (30 scored a row): 1: 60.2, 2: 49.8, 4: 77.3; 32K (254): 8: 276.6, 16: 266.0, 32: 489.5;
+    # 128K (1022): 16: 992.6, 32: 971.8. This picks 2, 16 and 32, the fastest at each (the former ~264
+    # programs picked 1, 8 and 16).
+    parts = parts or max(1, min(32, cdiv(n_scored * rows, 132)))
     return parts, block_l, block_t, block_d, block_j, warps
 
 

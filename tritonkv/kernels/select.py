@@ -174,9 +174,10 @@ def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr,
     h0_row = h0_ptr + r * (C0 + 1) * NB
     p0, k_rem = _pick(_sum_slots(h0_row + NB, C0, NB, SB), k, NB)
     acc = tl.zeros([NB], dtype=tl.int32)
+    end = c * CHUNK + tl.minimum(N - c * CHUNK, CHUNK)  # the chunk's end: a TILE over CHUNK is masked to it
     for t0 in range(0, CHUNK, TILE):
         offs = c * CHUNK + t0 + tl.arange(0, TILE)
-        mask = offs < N
+        mask = offs < end
         u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
         acc += _digit_hist(u, 16, mask & ((u >> 24) == p0), NB)
     tl.store(p1_ptr + (r * C + c) * NB + tl.arange(0, NB), acc)
@@ -216,9 +217,10 @@ def _select_tail_kernel(s_ptr, f_ptr, h0_ptr, C0, p2_ptr, cnt_ptr, cand_ptr, N, 
     k_rem = tl.load(state + C * 2 + 1)
     acc = tl.zeros([NB], dtype=tl.int32)
     n_gt = 0
+    end = c * CHUNK + tl.minimum(N - c * CHUNK, CHUNK)  # the chunk's end: a TILE over CHUNK is masked to it
     for t0 in range(0, CHUNK, TILE):
         offs = c * CHUNK + t0 + tl.arange(0, TILE)
-        mask = offs < N
+        mask = offs < end
         u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
         n_gt += tl.sum((mask & ((u >> 16) > prefix)).to(tl.int32), 0)
         is_c = mask & ((u >> 16) == prefix)
@@ -350,11 +352,12 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, cnt_ptr, N, sink, window, k
 
 @functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
 def _blocks(n: int, rows: int, chunk: Optional[int]):
-    """(CHUNK, TILE): tokens per program of the select and per loop step of its kernels.
+    """(CHUNK, TILE): tokens per program of the select and per loop step of its compaction.
 
-    The finish and compact stages read only the L2-resident fp32 scores (and the kept K/V rows), so
-    a program takes at least ``MIN_CHUNK`` tokens (that also bounds the pass-0 slots each program
-    sums); enough programs for ~2 waves of 132 SMs when rows are few."""
+    On the GPU a row gets about ``ceil(264 / rows)`` programs (two waves of 132 SMs when rows are few) of at
+    least ``MIN_CHUNK`` and at most 32768 tokens, a power of two: so at most ``ceil(264 / rows)`` chunks (more
+    only in chunks of 32768), which bounds the pass-1/2 slots (and the pass-0 slots of its own pass 0) that
+    its programs sum."""
     if INTERPRET:  # one program costs ~0.5 ms: few, large programs
         tile = min(next_pow2(n), 4096)
     else:
@@ -369,7 +372,19 @@ def _blocks(n: int, rows: int, chunk: Optional[int]):
     return chunk, min(tile, chunk)
 
 
-MIN_CHUNK = 2048  # tokens per program at least (also bounds the pass-0/1/2 slots the last programs sum)
+def _pass_tile(n: int) -> int:
+    """Keys per histogram step of pass 0, finish and tail: ``PASS_TILE`` on the GPU whatever the chunk (a step
+    over a smaller chunk is masked to it), so a new N or chunk compiles nothing new; a whole row (up to 4096)
+    under the interpreter."""
+    return min(next_pow2(n), 4096) if INTERPRET else PASS_TILE
+
+
+# Tokens per program at least. An H100 run (Triton 3.6, ``benchmarks/gpu_session.sh tuning``: select_kv
+# alone, 8 rows, keep 25%, CUDA graph), µs by chunk: N = 4K: 256: 27.6, 512: 29.3, 2048: 47.3; 32K: 1024: 63.6,
+# 2048: 65.2; 128K: 2048: 176.6, 4096: 169.4. With 264 / rows programs a row, 256 picks the fastest chunk at all
+# three (256, 1024, 4096; the former minimum, 2048, took 47.3 µs at 4K). Timed with pass steps of min(1024, chunk)
+# keys, not yet with the 1024-key step masked to the chunk that ``_pass_tile`` now gives every chunk.
+MIN_CHUNK = 256
 BATCH = 64  # kept K/V rows copied per step of the compaction (64 x 128 K and V tiles: 32 KB in flight)
 COMPACT_WARPS = 8
 PASS_TILE = 1024  # keys per histogram step of pass 0, finish and tail (a 256-bin histogram costs the same
@@ -377,7 +392,7 @@ PASS_TILE = 1024  # keys per histogram step of pass 0, finish and tail (a 256-bi
 CAND_TILE = 512  # candidates per step of the tail's last program (2 per thread; 1024 spills on Triton 3.6)
 CB = 256  # chunks per step of the tail's ordered offset scan
 FINISH_WARPS = 8
-SB = 16  # pass-0/1 slots summed per step
+SB = 16  # pass-0/1/2 slots summed per step
 
 
 def _protected_only(n: int, sink: int, window: int, k_max: int, full_rows: bool, has_forced: bool,
@@ -493,7 +508,7 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
         launch(_select_compact_kernel, (max(cdiv(k_max, compact["BATCH"]), 1), R), scores, f, b, scores,
                N, sink, window, kb, 1, CHUNK, *tail, TILE=TILE, PROTECTED_ONLY=True, **compact)
         return
-    pt = min(TILE if INTERPRET else PASS_TILE, CHUNK)  # keys per step of the passes: 4-8 per thread
+    pt = _pass_tile(N)  # keys per step of the passes: 4-8 per thread on the GPU
     if hist0 is None:
         hist0 = hist0_buffer(R, C, dev)
         launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=pt, NB=NB,
