@@ -355,9 +355,9 @@ def _blocks(n: int, rows: int, chunk: Optional[int]):
     """(CHUNK, TILE): tokens per program of the select and per loop step of its compaction.
 
     On the GPU a row gets about ``ceil(264 / rows)`` programs (two waves of 132 SMs when rows are few) of at
-    least ``MIN_CHUNK`` and at most 32768 tokens, a power of two: so at most ``ceil(264 / rows)`` chunks (more
-    only in chunks of 32768), which bounds the pass-1/2 slots (and the pass-0 slots of its own pass 0) that
-    its programs sum."""
+    least ``MIN_CHUNK`` and at most 32768 tokens, a power of two, and at most ``MAX_CHUNKS`` of them (more only
+    in chunks of 32768): every finish program sums all of its row's pass-0 slots, so a row's slot reads grow
+    with the square of its chunks."""
     if INTERPRET:  # one program costs ~0.5 ms: few, large programs
         tile = min(next_pow2(n), 4096)
     else:
@@ -367,7 +367,7 @@ def _blocks(n: int, rows: int, chunk: Optional[int]):
             chunk = tile
         else:
             want = max(1, -(-264 // rows))
-            chunk = min(max(next_pow2(-(-n // want)), MIN_CHUNK), 32768)
+            chunk = min(max(next_pow2(-(-n // want)), next_pow2(-(-n // MAX_CHUNKS)), MIN_CHUNK), 32768)
     chunk = next_pow2(chunk)
     return chunk, min(tile, chunk)
 
@@ -385,6 +385,10 @@ def _pass_tile(n: int) -> int:
 # three (256, 1024, 4096; the former minimum, 2048, took 47.3 µs at 4K). Timed with pass steps of min(1024, chunk)
 # keys, not yet with the 1024-key step masked to the chunk that ``_pass_tile`` now gives every chunk.
 MIN_CHUNK = 256
+# Chunks a row at most (outside chunks of 32768): with 8 rows the 264 / rows rule never reaches it; with one or
+# two rows it keeps the finish kernel's slot reads (chunks x chunks x 1 KB per row) at most 4 MB, where 256-token
+# chunks of a 64K-token row would read 70 MB (untimed on a GPU; the former 2048-token minimum gave 32 there).
+MAX_CHUNKS = 64
 BATCH = 64  # kept K/V rows copied per step of the compaction (64 x 128 K and V tiles: 32 KB in flight)
 COMPACT_WARPS = 8
 PASS_TILE = 1024  # keys per histogram step of pass 0, finish and tail (a 256-bin histogram costs the same
