@@ -138,6 +138,19 @@ for N in NS:
         t = best[var, N][0]
         print(f"  {var}: {t * 1e3:.1f} ms, x{t / ch:.2f} chunked, x{t / one:.2f} one-shot, "
               f"{(t - ch) / (forwards * LAYERS) * 1e6:+.0f} us a layer-block over chunked")
+if dev == "cuda" and BUDGET - (time.perf_counter() - start) > 20:  # host syncs of one block-wise prefill, by line
+    import collections, warnings
+    for var in list(VARIANTS)[2:]:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                VARIANTS[var](ids[:, :min(NS)])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = collections.Counter(f"{w.filename.split('/')[-1]}:{w.lineno}" for w in caught
+                                    if "synchroniz" in str(w.message))
+        print(f"host syncs, {var} at N={min(NS)}: {sum(where.values())} {dict(where.most_common(6))}")
 EOF
         cat "$OUT/prefill.txt" ;;
     lagkv)
