@@ -4,8 +4,9 @@
 #   wheels   (here, with network) kvpress and gguf as wheels in .cache/wheels, to carry to the GPU machine
 #   tests    the whole suite natively on the GPU, but the tests of the downloaded model (-m "not model")
 #   speed    python -m benchmarks.speed (~2 min on an H200): every policy against its floor and kvpress
-#   prefill  block-wise prefill inside a model at N = 32K (blocks of 512) against the stock model's prefill time
-#            (SmolLM2-135M's shape, random weights, bf16, SDPA)
+#   prefill  block-wise prefill inside a model at N = 8K and 32K (blocks of 512; PREFILL_N overrides) against the
+#            stock model's one-shot and chunked (DynamicCache, the same blocks) prefill: KeyDiff, SnapKV+AdaKV, KNorm,
+#            each in an equal share of the part's time (SmolLM2-135M's shape, random weights, bf16, SDPA)
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
 #   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
 #   tuning   at 4K/32K/128K (8 rows, keep 25 %, CUDA graphs): the shared select for each chunk size, LagKV for each
@@ -40,48 +41,116 @@ for part in "$@"; do
         timeout "$T" $PY -m benchmarks.speed --time-budget $((T - 60)) --out "$OUT/speed" > "$OUT/speed.log" 2>&1
         tail -5 "$OUT/speed.log" ;;
     prefill)
-        timeout "$T" $PY - > "$OUT/prefill.txt" 2>&1 <<'EOF'
-import sys, time, torch
+        PREFILL_BUDGET=$((T - 20)) timeout "$T" $PY - > "$OUT/prefill.txt" 2>&1 <<'EOF'
+import os, signal, time, torch
+from transformers import DynamicCache
 from benchmarks.common import random_llama
 from tritonkv.integrations import transformers as tt
-N, BLOCK = int(sys.argv[1]) if len(sys.argv) > 1 else 32768, 512
+# block-wise prefill (blocks of 512) inside a model: the stock model's one-shot prefill, the stock chunked prefill
+# (DynamicCache fed the same blocks) and tritonkv's block-wise caches, at each N of PREFILL_N; each variant gets an
+# equal share of what is left of PREFILL_BUDGET seconds (warm-up and compilation included; SIGALRM ends it)
+start = time.perf_counter()
+NS = [int(n) for n in os.environ.get("PREFILL_N", "8192 32768").split()]
+BLOCK, BUDGET = 512, float(os.environ.get("PREFILL_BUDGET", "400"))
+LAYERS = int(os.environ.get("PREFILL_LAYERS", "30"))
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-# SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads of 64), random weights, bf16, SDPA
-model = random_llama(max_positions=N + 64, vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                     attn_implementation="sdpa").to(dev, torch.bfloat16)
-ids = torch.randint(0, 49152, (1, N), generator=torch.Generator().manual_seed(0)).to(dev)
+# SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads of 64), random weights, bf16 (fp32 on the CPU), SDPA
+model = random_llama(max_positions=max(NS) + 64, vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                     num_hidden_layers=LAYERS, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                     attn_implementation="sdpa").to(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
+ids = torch.randint(0, 49152, (1, max(NS)), generator=torch.Generator().manual_seed(0)).to(dev)
+kw = tt.cache_kwarg(model)
 
-def stock(x):
-    return model(x, use_cache=True, logits_to_keep=1).logits
+
+def one_shot(x):
+    model(x, use_cache=True, logits_to_keep=1)
+
+
+def chunked(x):
+    cache = DynamicCache()
+    for a in range(0, x.shape[1], BLOCK):
+        b = min(x.shape[1], a + BLOCK)
+        model(input_ids=x[:, a:b], position_ids=torch.arange(a, b, device=dev)[None], use_cache=True,
+              logits_to_keep=1, **{kw: cache})
+
 
 def blockwise(policy, allocation):
     def run(x):
         cache = tt.make_cache(model, policy, 0.1, mode="blockwise", allocation=allocation, block_size=BLOCK,
                               prompt_length=x.shape[1])
-        return tt.prefill(model, x, cache)
+        tt.prefill(model, x, cache)
     return run
 
-def timed(fn, reps=3):
-    fn(ids[:, :2048])  # warm-up: compilation, first launches, plans
-    fn(ids[:, :2048])
-    best = float("inf")
-    for _ in range(reps):
-        sync()
-        t = time.perf_counter()
-        fn(ids)
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return best
 
+class OverBudget(Exception):
+    pass
+
+
+def alarm(*_):
+    raise OverBudget
+
+
+signal.signal(signal.SIGALRM, alarm)
+VARIANTS = {"one-shot": one_shot, "chunked": chunked, "keydiff": blockwise("keydiff", None),
+            "snapkv+adakv": blockwise("snapkv", "adakv"), "knorm": blockwise("knorm", None)}
+best = {}  # (variant, N): (best seconds, runs)
 with torch.no_grad():
-    base = timed(stock)
-    name = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
-    print(f"N={N} block={BLOCK} {name}; stock prefill {base * 1e3:.1f} ms")
-    for pol, alloc in (("keydiff", None), ("snapkv", "adakv"), ("knorm", None)):
-        t = timed(blockwise(pol, alloc))
-        print(f"blockwise {pol}{'+' + alloc if alloc else ''}: {t * 1e3:.1f} ms, x{t / base:.2f} stock")
+    for i, (name, fn) in enumerate(VARIANTS.items()):
+        share = (BUDGET - (time.perf_counter() - start)) / (len(VARIANTS) - i)
+        t0 = time.perf_counter()
+        signal.setitimer(signal.ITIMER_REAL, max(share, 1.0))
+        try:
+            fn(ids[:, :min(2048, max(NS))])  # warm-up: compilation, first launches, plans
+            sync()
+            for N in NS:
+                for _ in range(3):
+                    t = time.perf_counter()
+                    fn(ids[:, :N])
+                    sync()
+                    t = time.perf_counter() - t
+                    b, runs = best.get((name, N), (float("inf"), 0))
+                    best[name, N] = (min(b, t), runs + 1)
+                    if time.perf_counter() - t0 + t * (len(NS) - NS.index(N)) > share:
+                        break  # leave this variant's share to its larger N
+        except OverBudget:
+            print(f"{name}: over its {share:.0f} s share", flush=True)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        print(f"{name}: {time.perf_counter() - t0:.0f} s, " + ", ".join(
+            f"N={N} {best[name, N][0] * 1e3:.1f} ms (best of {best[name, N][1]})" for N in NS if (name, N) in best),
+            flush=True)
+device = torch.cuda.get_device_name() if dev == "cuda" else "cpu"
+print(f"\n== {device}, {model.dtype}, {LAYERS} layers, blocks of {BLOCK}, budget 0.1; block-wise / stock chunked, "
+      f"/ one-shot")
+for N in NS:
+    forwards = -(-N // BLOCK)
+    one, ch = best.get(("one-shot", N), (None,))[0], best.get(("chunked", N), (None,))[0]
+    if one is None or ch is None:
+        print(f"N={N}: no stock timing")
+        continue
+    print(f"N={N}: stock one-shot {one * 1e3:.1f} ms; stock chunked {ch * 1e3:.1f} ms ({ch / forwards * 1e3:.1f} ms "
+          f"a forward of {BLOCK}, x{ch / one:.2f} one-shot)")
+    for var in list(VARIANTS)[2:]:
+        if (var, N) not in best:
+            print(f"  {var}: not measured (its share ran out)")
+            continue
+        t = best[var, N][0]
+        print(f"  {var}: {t * 1e3:.1f} ms, x{t / ch:.2f} chunked, x{t / one:.2f} one-shot, "
+              f"{(t - ch) / (forwards * LAYERS) * 1e6:+.0f} us a layer-block over chunked")
+if dev == "cuda" and BUDGET - (time.perf_counter() - start) > 20:  # host syncs of one block-wise prefill, by line
+    import collections, warnings
+    for var in list(VARIANTS)[2:]:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                VARIANTS[var](ids[:, :min(NS)])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        where = collections.Counter(f"{w.filename.split('/')[-1]}:{w.lineno}" for w in caught
+                                    if "synchroniz" in str(w.message))
+        print(f"host syncs, {var} at N={min(NS)}: {sum(where.values())} {dict(where.most_common(6))}")
 EOF
         cat "$OUT/prefill.txt" ;;
     lagkv)

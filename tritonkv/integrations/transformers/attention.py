@@ -86,10 +86,11 @@ def _chunk(T: int, per_query: int) -> int:
     return max(1, min(T, max(16, MASK_ELEMENTS // max(1, per_query))))
 
 
-def block_attention(query, key, value, scaling):
+def block_attention(query, key, value, scaling, masks: Optional[dict] = None):
     """Attention of a block of T queries over ``S`` slots that all hold tokens, in position order, the block's own
     T tokens last (a kept prefix, then the block): slot j is visible to query i iff ``j <= S - T + i``, the same
-    for every head. Chunks of queries with a ``[chunk, S]`` mask shared by all heads. Returns ``[B, T, H_q, D]``."""
+    for every head. Chunks of queries with a ``[chunk, S]`` mask shared by all heads; ``masks``: reuse it between
+    calls (``lower_right_mask``, e.g. the layers of one forward). Returns ``[B, T, H_q, D]``."""
     B, Hq, T, D = query.shape
     S = key.shape[2]
     out = query.new_empty(B, T, Hq, value.shape[-1])
@@ -97,7 +98,8 @@ def block_attention(query, key, value, scaling):
     for c0 in range(0, T, chunk):
         c = min(chunk, T - c0)
         s = S - T + c0 + c  # slots up to the chunk's last query
-        mask = torch.ones(c, s, dtype=torch.bool, device=query.device).tril(s - c)
+        # a float mask: SDPA turns a bool one into this one (three more device ops) on every call
+        mask = lower_right_mask(c, s, query.dtype, query.device, masks)
         o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, :s], value[:, :, :s], attn_mask=mask,
                                            scale=scaling, enable_gqa=Hq != key.shape[1])
         out[:, c0:c0 + c] = o.transpose(1, 2)

@@ -175,8 +175,9 @@ class TritonKVLayer(CacheLayerMixin):
         self._empty = (key_states.new_zeros(B, H, 0, D), value_states.new_zeros(B, H, 0, value_states.shape[-1]),
                        torch.full((B, H, 0), SENTINEL, dtype=torch.int32, device=self.device))
         self.store = DenseStore.wrap(*self._empty)
-        self.fill = torch.zeros((), dtype=torch.int64, device=self.device)  # n, on the device (compiled path)
-        self.seen_dev = torch.zeros((), dtype=torch.int64, device=self.device)  # seen, on the device
+        # n and seen on the device, for a compiled step: kept current once the layer is reserved (``_sync_fill``)
+        self.fill = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.seen_dev = torch.zeros((), dtype=torch.int64, device=self.device)
         self.is_initialized = True
 
     @property
@@ -192,6 +193,7 @@ class TritonKVLayer(CacheLayerMixin):
         if capacity > self.store.capacity:
             self.store.resize(capacity)
         self.store.static = True
+        self._sync_fill(seen=True)
         static = [self.store.keys, self.store.values, self.store.pos, self.fill, self.seen_dev]
         if self.cache._wants_queries and self._qbuf is None and self.queries is not None:
             # window policies: the last W queries in a fixed buffer that compiled steps roll on the device
@@ -253,17 +255,17 @@ class TritonKVLayer(CacheLayerMixin):
             pos = torch.arange(self.seen, self.seen + T, device=self.device, dtype=torch.int32)
             if self.store.n == 0 and not self.store.static:
                 self.store = DenseStore.wrap(key_states, value_states, pos.expand(*key_states.shape[:2], T).clone())
-            else:
-                self.store.append(key_states, value_states, pos, self._slack(self.store.n + T))
+            else:  # no slack while more of the prompt follows: this block's compression replaces the store
+                slack = 0 if T > 1 and self._more_prompt(self.seen + T) else self._slack(self.store.n + T)
+                self.store.append(key_states, value_states, pos, slack)
             out = self.store.view()[0]
-            self.fill.fill_(self.store.n)
         self.seen += T
         self.since += T
         if self.pads is not None:  # a padded batch: every row counts the new tokens (mark_padding takes pads off)
             self.row_n = [n + T for n in self.row_n]
             self.row_since = [n + T for n in self.row_since]
             self.row_block = [n + T for n in self.row_block]
-        self.seen_dev.fill_(self.seen)
+        self._sync_fill(seen=True)
         self.peak = max(self.peak, self.n)
         self.cache._record(self.layer_idx, self.n)
         hand_over(self, out, kwargs)
@@ -271,6 +273,14 @@ class TritonKVLayer(CacheLayerMixin):
 
     def _slack(self, kept: int) -> int:
         return slack_for(kept, self.cache.decode_every)
+
+    def _sync_fill(self, seen: bool = False) -> None:
+        """Write ``n`` (and ``seen``) to the device-side counters that compiled steps read, for a reserved layer only:
+        an eager layer never reads them, and each write is a device launch per layer and forward."""
+        if self.store.static:
+            self.fill.fill_(self.n)
+            if seen:
+                self.seen_dev.fill_(self.seen)
 
     def get_mask_sizes(self, query_length):
         """``(kv_length, kv_offset)``. Before transformers 5.x's length argument a tensor of cache positions came
@@ -376,7 +386,7 @@ class TritonKVLayer(CacheLayerMixin):
                 if self.cache._use_kernel(query):
                     return decode_attention(query, (key, value), scale=scaling).transpose(1, 2).contiguous()
                 return decode_sdpa(query, key, value, scaling)
-            return block_attention(query, key, value, scaling)
+            return block_attention(query, key, value, scaling, self.cache._masks)
         pos = st.view()[2]
         lengths = self._held_suffix(pos) if self.pads is None else None
         if lengths is not None and min(min(row) for row in lengths) >= T:  # per-head rows, each ending in the block
@@ -443,24 +453,34 @@ class TritonKVLayer(CacheLayerMixin):
                 self.store = out
             self.has_invalid, self.allocated = True, True
         else:
-            self.store.replace(*out, max(self._slack(out[0].shape[2]), ahead))
-            self.has_invalid = bool((out[2] == SENTINEL).any())
+            # between prompt blocks no slack: the next block's update grows the store by one concatenation
+            self.store.replace(*out, 0 if ahead else self._slack(out[0].shape[2]))
+            # kept slots of a view that held a token in every slot all hold one: no read-back (a device sync)
+            self.has_invalid = self.has_invalid and bool((out[2] == SENTINEL).any())
         self._compressed()
 
-    def _next_block(self) -> int:
-        """Tokens of the next prompt block when more of a known prompt (``prompt_length``) is to come block-wise,
-        else 0. A compression between prompt blocks leaves that many free slots (the block is then written in
-        place, not into a new buffer), and per-head rows stay in their padded working view (the next block would
-        build it again)."""
+    def _more_prompt(self, seen: int) -> bool:
+        """Whether more of a known prompt (``prompt_length``) is to come block-wise after ``seen`` tokens (a batch
+        without pads)."""
         cache = self.cache
-        if cache.mode != "blockwise" or not cache.prompt_length or self.pads is not None:
+        return cache.mode == "blockwise" and bool(cache.prompt_length) and self.pads is None and \
+            seen < cache.prompt_length
+
+    def _next_block(self) -> int:
+        """Tokens of the next prompt block when more of a known prompt is to come block-wise (``_more_prompt``),
+        else 0. A dense compression between prompt blocks then keeps no slack (the next block's update
+        concatenates: one copy, where free slots cost an allocation, a fill and a copy here and a copy there), and
+        per-head rows stay in their padded working view with room for that block (the next block would build it
+        again)."""
+        cache = self.cache
+        if not self._more_prompt(self.seen):
             return 0
-        return max(0, min(cache.block_size, cache.prompt_length - self.seen))
+        return min(cache.block_size, cache.prompt_length - self.seen)
 
     def _compressed(self) -> None:
         cache = self.cache
         self.since = 0
-        self.fill.fill_(self.n)
+        self._sync_fill()
         cache._record(self.layer_idx, self.n)
         cache.compressions += 1
 
@@ -605,8 +625,7 @@ class LagKVLayer(TritonKVLayer):
         self.pending = (key_states, value_states)
         self.store = DenseStore.wrap(keys, values, pos)  # this forward's view; the state is the storage
         self.seen += T
-        self.fill.fill_(self.n)
-        self.seen_dev.fill_(self.seen)
+        self._sync_fill(seen=True)
         self.peak = max(self.peak, self.n)
         self.cache._record(self.layer_idx, self.n)
         hand_over(self, keys, kwargs)
@@ -765,6 +784,9 @@ class TritonKVCache(Cache):
     def compress_now(self) -> None:
         """Apply the decoding schedule eagerly (for decode steps that ran compiled)."""
         for layer in self.layers:
+            if not layer.store.static:  # an eager layer: its host counters are current
+                self._maybe_compress(layer, prefill=False)
+                continue
             n, layer.seen = int(layer.fill), int(layer.seen_dev)
             step = n - layer.store.n
             layer.since += step

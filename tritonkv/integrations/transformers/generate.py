@@ -44,11 +44,12 @@ def make_cache(model, policy, budget, *, mode="after_prefill", allocation=None, 
                          num_layers=model.config.num_hidden_layers, **kwargs)
 
 
-def _positions(attention_mask, start: int, T: int):
-    """RoPE positions of tokens [start, start + T): the number of real tokens before each one."""
+def _positions(attention_mask, start: int, T: int, device=None):
+    """RoPE positions of tokens [start, start + T): the number of real tokens before each one. Made on ``device``
+    (the mask's when given): a host tensor copied to a GPU would make each forward wait for the device."""
     if attention_mask is None:
-        return torch.arange(start, start + T).unsqueeze(0)
-    pos = attention_mask.long().cumsum(-1) - 1
+        return torch.arange(start, start + T, device=device).unsqueeze(0)
+    pos = attention_mask.to(device).long().cumsum(-1) - 1
     return pos.clamp(min=0)[:, start:start + T]
 
 
@@ -98,7 +99,7 @@ def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_kee
     with use_tritonkv(model):
         for b, rows in blocks:
             ids = input_ids[:, a - start0:b - start0]
-            pos = _positions(full_mask, a, ids.shape[1]).to(input_ids.device)
+            pos = _positions(full_mask, a, ids.shape[1], input_ids.device)
             if isinstance(cache, TritonKVCache):
                 cache._block_ends = rows
             try:

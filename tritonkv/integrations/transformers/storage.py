@@ -15,7 +15,9 @@ Two layouts, chosen per compression:
 Slack rule (``slack_for``): after a compression a layer holds its kept tokens plus
 ``max(16, ceil(kept / 16))`` free slots per head (at most 1/16 ≈ 6 % over the kept bytes once a head keeps
 256 tokens or more), or ``decode_every`` free slots in ``"decoding"`` mode, so that decode steps append in
-place; when they run out the store grows by the same rule (one copy per ~kept/16 steps). A store never keeps
+place; when they run out the store grows by the same rule (one copy per ~kept/16 steps). A dense layer compressed
+between the blocks of a prompt whose length the cache knows keeps no free slot: the next block's ``append``
+concatenates (one copy per tensor). A store never keeps
 its high-water capacity after a compression, unless ``reserve``d for a compiled decode loop.
 """
 from __future__ import annotations
@@ -148,11 +150,29 @@ class DenseStore:
             if self.static:
                 raise RuntimeError(f"the reserved capacity ({self.capacity} slots) is full: reserve() more for a "
                                    f"compiled decode loop")
+            if n == self.capacity:  # full (a store just compressed between prompt blocks): one copy per tensor
+                self._grow_by_cat(keys, values, pos, slack)
+                return
             self.resize(n + T + slack)
         self.keys[:, :, n:n + T] = keys
         self.values[:, :, n:n + T] = values
         self.pos[:, :, n:n + T] = pos
         self.n = n + T
+
+    def _grow_by_cat(self, keys, values, pos, slack: int) -> None:
+        """``append`` to a full store: the slots in use, the new ones and ``slack`` free ones (zero K/V, ``SENTINEL``
+        positions, as ``resize`` leaves them) concatenated into new buffers."""
+        B, H = self.keys.shape[:2]
+        T = keys.shape[2]
+        grown = []
+        for old, new, fill in ((self.keys, keys, 0), (self.values, values, 0),
+                               (self.pos, pos.expand(B, H, T), SENTINEL)):
+            parts = [old, new.to(old.dtype)]
+            if slack:
+                parts.append(old.new_full((B, H, slack, *old.shape[3:]), fill))
+            grown.append(torch.cat(parts, dim=2))
+        self.keys, self.values, self.pos = grown
+        self.n += T
 
     def view(self):
         """``(keys, values, pos)`` of the slots in use."""
