@@ -167,6 +167,9 @@ def _config(obj, names: dict = POLICIES, tensors: Optional[list] = None):
 _BY_VALUE = frozenset({"profile", "layer_preference", "hd"})
 
 
+_PARAMETER = torch.nn.Parameter
+
+
 def _by_value(name: str, t: torch.Tensor) -> bool:
     return name in _BY_VALUE and t.is_cpu and t.numel() <= 4096
 
@@ -185,7 +188,8 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
     if type(kv) not in (tuple, list) or len(kv) != 2 or type(budget) not in (int, float) and not _number(budget):
         return None
     keys, values = kv
-    kv = keys, values
+    if type(kv) is list:
+        kv = keys, values
     if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or not _common.use_triton(keys)
             or not _common._eager((), None)
             or torch.is_autocast_enabled(keys.device.type)):  # a replayed op would be cast again, not as recorded
@@ -204,7 +208,7 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
              torch.get_default_dtype()]
     for name, v in inputs.items():
         t = type(v)
-        if t is torch.nn.Parameter or name == "o_proj" and isinstance(v, torch.nn.Linear):
+        if t is not torch.Tensor and (t is _PARAMETER or name == "o_proj" and isinstance(v, torch.nn.Linear)):
             v = getattr(v, "weight", v)
             if type(v) not in (torch.Tensor, torch.nn.Parameter):
                 return None
