@@ -23,10 +23,14 @@ from its plan (``tritonkv/kernels/_plan.py``): the warm-up records it, the round
 CPU allocations (``malloc``, for the larger outputs ``mmap`` and page faults), dearer than the CUDA caching
 allocator's. ``without_triton_run_us`` repeats the measurement with ``JITFunction.run`` itself stubbed: tritonkv's
 own host time without Triton's per-launch binder and cache lookup, and without plans (a patched ``run`` keeps
-calls off them), i.e. every layer of the call as it runs the first time a shape is seen.
+calls off them), i.e. every layer of the call as it runs the first time a shape is seen. ``planned``: the share of
+the timed calls repeated from a plan (``_plan.counts``). The cases ``speed ...`` are ``benchmarks/speed.py``'s own
+calls (its policy objects, int budget, window LSE and allocation inputs, layer 15 of 30) at N = ``SPEED_N``; its
+model-level tables (profile, CAKE's preferences, head means, SCORE's ``hd``) are host tensors here.
 
     python -m benchmarks.host_time                          # this checkout's tritonkv
     python -m benchmarks.host_time --compare <git ref> --json benchmarks/results/host_time.json
+    python -m benchmarks.host_time --gpu --json $OUT/host_time_gpu.json   # on a GPU: the speed cases for real
 
 ``--compare REF`` also measures the ``tritonkv`` package of git revision ``REF`` (extracted to a temporary
 directory, run in a subprocess with the same harness), interleaving the two so that a loaded machine affects
@@ -66,6 +70,11 @@ CASES = [
     ("knorm+score", "knorm", ("layer", "head_means"), "score"),
     ("knorm+fixed", "knorm", ("layer",), "fixed"),  # a Fixed allocator of HeadKV budgets from the profile
 ]
+# ``benchmarks/speed.py``'s own calls at N = SPEED_N (its shape is the one above): a policy object, an int budget,
+# the window queries' LSE, the allocators as layer 15 of 30 with the inputs it builds (its ``allocation_case``)
+SPEED_N = 4096
+SPEED_DENSE = ["snapkv", "score"]
+SPEED_ALLOCATIONS = ["uniform", "adakv", "headkv", "score", "surfacelogic", "cake", "fixed"]
 
 
 def loop_us(reps: int = 200) -> float:
@@ -146,37 +155,103 @@ def fixed(pool):
     return Fixed(budgets=headkv_budgets(pool["profile"], int(KEEP * N), N))
 
 
-def measure(calls: int, rounds: int, warmup: int, only=None) -> dict:
-    """``{case: host µs per call}`` for this process's tritonkv."""
+def speed_calls(device: str = "cpu"):
+    """``[(case, call)]``: ``benchmarks/speed.py``'s calls of its compress and allocation parts at N = SPEED_N
+    on ``device`` (on the CPU its model-level tables are small host tensors, on a GPU device tensors)."""
+    import torch
+    import tritonkv
+    from benchmarks import speed
+    from benchmarks.common import policy_inputs, random_case
+
+    keys, values, pool = random_case(SPEED_N, B, H, G, D, W, torch.bfloat16, device)
+    pool["attn_lse"] = speed.window_lse(keys, pool["queries"])
+    k = tritonkv.resolve_budget(speed.KEEP, SPEED_N)
+    ctx = argparse.Namespace(G=G)
+    out = []
+    for name in SPEED_DENSE:
+        pol = tritonkv.POLICIES[name]()
+        inputs = policy_inputs(pol, pool)
+        out.append((f"speed {name}",
+                    lambda pol=pol, inputs=inputs: tritonkv.compress((keys, values), pol, k, **inputs)))
+    pol = tritonkv.POLICIES[speed.ALLOC_POLICY]()
+    inputs = policy_inputs(pol, pool)
+    for name in SPEED_ALLOCATIONS:
+        alloc, extra, _, _ = speed.allocation_case(name, SPEED_N, k, pol, keys, ctx)
+        out.append((f"speed {speed.ALLOC_POLICY}+{name}", lambda alloc=alloc, extra=extra: tritonkv.compress(
+            (keys, values), pol, k, allocation=alloc, **inputs, **extra)))
+    return out
+
+
+def measure(calls: int, rounds: int, warmup: int, only=None) -> tuple[dict, dict]:
+    """``({case: host µs per call}, {case: share of the timed calls repeated from a plan})`` for this process's
+    tritonkv (the share is None where its ``_plan`` keeps no counts)."""
     gpu_path_on_cpu()
     import torch
     import tritonkv
+    from tritonkv.kernels import _plan
 
     torch.set_num_threads(1)
     keys, values, pool = make_inputs()
-    out = {}
+    todo = []
     for case, name, needs, allocation in CASES:
-        if only and case not in only:
-            continue
         inputs = {n: pool[n] for n in needs}
         extra = {} if allocation is None else {"allocation": fixed(pool) if allocation == "fixed" else allocation}
-
-        def call():
-            return tritonkv.compress((keys, values), name, KEEP, **extra, **inputs)
+        todo.append((case, lambda name=name, inputs=inputs, extra=extra: tritonkv.compress(
+            (keys, values), name, KEEP, **extra, **inputs)))
+    todo += speed_calls()
+    counts = getattr(_plan, "counts", None)
+    out, planned = {}, {}
+    for case, call in todo:
+        if only and case not in only:
+            continue
         for _ in range(warmup):
             call()
+        before = None if counts is None else counts["replayed"]
         t = min(timeit.repeat(call, number=calls, repeat=rounds)) / calls
         out[case] = round(t * 1e6, 1)
+        planned[case] = None if counts is None else round((counts["replayed"] - before) / (calls * rounds), 2)
+    return out, planned
+
+
+def on_gpu(calls: int, warmup: int) -> dict:
+    """``speed_calls`` on the GPU, without stubs: per case, the host µs of one eager call (``calls`` calls without
+    a synchronisation, divided), the µs per call until the device is done, the share of those calls repeated from a
+    plan and why the latest calls were not recorded (``_plan.why``)."""
+    import time
+
+    import torch
+    from tritonkv.kernels import _plan
+
+    out = {}
+    with torch.no_grad():
+        for case, call in speed_calls("cuda"):
+            failed = _plan.counts["not recorded"]
+            for _ in range(warmup):  # the first call runs, the second is recorded
+                call()
+            torch.cuda.synchronize()
+            failed = _plan.counts["not recorded"] - failed
+            before = _plan.counts["replayed"]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            out[case] = dict(host_us=round((t1 - t0) / calls * 1e6, 1), done_us=round((t2 - t0) / calls * 1e6, 1),
+                             planned=round((_plan.counts["replayed"] - before) / calls, 2),
+                             why=list(_plan.why)[-failed:] if failed else [])
+            print(case, json.dumps(out[case]), flush=True)
     return out
 
 
 def _worker(args) -> None:
-    host = measure(args.calls, args.rounds, args.warmup, args.only)
+    host, planned = measure(args.calls, args.rounds, args.warmup, args.only)
     from triton.runtime.jit import JITFunction
 
     JITFunction.run = lambda self, *a, grid, warmup, **k: None  # Triton's launch path (binder, cache key) off
-    own = measure(args.calls, args.rounds, args.warmup, args.only)
-    json.dump(dict(host_us=host, without_triton_run_us=own, loop_us=round(loop_us(), 1)), sys.stdout)
+    own, _ = measure(args.calls, args.rounds, args.warmup, args.only)
+    json.dump(dict(host_us=host, without_triton_run_us=own, planned=planned, loop_us=round(loop_us(), 1)),
+              sys.stdout)
 
 
 def _run_tree(tree: str, args) -> dict:
@@ -201,10 +276,17 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="cases to run")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--md", help="write the table here (Markdown)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="on a GPU, no stubs: the speed cases' host and device-done µs per call, planned share")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         return _worker(args)
+    if args.gpu:
+        res = dict(run_info(True), speed_N=SPEED_N, calls=args.calls, cases=on_gpu(args.calls, args.warmup))
+        if args.json:
+            write_json(args.json, res)
+        return
     trees = {"after": (ROOT, git("rev-parse", "HEAD"))}
     with tempfile.TemporaryDirectory() as tmp:
         if args.compare:
@@ -221,16 +303,17 @@ def main() -> None:
     for k, rs in runs.items():
         res[k] = dict(commit=trees[k][1], loop_us=min(r["loop_us"] for r in rs),
                       **{m: {c: min(r[m][c] for r in rs) for c in rs[0][m]}
-                         for m in ("host_us", "without_triton_run_us")})
+                         for m in ("host_us", "without_triton_run_us")},
+                      planned=rs[-1]["planned"])
     cases = list(res["after"]["host_us"])
     cols = [(k, m) for m in ("host_us", "without_triton_run_us") for k in res]
-    print(f"{'case':<16}" + "".join(f"{k + (' -run' if m != 'host_us' else ''):>14}" for k, m in cols)
-          + ("  after/before" if "before" in res else ""))
+    print(f"{'case':<26}" + "".join(f"{k + (' -run' if m != 'host_us' else ''):>14}" for k, m in cols)
+          + ("  after/before" if "before" in res else "") + "  planned")
     for c in cases:
         row = "".join(f"{res[k][m][c]:>14.1f}" for k, m in cols)
         if "before" in res:
             row += f"  {res['after']['host_us'][c] / res['before']['host_us'][c]:>12.2f}"
-        print(f"{c:<16}{row}")
+        print(f"{c:<26}{row}  {res['after']['planned'][c]:>7.2f}")
     print("calibration, 1000-iteration Python loop (us): "
           + ", ".join(f"{k} {v['loop_us']}" for k, v in res.items()))
     info = run_info()
@@ -254,12 +337,14 @@ def write_md(path: str, res: dict, command: str, info: dict) -> None:
     head = ["case"] + [f"{k} µs" for k in trees] + [f"{k} µs without Triton's run()" for k in trees]
     if "before" in res:
         head.append("after / before")
+    head.append("after: share repeated from a plan")
     rows = []
     for c in res["after"]["host_us"]:
         row = [c] + [f"{res[k]['host_us'][c]:.0f}" for k in trees]
         row += [f"{res[k]['without_triton_run_us'][c]:.0f}" for k in trees]
         if "before" in res:
             row.append(f"{res['after']['host_us'][c] / res['before']['host_us'][c]:.2f}")
+        row.append(f"{res['after']['planned'][c]:.2f}")
         rows.append(row)
     lines = table(rows, None, head)
     calib = ", ".join(f"{k} {v['loop_us']} µs" for k, v in res.items())
@@ -269,7 +354,9 @@ def write_md(path: str, res: dict, command: str, info: dict) -> None:
 
 Command: `{command}` (without `TRITON_INTERPRET`). Trees: {commits}. Method, shape and what is left out: the
 docstring of `benchmarks/host_time.py` (B = {B}, H_kv = {H}, H_q = {H * G}, N = {N}, D = {D}, W = {W}, bf16,
-keep {KEEP:.0%}; minimum over rounds and interleaved worker runs of the mean per call).
+keep {KEEP:.0%}; minimum over rounds and interleaved worker runs of the mean per call). Cases `speed ...`:
+`benchmarks/speed.py`'s own calls (policy objects, an int budget, `attn_lse`, allocators as layer 15 of 30 with
+the inputs it builds) at N = {SPEED_N}.
 
 {chr(10).join(lines)}
 

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 import tritonkv  # noqa: E402
 from tritonkv import POLICIES  # noqa: E402
+from tritonkv.kernels import _plan  # noqa: E402
 from tritonkv.kernels.select import select_indices  # noqa: E402
 
 from benchmarks import baselines, decode_attention as da  # noqa: E402
@@ -73,6 +74,18 @@ def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
             torch.cuda.synchronize()
     print(f"{what}: {why}; eager time reported", file=sys.stderr)
     return gpu_time(fn, cuda), "eager"
+
+
+def eager_time(fn, cuda: bool) -> tuple[dict, dict]:
+    """``gpu_time`` of the eager calls, and the columns that say whether they were repeated from a plan
+    (``tritonkv/kernels/_plan.py``): the share of them that were, and why the call was not recorded if it was not."""
+    counts = _plan.counts
+    calls, replayed, failed = sum(counts.values()), counts["replayed"], counts["not recorded"]
+    t = gpu_time(fn, cuda)
+    calls = sum(counts.values()) - calls
+    failed = counts["not recorded"] - failed
+    return t, dict(eager_planned=round((counts["replayed"] - replayed) / calls, 2) if calls else None,
+                   not_recorded=_plan.why[-1] if failed else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +293,7 @@ def run_compress(ctx: Ctx, rows: list) -> None:
             if not (res := checked_call(rows, "compress", name, N, keys, values, fn)):
                 continue
             out, ok = res
-            eager = gpu_time(fn, ctx.cuda)
+            eager, planned = eager_time(fn, ctx.cuda)
             t, timing = measure_graph(fn, ctx.cuda, f"compress {name} N={N}") if ctx.cuda else (eager, "eager")
             kv_us = kv_graph = same = None
             if kv_ref:
@@ -295,7 +308,7 @@ def run_compress(ctx: Ctx, rows: list) -> None:
                     ref_idx, _ = select_indices(scores_fn().float(), k, k, sink=sink, window=window)
                     same = bool(torch.equal(ref_idx, out.indices))
             emit(rows, dict(kind="compress", policy=name, allocation=None, **ctx.base(N),
-                            kept_tokens=ctx.B * ctx.H * k, tritonkv_eager_us=eager["us"],
+                            kept_tokens=ctx.B * ctx.H * k, tritonkv_eager_us=eager["us"], **planned,
                             **ctx.timed(t, timing, keys, score_reads(name, keys), ctx.B * ctx.H * k),
                             **ctx.compute_floor(name, t, keys, mine),
                             kvpress_us=kv_us, kvpress_graph_us=kv_graph,
@@ -345,12 +358,12 @@ def run_allocation(ctx: Ctx, rows: list) -> None:
             out, ok = res
             kept, k_max = (int(x) for x in torch.stack([out.length.sum(), out.length.max()]).tolist())
             del out, res
-            eager = gpu_time(fn, ctx.cuda)
+            eager, planned = eager_time(fn, ctx.cuda)
             # a CUDA graph where the call can be captured (no host read-back), else eager with the reason printed
             t, timing = measure_graph(fn, ctx.cuda, f"allocation {name} N={N}") if ctx.cuda else (eager, "eager")
             emit(rows, dict(kind="allocation", policy=ALLOC_POLICY, allocation=name, **ctx.base(N),
                             layer=LAYER, num_layers=NUM_LAYERS, kept_tokens=kept, k_max=k_max,
-                            tritonkv_eager_us=eager["us"],
+                            tritonkv_eager_us=eager["us"], **planned,
                             **ctx.timed(t, timing, keys, score_reads(ALLOC_POLICY, keys) + extra_bytes, kept),
                             inputs=desc, ok=ok))
 
@@ -442,7 +455,8 @@ def run(args):
                              allocation_policy=ALLOC_POLICY, layer=LAYER, num_layers=NUM_LAYERS,
                              time_budget_s=args.time_budget),
                copy_GBps=round(ctx.copy_GBps, 1), copy_bytes=ctx.copy_bytes, matmul_TFLOPS=round(ctx.mm_TFLOPS, 1),
-               phase_s={}, scaling_fit={}, skipped=ctx.skipped, complete=False, rows=[])
+               phase_s={}, scaling_fit={}, skipped=ctx.skipped, complete=False, rows=[],
+               load_average=[round(x, 2) for x in os.getloadavg()])  # eager times are host-bound: a busy host shows
     rows = res["rows"]
     steps = [(p, {"compress": run_compress, "allocation": run_allocation, "decode": run_decode,
                   "scaling": run_scaling}[p]) for p in parts]
@@ -455,6 +469,7 @@ def run(args):
             res["scaling_fit"] = out
         res["phase_s"][name] = round(time.perf_counter() - t, 1)
         res["wall_s"] = round(time.perf_counter() - ctx.t0, 1)
+        res["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
         print(f"== {name}: {res['phase_s'][name]} s (total {res['wall_s']} s)", flush=True)
         _dense_ratio(rows)
         if args.out and name != "torch_compile":  # a run cut short keeps the parts it finished

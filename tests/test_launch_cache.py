@@ -132,3 +132,65 @@ def test_plans_repeat_only_what_they_may():
     # for hm, by the 6th call), nor hm changed in place
     assert res["served"] == [True, True, False, False], res
     assert res["fixed_served"] == [True, True, False, False], res  # likewise Fixed's budgets
+
+
+SPEED_CALLS = """
+import json, torch
+from benchmarks.host_time import gpu_path_on_cpu, speed_calls
+gpu_path_on_cpu()
+from tritonkv.kernels import _plan
+from tritonkv.policies import CriticalKV, Knorm, SnapKV
+
+out = {}
+with torch.no_grad():  # as benchmarks/speed.py calls compress
+    for case, call in speed_calls():
+        before = dict(_plan.counts)
+        for _ in range(4):
+            call()
+        out[case] = {k: v - before.get(k, 0) for k, v in _plan.counts.items() if v != before.get(k, 0)}
+
+class Reads(Knorm):  # reads a value back on the host
+    def score_and_hist0(self, keys, values, **kw):
+        keys.sum(-1).tolist()
+        return self.score(keys, values), None
+
+import numpy as np
+import tritonkv
+k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+for _ in range(3):
+    tritonkv.compress((k, v), Reads(), 16)
+out["why"] = list(_plan.why)
+# what compress reads as it reads a tensor or a Python number: W_O as an nn.Linear or a module's Parameter (that
+# requires grad), NumPy numbers (a budget, a layer index), kv as a list
+q, lin, ckv = torch.randn(1, 4, 8, 16), torch.nn.Linear(64, 64, bias=False), CriticalKV(base=SnapKV(window=4))
+calls = {"o_proj Linear": lambda: tritonkv.compress((k, v), ckv, 16, queries=q, o_proj=lin),
+         "o_proj Parameter": lambda: tritonkv.compress((k, v), ckv, 16, queries=q, o_proj=lin.weight),
+         "numpy budget": lambda: tritonkv.compress((k, v), "knorm", np.float32(0.25)),
+         "numpy layer": lambda: tritonkv.compress((k, v), "knorm", 16, allocation="pyramid", layer=np.int64(1),
+                                                  num_layers=np.int64(4)),
+         "kv list": lambda: tritonkv.compress([k, v], "knorm", 16)}
+for case, call in calls.items():
+    before = dict(_plan.counts)
+    res = [call() for _ in range(4)]
+    out[case] = {k: v - before.get(k, 0) for k, v in _plan.counts.items() if v != before.get(k, 0)}
+    out[case + " grad"] = any(t.requires_grad for r in res for t in vars(r).values() if isinstance(t, torch.Tensor)) \
+        if hasattr(r := res[-1], "__dict__") else any(t.requires_grad for t in res[-1])
+print(json.dumps(out))
+"""
+
+
+def test_speed_benchmark_calls_repeat_from_plans():
+    """``benchmarks/speed.py``'s own calls (policy objects, an int budget, the window LSE, allocators as layer 15 of
+    30 with its inputs), as ``benchmarks/host_time.py`` drives them on the CPU: the second call of each is recorded,
+    later ones repeated from the plan (``_plan.counts``), and so are calls with W_O as an ``nn.Linear`` or a
+    ``Parameter``, NumPy numbers or kv as a list (no output requires grad); a call that cannot be recorded says why
+    (``_plan.why``)."""
+    res = _run(SPEED_CALLS)
+    why = res.pop("why")
+    grads = {case: res.pop(case) for case in list(res) if case.endswith(" grad")}
+    assert len(res) == 14 and not any(grads.values()), (res, grads)
+    # W_O's Parameter: the call of its Linear, whose plan it repeats from the start
+    assert res.pop("o_proj Parameter") == {"replayed": 4}, res
+    for case, counts in res.items():
+        assert counts == {"first": 1, "recorded": 1, "replayed": 2}, (case, counts)
+    assert len(why) == 1 and why[0].startswith("Tensor.tolist of values the key does not determine"), why

@@ -167,6 +167,9 @@ def _config(obj, names: dict = POLICIES, tensors: Optional[list] = None):
 _BY_VALUE = frozenset({"profile", "layer_preference", "hd"})
 
 
+_PARAMETER = torch.nn.Parameter
+
+
 def _by_value(name: str, t: torch.Tensor) -> bool:
     return name in _BY_VALUE and t.is_cpu and t.numel() <= 4096
 
@@ -178,10 +181,15 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
     that requires grad detached (a call is not differentiable: its kernels run without autograd and no output requires
     grad, but for the input itself returned when nothing is dropped, so keys and values that require grad are then
     kept off plans); None when the key cannot be told from metadata and small host tensors' values (traced, under
-    autocast, tensor subclasses, inputs that are not tensors or plain values)."""
-    if type(kv) is not tuple or len(kv) != 2 or type(budget) not in (int, float):
+    autocast, tensor subclasses, inputs that are not tensors or plain values).
+
+    Taken as ``compress`` reads them: ``kv`` as a list, NumPy numbers (a budget, a layer index), a module's
+    ``nn.Parameter`` and W_O as an ``nn.Linear`` (its weight, which is all ``compress`` reads of it)."""
+    if type(kv) not in (tuple, list) or len(kv) != 2 or type(budget) not in (int, float) and not _number(budget):
         return None
     keys, values = kv
+    if type(kv) is list:
+        kv = keys, values
     if (type(keys) is not torch.Tensor or type(values) is not torch.Tensor or not _common.use_triton(keys)
             or not _common._eager((), None)
             or torch.is_autocast_enabled(keys.device.type)):  # a replayed op would be cast again, not as recorded
@@ -200,6 +208,13 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
              torch.get_default_dtype()]
     for name, v in inputs.items():
         t = type(v)
+        if t is not torch.Tensor and (t is _PARAMETER or name == "o_proj" and isinstance(v, torch.nn.Linear)):
+            v = getattr(v, "weight", v)
+            if type(v) not in (torch.Tensor, torch.nn.Parameter):
+                return None
+            v = v.detach()  # a plain tensor, the same values (the call reads no more of the module)
+            inputs = {**inputs, name: v}
+            t = torch.Tensor
         if t is torch.Tensor:
             if v.requires_grad:
                 v = v.detach()
@@ -210,11 +225,16 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
                 held = tuple((v if v.dim() == 1 else v.reshape(-1)).tolist())
             tensors.append(v)
             parts.append((name, tensor_key(v), held))
-        elif t in _KEY_TYPES:
+        elif t in _KEY_TYPES or _number(v):
             parts.append((name, t, v))
         else:
             return None
     return tuple(parts), tuple(tensors), tuple(known), kv, inputs
+
+
+def _number(v) -> bool:
+    """A NumPy (or other registered) real number, which a plan key holds by type and value like a Python one."""
+    return isinstance(v, numbers.Real) and not isinstance(v, torch.Tensor)
 
 
 def _drops(budget, n: int) -> bool:

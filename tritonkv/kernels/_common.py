@@ -167,7 +167,7 @@ def launch(kernel, grid, *args, **kwargs):
 def _run(kernel, grid, args: tuple, kwargs: dict):
     """``kernel[grid](*args, **kwargs)``: Triton's own ``run`` (a plan being recorded cannot repeat it)."""
     if _recorder.rec is not None:
-        _recorder.rec.fail()
+        _recorder.rec.fail(f"a launch of {getattr(kernel, '__name__', kernel)} through Triton's own run")
     return kernel.run(*args, grid=grid, warmup=False, **kwargs)
 
 
@@ -336,7 +336,7 @@ def _cached_run(kernel, grid, args: tuple, kwargs: dict):
         if _recorder.rec is not None:
             _recorder.rec.launched(kernel, cache, tkey, compiled, grid, values, kernel.debug)
     elif _recorder.rec is not None:
-        _recorder.rec.fail()
+        _recorder.rec.fail(f"a launch of {getattr(kernel, '__name__', kernel)} that the launch cache cannot keep")
     return compiled
 
 

@@ -21,7 +21,8 @@ that key repeats the record:
 * the result is a tuple of logged tensors (a ``NamedTuple``, rebuilt as its type) or an object whose attributes
   are logged tensors and plain values (``RaggedKV``);
 
-else the key is never recorded again and every call of it runs ``body()``. Host checks of input values
+else the key is never recorded again and every call of it runs ``body()`` (``counts`` and ``why`` tell which calls were
+repeated and why a call was not recorded: a diagnostic). Host checks of input values
 (``host_check``) run again on every repeat, but those of inputs whose values ``key`` holds (``known``: the check,
 a function of its arguments, passed on those very values when the call was recorded).
 
@@ -37,6 +38,7 @@ launch cache off) turns plans off.
 """
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import weakref
@@ -56,6 +58,11 @@ _KEPT_LOCK = threading.Lock()
 _PLANS: dict = {}  # key -> 1 (seen once), a _Plan, or False (never recorded)
 _MISS = object()
 _STALE = object()  # a plan that depends on other input objects: recorded again
+#: what became of the calls ``call`` saw, by outcome: "replayed" (repeated from its plan), "first" (a key's first
+#: call), "recorded", "not recorded" (``why`` says why), "off" (a key never recorded, or no recording possible now:
+#: ``body()``), "missed" (a plan whose assumptions changed: ``body()``), "stale" (a plan of other input objects)
+counts: collections.Counter = collections.Counter()
+why: collections.deque = collections.deque(maxlen=16)  # why the latest calls were not recorded, newest last
 _RECORDING = threading.Lock()  # one recording at a time (it patches tensor methods for the whole process)
 _READS = ("tolist", "numpy", "__array__")  # tensor methods that read values without an op the mode sees
 _DATA_TAGS = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)  # shapes or values read back
@@ -97,17 +104,24 @@ def call(key, tensors: tuple, body, known: tuple = ()):
         out = state.replay(tensors)
         if out is _STALE:
             _PLANS[key] = 1
+            counts["stale"] += 1
         elif out is not _MISS:
+            counts["replayed"] += 1
             return out
+        else:
+            counts["missed"] += 1
         return body()
     if state is None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = 1
+        counts["first"] += 1
         return body()
     if state is False or _common._recorder.rec is not None or not _triton_state(0)[0]:
+        counts["off"] += 1
         return body()
     if not _RECORDING.acquire(blocking=False):
+        counts["off"] += 1
         return body()
     try:
         return _record(key, tensors, body, known)
@@ -119,7 +133,7 @@ def spoil() -> None:
     """The call being recorded, if any, must not be repeated from a record (it warns, say)."""
     rec = _common._recorder.rec
     if rec is not None:
-        rec.fail()
+        rec.fail("spoil() (a warning)")
 
 
 def depends_on(t) -> None:
@@ -129,7 +143,7 @@ def depends_on(t) -> None:
     if rec is not None:
         slot = rec.slots.get(id(t)) if type(t) is torch.Tensor else None
         if slot is None or slot >= rec.inputs:
-            return rec.fail()
+            return rec.fail("a table cached for a tensor that is not one of the call's inputs")
         rec.guards.append((slot, weakref.ref(t), t._version))
 
 
@@ -146,7 +160,7 @@ def host_check(fn, *tensors) -> None:
         rec.checking = False
     got = rec._args(tensors)
     if got is None:
-        return rec.fail()
+        return rec.fail("a host check of tensors that are not the call's")
     slots = tuple(slot for _, slot in got[1])
     if rec.known.issuperset(slots):  # the key holds these values, and the check passed on them: it passes again
         return
@@ -165,7 +179,7 @@ def _record(key, tensors, body, known):
     def reading(name):
         def read(self, *args, **kwargs):
             if not rec.checking and rec.dirty_tensor(self):
-                rec.fail()
+                rec.fail(f"Tensor.{name} of values the key does not determine")
             return saved[name](self, *args, **kwargs)
         return read
 
@@ -181,6 +195,11 @@ def _record(key, tensors, body, known):
             setattr(torch.Tensor, name, fn)
     plan = rec.finish(out, state) if rec.ok else None
     _PLANS[key] = plan if plan is not None else False
+    if plan is None:
+        counts["not recorded"] += 1
+        why.append(rec.why or "the result is not a tuple of the call's tensors, nor an object of them and plain values")
+    else:
+        counts["recorded"] += 1
     return out
 
 
@@ -201,12 +220,14 @@ class _Recorder(TorchDispatchMode):
         self.known = frozenset(known)
         self.steps = []
         self.ok = True
+        self.why = ""  # the first reason the call cannot be repeated from a record
         self.checking = False  # inside host_check: ops are not logged, reads allowed
         self.meta_written = False  # an op changed a tensor's shape, strides or storage in place
         self.cuda = any(t.is_cuda for t in tensors)  # CUDA graph capture may see the call
 
-    def fail(self) -> None:
+    def fail(self, why: str = "") -> None:
         self.ok = False
+        self.why = self.why or why
 
     def dirty_tensor(self, t) -> bool:
         """Whether ``t``'s values may differ between calls of the key (a tensor made outside the log, from Python
@@ -247,7 +268,7 @@ class _Recorder(TorchDispatchMode):
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if not all(type(o) is torch.Tensor for o in outs):  # a value read back (an item, a bool): not repeated
             if dirty:
-                self.fail()
+                self.fail(f"{func} read back values the key does not determine")
             return out
         if func is _LIFT and len(args) == 1 and id(args[0]) not in self.slots:  # torch.tensor(<Python values>)
             const, slot = args[0].clone(), self.n
@@ -258,14 +279,16 @@ class _Recorder(TorchDispatchMode):
             self._outputs(outs, dirty)
             return out
         got = self._args(args, constants=True)
-        if (got is None or any(_has_tensor(v) for v in kwargs.values()) or nondeterministic(func)
-                or dirty and any(t in func.tags for t in _DATA_TAGS)):
-            self.fail()
+        data = dirty and any(t in func.tags for t in _DATA_TAGS)
+        if got is None or any(_has_tensor(v) for v in kwargs.values()) or nondeterministic(func) or data:
+            self.fail(f"{func}: " + ("a tensor argument the call neither made nor received" if got is None
+                                     else "a random op" if nondeterministic(func)
+                                     else "a shape or value read back" if data else "a tensor keyword argument"))
             return out
         for a, x in zip(func._schema.arguments, args):  # tensors written in place take the inputs' state
             if a.alias_info is not None and a.alias_info.is_write and isinstance(x, torch.Tensor):
                 if id(x) not in self.slots:  # a constant must stay one
-                    self.fail()
+                    self.fail(f"{func} writes a tensor the call neither made nor received")
                     return out
                 if dirty:
                     self.dirty.add(_storage(x))
@@ -295,7 +318,8 @@ class _Recorder(TorchDispatchMode):
         """A launch of the launch cache (``_common._cached_run``): it may write any tensor it is given."""
         got = self._args(values) if self.ok else None
         if got is None:
-            return self.fail()
+            return self.fail(f"a launch of {getattr(kernel, '__name__', kernel)} with a tensor the call neither made "
+                             "nor received")
         self.dirty.update(_storage(t) for t in _tensors(values))
         self.steps.append(_Launch(kernel, cache, tkey, compiled, grid, got[0], got[1], debug))
 
