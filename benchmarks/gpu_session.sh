@@ -6,11 +6,14 @@
 #   speed    python -m benchmarks.speed (~2 min on an H200): every policy against its floor and kvpress
 #   prefill  block-wise prefill inside a model at N = 8K and 32K (blocks of 512; PREFILL_N overrides) against the
 #            stock model's one-shot and chunked (DynamicCache, the same blocks) prefill: KeyDiff, SnapKV+AdaKV, KNorm,
-#            each in an equal share of the part's time (SmolLM2-135M's shape, random weights, bf16, SDPA)
+#            each in an equal share of the part's time (SmolLM2-135M's shape, or Llama-3-8B's with
+#            PREFILL_SHAPE=llama8b; random weights, bf16, SDPA)
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
 #   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
-#   tuning   at 4K/32K/128K (8 rows, keep 25 %, CUDA graphs): the shared select for each chunk size, LagKV for each
-#            number of partitions per program (neither default was tuned on a GPU)
+#   tuning   at 4K/32K/128K (8 rows, and one row of 64K and 256K; keep 25 %, CUDA graphs): the shared select for
+#            each chunk size, LagKV for each number of partitions per program (defaults: the H100 run of 2026-11-26)
+#   host     python -m benchmarks.host_time --gpu: speed.py's calls at 4K eager, host and device-done µs per call,
+#            the share repeated from a plan and why a call was not recorded (~1 min, mostly compiling)
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
 # Usage: OUT=<dir> benchmarks/gpu_session.sh tests speed     (PY=<python> to choose the interpreter; TIMEOUT=<s>
 # bounds each part, 420 by default)
@@ -52,14 +55,24 @@ from tritonkv.integrations import transformers as tt
 start = time.perf_counter()
 NS = [int(n) for n in os.environ.get("PREFILL_N", "8192 32768").split()]
 BLOCK, BUDGET = 512, float(os.environ.get("PREFILL_BUDGET", "400"))
-LAYERS = int(os.environ.get("PREFILL_LAYERS", "30"))
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-# SmolLM2-135M's shape (30 layers, 9 query / 3 KV heads of 64), random weights, bf16 (fp32 on the CPU), SDPA
-model = random_llama(max_positions=max(NS) + 64, vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                     num_hidden_layers=LAYERS, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                     attn_implementation="sdpa").to(dev, torch.bfloat16 if dev == "cuda" else torch.float32)
-ids = torch.randint(0, 49152, (1, max(NS)), generator=torch.Generator().manual_seed(0)).to(dev)
+# PREFILL_SHAPE: smollm (SmolLM2-135M's shape: 30 layers, 9 query / 3 KV heads of 64) or llama8b (Llama-3-8B's:
+# 32 layers, 32 query / 8 KV heads of 128, hidden 4096; 16 GB of weights, made on the device), random weights, bf16
+# (fp32 on the CPU), SDPA
+SHAPES = {"smollm": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+          "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128)}
+shape = dict(SHAPES[os.environ.get("PREFILL_SHAPE", "smollm")])
+shape["num_hidden_layers"] = LAYERS = int(os.environ.get("PREFILL_LAYERS", shape["num_hidden_layers"]))
+dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+torch.set_default_dtype(dtype)
+with torch.device(dev):
+    model = random_llama(max_positions=max(NS) + 64, attn_implementation="sdpa", **shape)
+torch.set_default_dtype(torch.float32)
+print(f"model {os.environ.get('PREFILL_SHAPE', 'smollm')}: {shape}, {dtype}, {dev}", flush=True)
+ids = torch.randint(0, shape["vocab_size"], (1, max(NS)), generator=torch.Generator().manual_seed(0)).to(dev)
 kw = tt.cache_kwarg(model)
 
 
@@ -201,13 +214,14 @@ from tritonkv.kernels.select import _blocks, select_kv
 cuda = torch.cuda.is_available()
 dev = "cuda" if cuda else "cpu"
 g = torch.Generator(dev).manual_seed(0)
-for N in (4096, 32768, 131072) if cuda else (512,):
-    keys, values = (torch.randn(1, 8, N, 128, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
-    scores = torch.randn(1, 8, N, device=dev, generator=g)
+# 8 rows, and one row (AdaKV's select over a layer's heads flattened: 8 x 32K = 256K tokens; at most 64 chunks a row)
+for H, N in ((8, 4096), (8, 32768), (8, 131072), (1, 65536), (1, 262144)) if cuda else ((8, 512), (1, 1024)):
+    keys, values = (torch.randn(1, H, N, 128, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
+    scores = torch.randn(1, H, N, device=dev, generator=g)
     k = N // 4
     ref = select_kv(scores, k, keys, values, k)[2]
-    row = [f"N={N} default chunk {_blocks(N, 8, None)[0]}:"]
-    for chunk in (256, 512, 1024, 2048, 4096, 8192):
+    row = [f"rows={H} N={N} default chunk {_blocks(N, H, None)[0]}:"]
+    for chunk in (256, 512, 1024, 2048, 4096, 8192, 16384):
         if chunk > N:
             continue
         fn = lambda: select_kv(scores, k, keys, values, k, chunk=chunk)  # noqa: E731
@@ -233,9 +247,12 @@ for N in (4096, 32768, 131072) if cuda else (1024,):
     print(" ".join(row), flush=True)
 EOF
         cat "$OUT/tuning.txt" ;;
+    host)
+        timeout "$T" $PY -m benchmarks.host_time --gpu --json "$OUT/host_time_gpu.json" > "$OUT/host_time_gpu.txt" 2>&1
+        tail -30 "$OUT/host_time_gpu.txt" ;;
     pack)
         tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/" ;;
     *)
-        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, kernels, tuning, pack)" >&2; exit 2 ;;
+        echo "unknown part: $part (wheels, tests, speed, prefill, lagkv, kernels, tuning, host, pack)" >&2; exit 2 ;;
     esac
 done
