@@ -35,6 +35,14 @@ def test_environment_switch_turns_the_cache_off():
     assert _run(code) == dict(on=True, audited=True)
 
 
+# a policy that reads a value back on the host, for the two scripts below ({READS} in them)
+READS = """
+class Reads(Knorm):  # reads a value back on the host
+    def score_and_hist0(self, keys, values, **kw):
+        keys.sum(-1).tolist()
+        return self.score(keys, values), None
+"""
+
 PLAN_GUARDS = """
 import json, warnings, torch
 from benchmarks.host_time import gpu_path_on_cpu
@@ -55,11 +63,7 @@ with warnings.catch_warnings(record=True) as w:
 out["warned"], out["warning_plans"] = len(w), plans()
 _plan._PLANS.clear()
 
-class Reads(Knorm):  # reads a value back on the host
-    def score_and_hist0(self, keys, values, **kw):
-        keys.sum(-1).tolist()
-        return self.score(keys, values), None
-
+{READS}
 k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
 for _ in range(3):
     tritonkv.compress((k, v), Reads(), 16)
@@ -120,7 +124,7 @@ def test_plans_repeat_only_what_they_may():
     keys that require grad returned as they are, keep a call off plans (inputs that require grad are planned
     detached); a policy object's settings are part of the plan key; a plan that used a table cached per input
     object (or an allocator's tensor attribute) serves that object only, unchanged."""
-    res = _run(PLAN_GUARDS)
+    res = _run(PLAN_GUARDS.replace("{READS}", READS))
     assert res["warned"] == 4 and res["warning_plans"] == ["False"], res
     assert res["read_plans"] == ["False"], res
     assert res["logged"] == 4, res  # knorm: score + finish + tail + compact
@@ -149,11 +153,7 @@ with torch.no_grad():  # as benchmarks/speed.py calls compress
             call()
         out[case] = {k: v - before.get(k, 0) for k, v in _plan.counts.items() if v != before.get(k, 0)}
 
-class Reads(Knorm):  # reads a value back on the host
-    def score_and_hist0(self, keys, values, **kw):
-        keys.sum(-1).tolist()
-        return self.score(keys, values), None
-
+{READS}
 import numpy as np
 import tritonkv
 k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
@@ -185,7 +185,7 @@ def test_speed_benchmark_calls_repeat_from_plans():
     later ones repeated from the plan (``_plan.counts``), and so are calls with W_O as an ``nn.Linear`` or a
     ``Parameter``, NumPy numbers or kv as a list (no output requires grad); a call that cannot be recorded says why
     (``_plan.why``)."""
-    res = _run(SPEED_CALLS)
+    res = _run(SPEED_CALLS.replace("{READS}", READS))
     why = res.pop("why")
     grads = {case: res.pop(case) for case in list(res) if case.endswith(" grad")}
     assert len(res) == 14 and not any(grads.values()), (res, grads)
