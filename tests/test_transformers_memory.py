@@ -283,3 +283,53 @@ def test_a_window_policy_layer_keeps_the_last_window_of_queries(model):
         if T == 1 and len(fed) % 3 == 0:
             assert torch.equal(layer.queries, torch.cat(fed, dim=2)[:, :, -W:])
     assert torch.equal(layer.queries, torch.cat(fed, dim=2)[:, :, -W:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask_elements", [None, 64])
+def test_held_attention_is_masked_attention_of_ordered_slots(monkeypatch, dtype, mask_elements):
+    """A block with no pads over slots in position order, its own T tokens last, empty slots (``SENTINEL``) anywhere
+    before them (gaps, short heads): the shared causal mask plus a bias at the empty slots gives what comparing
+    positions gives, bit for bit, with grouped queries (G = 4), two batch rows and chunks of queries (``mask_elements`` small),
+    and a mask shared between calls (``masks``)."""
+    at = importlib.import_module("tritonkv.integrations.transformers.attention")
+    if mask_elements is not None:
+        monkeypatch.setattr(at, "MASK_ELEMENTS", mask_elements)
+    g = torch.Generator().manual_seed(1)
+    B, H, T, masks = 2, 2, 5 if mask_elements is None else 40, {}
+    for S in (T + 9, T + 3, T + 17, T):
+        q = torch.randn(B, 4 * H, T, 16, generator=g).to(dtype)
+        k, v = (torch.randn(B, H, S, 16, generator=g).to(dtype) for _ in range(2))
+        held = torch.rand(B, H, S, generator=g) < 0.6
+        held[..., S - T:] = True  # the block's own tokens
+        held[0, 1, :S - T] = False  # a head holding the block alone
+        pos = torch.where(held, 100 + torch.arange(S), tt.SENTINEL).to(torch.int32)
+        want = tt.masked_attention(q, k, v, pos, torch.arange(100 + S - T, 100 + S), 0.25)
+        got = at.held_attention(q, k, v, pos, 0.25, masks)
+        assert torch.equal(got, at.held_attention(q, k, v, pos, 0.25))
+        assert torch.equal(got, want)  # the same SDPA over the same 0 / -inf mask, bit for bit
+        assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("allocation", ["adakv", "pyramid"])
+def test_per_head_rows_off_the_host_attend_as_before(model, monkeypatch, allocation):
+    """Block-wise SnapKV with per-head budgets where ``held_suffix`` cannot look (a GPU: it reads nothing back) and
+    the layers attend with ``held_attention``: the same logits, decoded tokens and kept tokens, bit for bit, as
+    comparing positions (``masked_attention``, which that path ran before)."""
+    cm = importlib.import_module("tritonkv.integrations.transformers.cache")
+    monkeypatch.setattr(cm, "held_suffix", lambda pos: None)  # as off the host
+
+    def by_position(query, key, value, pos, scaling, masks=None):
+        T = query.shape[2]
+        return tt.masked_attention(query, key, value, pos, pos[0, 0, -T:], scaling)  # the block's own positions
+
+    runs = []
+    for attend in (cm.held_attention, by_position):
+        calls = []  # the path's calls, counted
+        monkeypatch.setattr(cm, "held_attention", lambda *a, f=attend, **k: calls.append(1) or f(*a, **k))
+        cache = tt.make_cache(model, "snapkv", 48, mode="blockwise", block_size=32, allocation=allocation)
+        logits = tt.prefill(model, _ids(150), cache)[:, -1]
+        runs.append((logits, tt.decode(model, cache, logits, 4), cache.kept_tokens(), len(calls)))
+    (l0, d0, k0, n0), (l1, d1, k1, n1) = runs
+    assert n0 == n1 > 0  # the path ran, in every later block of every layer
+    assert torch.equal(l0, l1) and torch.equal(d0, d1) and all(torch.equal(a, b) for a, b in zip(k0, k1))

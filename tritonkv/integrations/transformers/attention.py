@@ -15,8 +15,10 @@ tensor:
   its PyTorch body on the CPU); over dense rows on CUDA the same kernel;
 - a later prefill block over a kept prefix with no pads or gaps: ``block_attention``, SDPA over query chunks
   with a lower-right causal ``[chunk, S]`` mask shared by every head (every kept token precedes the block);
-- padded rows, gaps of per-head rows, compiled steps: ``masked_attention``, the same by sequence position with a
-  per-head mask, its chunks kept under ``MASK_ELEMENTS`` elements;
+- per-head rows of a layer with no pads: ``suffix_attention`` on the CPU (each row's slots alone), else
+  ``held_attention``, the shared causal mask plus a per-head bias at the empty slots;
+- padded rows, compiled steps: ``masked_attention``, the same by sequence position with a per-head mask, its
+  chunks kept under ``MASK_ELEMENTS`` elements;
 - a CPU decode step over a dense layer: SDPA with the G query heads of a KV head packed (``decode_sdpa``).
 
 After attending, the layer compresses when its schedule says so (``TritonKVLayer.after_attention``).
@@ -158,6 +160,30 @@ def suffix_attention(query, key, value, lengths, scaling, masks: Optional[dict] 
                                                    value[b:b + 1, h:h + 1, s0:s], attn_mask=mask[:, s0:],
                                                    scale=scaling, enable_gqa=G > 1)
                 out[b, c0:c0 + c, heads] = o[0].transpose(0, 1)
+    return out
+
+
+def held_attention(query, key, value, pos, scaling, masks: Optional[dict] = None):
+    """``masked_attention`` of a block with no pads whose T queries' own tokens are the last T slots, every slot
+    before them a kept token in position order or empty (``SENTINEL``; gaps anywhere): a query then sees the held
+    slots up to its own, so its mask is the lower-right causal one (shared by every row and head, ``masks``) plus
+    a per-(row, head) bias, -inf at the empty slots. One add per chunk of queries instead of comparing positions;
+    no host read, so the same on a GPU (where ``held_suffix`` cannot look). Returns ``[B, T, H_q, D]``."""
+    B, Hq, T, D = query.shape
+    H, S = key.shape[1], key.shape[2]
+    G = Hq // H
+    out = query.new_empty(B, T, Hq, value.shape[-1])
+    bias = torch.zeros(B, H, 1, S, dtype=query.dtype, device=query.device)
+    bias.masked_fill_((pos == SENTINEL)[:, :, None], float("-inf"))
+    chunk = _chunk(T, B * Hq * S)
+    for c0 in range(0, T, chunk):
+        c = min(chunk, T - c0)
+        s = S - T + c0 + c  # slots up to the chunk's last query
+        causal = lower_right_mask(c, s, query.dtype, query.device, masks).repeat(G, 1)  # rows (g, i): as q's
+        q = query[:, :, c0:c0 + c].reshape(B, H, G * c, D)  # query head h*G + g reads KV head h: no repeat_kv
+        o = F.scaled_dot_product_attention(q, key[:, :, :s], value[:, :, :s], attn_mask=causal + bias[..., :s],
+                                           scale=scaling)
+        out[:, c0:c0 + c] = o.reshape(B, Hq, c, -1).transpose(1, 2)
     return out
 
 

@@ -26,7 +26,7 @@ from ...api import Compressed, check_input_names, compress, compress_kept, resol
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
 from ...kernels._common import on_host, use_triton
-from .attention import (block_attention, causal_attention, decode_sdpa, hand_over, held_suffix,
+from .attention import (block_attention, causal_attention, decode_sdpa, hand_over, held_attention, held_suffix,
                         masked_attention, ragged_decode_sdpa, suffix_attention)
 from .storage import SENTINEL, DenseStore, RaggedStore, kept_padded, left_padded, padded_width, slack_for
 
@@ -388,9 +388,12 @@ class TritonKVLayer(CacheLayerMixin):
                 return decode_sdpa(query, key, value, scaling)
             return block_attention(query, key, value, scaling, self.cache._masks)
         pos = st.view()[2]
-        lengths = self._held_suffix(pos) if self.pads is None else None
-        if lengths is not None and min(min(row) for row in lengths) >= T:  # per-head rows, each ending in the block
-            return suffix_attention(query, key, value, lengths, scaling, self.cache._masks)
+        if self.pads is None:  # the block's own T tokens are the last T slots, every slot before them in order
+            lengths = self._held_suffix(pos)
+            if lengths is None:  # off the CPU (nothing is read back), or a row with a gap
+                return held_attention(query, key, value, pos, scaling, self.cache._masks)
+            if min(min(row) for row in lengths) >= T:  # per-head rows, each ending in the block: each row alone
+                return suffix_attention(query, key, value, lengths, scaling, self.cache._masks)
         qpos = torch.arange(self.seen - T, self.seen, device=query.device)
         return masked_attention(query, key, value, pos, qpos, scaling)
 
