@@ -290,8 +290,8 @@ def test_a_window_policy_layer_keeps_the_last_window_of_queries(model):
 def test_held_attention_is_masked_attention_of_ordered_slots(monkeypatch, dtype, mask_elements):
     """A block with no pads over slots in position order, its own T tokens last, empty slots (``SENTINEL``) anywhere
     before them (gaps, short heads): the shared causal mask plus a bias at the empty slots gives what comparing
-    positions gives, bit for bit, with grouped queries (G = 4), two batch rows and chunks of queries (``mask_elements`` small),
-    and a mask shared between calls (``masks``)."""
+    positions gives, bit for bit, with grouped queries (G = 4), two batch rows and chunks of queries
+    (``mask_elements`` small), and a mask shared between calls (``masks``)."""
     at = importlib.import_module("tritonkv.integrations.transformers.attention")
     if mask_elements is not None:
         monkeypatch.setattr(at, "MASK_ELEMENTS", mask_elements)
