@@ -74,3 +74,17 @@ def test_window_queries_stay_current_in_compiled_steps(model):
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert a.queries.shape == b.queries.shape == (1, 4, 32, 16)
         assert torch.allclose(a.queries, b.queries, atol=1e-6, rtol=0)
+
+
+def test_a_compiled_step_needs_reserved_buffers(model):
+    """A decode step traced by torch.compile over a cache that was not ``reserve``d is refused by name: its layers
+    keep their device-side fill counters current only once reserved, and a traced update writes at them."""
+    cache = tt.make_cache(model, "knorm", 64, mode="decoding", decode_every=16)
+    ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(2))
+    tt.prefill(model, ids, cache)
+    layer = cache.layers[0]
+    cfg = model.config
+    k = torch.randn(1, cfg.num_key_value_heads, 1, cfg.hidden_size // cfg.num_attention_heads)
+    step = torch.compile(lambda k, v: layer.update(k, v), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"cache\.reserve\(capacity\)"):
+        step(k, k.clone())

@@ -235,6 +235,9 @@ class TritonKVLayer(CacheLayerMixin):
             self._check_shape(key_states)
         T = key_states.shape[2]
         if _compiling():  # static shapes, no host state: write at the device fill index, return everything
+            if not self.store.static:  # the device counters are kept current for reserved layers only
+                raise RuntimeError("a step traced by torch.compile needs static buffers: call "
+                                   "cache.reserve(capacity) after the prompt and before compiled decode steps")
             st = self.store
             slot = self.fill + torch.arange(T, device=self.device)
             st.keys.index_copy_(2, slot, key_states)
