@@ -21,7 +21,7 @@ dense output at S + Σ_{i<j} q_i. Paper mode is q_j = m = ⌊rL⌋. So one kerne
 writes each partition's kept indices and K/V rows straight into the output: no score buffer, no
 top-k.
 
-**The kernel.** Grid (runs + 1, B·H_kv). Program c < runs takes a run of consecutive partitions of
+**The kernel.** Grid (runs + ⌈(S + tail)/BLOCK_T⌉, B·H_kv). Program c < runs takes a run of consecutive partitions of
 one row and walks it from the last to the first, so the min/max of π_j is gathered while π_j is
 scored and every partition is read once (plus the reference of the run's last partition). A
 partition is one ``[BLOCK_L, BLOCK_D]`` tile per tensor (K and V, cast to fp32 after the load): the
@@ -43,9 +43,9 @@ are in fixed point (``_sum_fixed``: the same whatever the order), min/max and ra
 refused unless a token's channels keep the default's layout (``_channels``), i.e. its std sums keep their order
 (K/V not 16-byte aligned load scalars, a token over up to 4 warps: at D = 128 only 4 warps or more keep it).
 
-The last program of each row writes the protected tokens: +inf scores, or the sinks and the tail copied. On
-the CPU (outside the interpreter) the ops run ``_lagkv_torch``/``_compress_torch``: the same steps on all
-partitions at once.
+The last programs of each row write the protected tokens, BLOCK_T each (no serial loop of small chunks): +inf
+scores, or the sinks and the tail copied. On the CPU (outside the interpreter) the ops run
+``_lagkv_torch``/``_compress_torch``: the same steps on all partitions at once.
 """
 from __future__ import annotations
 
@@ -199,16 +199,15 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
     else:
         orow = r * N
 
-    if c == n_runs:  # the protected tokens: [0, sink) and [N - window, N)
-        for t0 in range(0, sink + window, BLOCK_T):
-            t = t0 + tt
-            tm = t < sink + window
-            pos = tl.where(t < sink, t, N - window + t - sink)
-            if MODE == SELECT:
-                _copy_rows(krow, vrow, skn, svn, pos, tm, out_ptr, ko_ptr, vo_ptr,
-                           orow + tl.where(t < sink, t, n_out - window + t - sink), dd, D)
-            else:
-                tl.store(out_ptr + orow + pos, float("inf"), mask=tm)
+    if c >= n_runs:  # BLOCK_T of the protected tokens [0, sink) and [N - window, N) (a program each: no serial loop)
+        t = (c - n_runs) * BLOCK_T + tt
+        tm = t < sink + window
+        pos = tl.where(t < sink, t, N - window + t - sink)
+        if MODE == SELECT:
+            _copy_rows(krow, vrow, skn, svn, pos, tm, out_ptr, ko_ptr, vo_ptr,
+                       orow + tl.where(t < sink, t, n_out - window + t - sink), dd, D)
+        else:
+            tl.store(out_ptr + orow + pos, float("inf"), mask=tm)
         return
 
     j_lo = c * parts
@@ -381,7 +380,7 @@ def _run(keys, values, out, ko, vo, mode: int, sink: int, lag: int, eps: float, 
     chunked = BLOCK_T < BLOCK_L and n_scored > 0
     tmp = torch.empty((R, 2, N) if chunked else (1,), dtype=torch.float32, device=keys.device)
     n_out = ko.shape[2] if mode == SELECT.value else 0
-    launch(_lagkv_kernel, (n_runs + 1, R), keys, values, out, ko, vo, tmp, H,
+    launch(_lagkv_kernel, (n_runs + max(1, cdiv(sink + window, BLOCK_T)), R), keys, values, out, ko, vo, tmp, H,
            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
            N, D, sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
            BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, MODE=mode, num_warps=warps)
