@@ -1,7 +1,7 @@
 """LagKV's tilings (``kernels.lagkv.TILINGS``) side by side, from ``benchmarks.kernel_stats`` result files (compiled,
 no GPU): per tiling, Triton version and arch, the resources and what one partition costs a program.
 
-    python -m benchmarks.kernel_stats --only lagkv "lagkv[tile=32,warps=4]" ... --out DIR   # per Triton version
+    python -m benchmarks.kernel_stats --only lagkv "lagkv[tile=16,warps=4]" ... --out DIR   # per Triton version
     python -m benchmarks.lagkv_tilings DIR/kernel_stats-triton-*.json > benchmarks/results/lagkv_tilings.md
     python -m benchmarks.lagkv_tilings --layouts     # per Triton version (PYTHONPATH): the channel layouts
 
@@ -90,11 +90,11 @@ def layouts() -> None:
 def main(paths) -> None:
     res = [json.load(open(p)) for p in paths]
     print("# LagKV's tilings: compile-time evidence (no GPU)\n")
-    print(__doc__.split("\n\n", 1)[1].strip() + "\n")
-    print(f"Shape: N = {res[0]['shape']['N']}, B 1, H_kv 8, D 128, bf16, lag 128, keep 25 % (254 scored partitions "
-          "a row, 2,032 in all); the grid is the automatic one of each tiling. Model H100 µs: kernel_stats' "
-          "max(bytes, issue) for the whole launch — not a measurement; the default measured 267 µs on an H100 "
-          "(2026-11-26), latency-bound.\n")
+    print(next(p for p in __doc__.split("\n\n") if p.startswith("Per partition")).strip() + "\n")
+    print(f"Shape: N = {res[0]['shape']['N']}, B 1, H_kv 8, D 128, bf16, lag 128, keep 25 % (254 scored partitions\n"
+          "a row, 2,032 in all); the grid is the automatic one of each tiling. Model H100 µs: kernel_stats'\n"
+          "max(bytes, issue) for the whole launch — not a measurement; the default measured 267 µs on an H100\n"
+          "(2026-11-26, the kernel before the tilings), latency-bound.\n")
     print("\n".join(table([r for x in res for r in rows(x)], None, [
         "workload", "Triton", "arch", "regs", "spill st/ld B", "smem B", "warps", "CTAs/SM (partitions in flight)",
         "occupancy", "instr./partition (a warp)", "warp-instr./partition", "BAR/partition", "LDG/partition",
