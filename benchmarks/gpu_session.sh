@@ -11,7 +11,8 @@
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
 #   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
 #   tuning   at 4K/32K/128K (8 rows, and one row of 64K and 256K; keep 25 %, CUDA graphs): the shared select for
-#            each chunk size, LagKV for each number of partitions per program (defaults: the H100 run of 2026-11-26)
+#            each chunk size, LagKV for each tiling of kernels.lagkv.TILINGS at half, once and twice its automatic
+#            partitions per program (defaults: the H100 run of 2026-11-26)
 #   host     python -m benchmarks.host_time --gpu: speed.py's calls at 4K eager, host and device-done µs per call,
 #            the share repeated from a plan and why a call was not recorded (~1 min, mostly compiling)
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
@@ -228,23 +229,27 @@ for H, N in ((8, 4096), (8, 32768), (8, 131072), (1, 65536), (1, 262144)) if cud
         assert torch.equal(fn()[2], ref), chunk  # the same kept tokens whatever the chunk
         row.append(f"{chunk}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
     print(" ".join(row), flush=True)
-from tritonkv.kernels.lagkv import lagkv_compress, num_partitions
+from tritonkv.kernels import lagkv as kl
 from tritonkv.policies import LagKV
 pol = LagKV()
+# each tiling (tokens per chunk, warps; 0, 0 = the default) at its automatic partitions per program, half and twice
 for N in (4096, 32768, 131072) if cuda else (1024,):
     keys, values = (torch.randn(1, 8, N, 128, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
     k = N // 4
     sink, window = pol.protected(N, k)
-    p = num_partitions(N, pol.sink, pol.lag)
+    p = kl.num_partitions(N, pol.sink, pol.lag)
     quota, rem = divmod(k - sink - window, p - 1)
-    ref = lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota, rem=rem, window=window)[2]
-    row = [f"LagKV N={N} ({p - 1} scored partitions a row):"]
-    for parts in (1, 2, 4, 8, 16, 32):
-        fn = lambda: lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota, rem=rem,  # noqa: E731
-                                    window=window, parts=parts)
-        assert torch.equal(fn()[2], ref), parts  # the same kept tokens whatever the partitions per program
-        row.append(f"{parts}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
-    print(" ".join(row), flush=True)
+    ref = kl.lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota, rem=rem, window=window)
+    for tile, warps in kl.TILINGS if cuda else kl.TILINGS[:2]:
+        auto = kl._blocks(pol.lag, 128, 2, p - 1, 8, 0, tile, warps)[0]
+        row = [f"LagKV N={N} ({p - 1} scored partitions a row) tile={tile} warps={warps}, parts:"]
+        for parts in sorted({max(1, auto // 2), auto, min(32, 2 * auto)}):
+            fn = lambda: kl.lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota,  # noqa: E731
+                                           rem=rem, window=window, parts=parts, tile=tile, warps=warps)
+            assert all(map(torch.equal, fn(), ref)), (tile, warps, parts)  # the same tokens, K/V rows bit for bit
+            row.append(f"{parts}{'*' if parts == auto else ''}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
+        print(" ".join(row), flush=True)
+print("(* the automatic partitions per program)")
 EOF
         cat "$OUT/tuning.txt" ;;
     host)

@@ -246,6 +246,7 @@ def workloads(N: int, only=None) -> list[dict]:
         read = any(o["kind"] == "sync" and o["op"] == "Tensor.tolist" for o in ops)
         out.append(dict(name=name, kind="allocation" if alloc else "compress", launches=log, ops=ops, error=err,
                         inputs=sorted(inputs), readback=list(rb) if rb and read else None))
+    out += lagkv_tilings(keys, values, k, only) if only else []  # tuning variants: only by name
 
     # decode step over a RaggedKV holding round(KEEP·N) tokens per row (+ the default slack)
     decode = [x for x in ("decode_attention", "ragged_append") if not only or x in only]
@@ -264,6 +265,25 @@ def workloads(N: int, only=None) -> list[dict]:
     for name in decode:
         log, ops, err = dry(fns[name])
         out.append(dict(name=name, kind="decode", launches=log, ops=ops, error=err))
+    return out
+
+
+def lagkv_tilings(keys, values, k: int, only=None) -> list[dict]:
+    """LagKV's compress (budget mode, the policy's defaults) with each tiling of ``kernels.lagkv.TILINGS`` but the
+    default, named ``lagkv[tile=T,warps=W]``: the same tokens, other programs (docs/architecture.md). Compiled only
+    when named in ``--only``: they are tuning candidates, not what a compress runs, so the checks leave them out."""
+    from tritonkv.kernels.lagkv import TILINGS, lagkv_compress, num_partitions
+
+    pol, N = tritonkv.POLICIES["lagkv"](), keys.shape[2]
+    sink, window = pol.protected(N, k)
+    quota, rem = divmod(k - sink - window, num_partitions(N, pol.sink, pol.lag) - 1)
+    out = []
+    for tile, warps in TILINGS[1:]:
+        name = f"lagkv[tile={tile},warps={warps}]"
+        if name in only:
+            log, ops, err = dry(lambda: lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota, rem=rem,
+                                                       window=window, tile=tile, warps=warps))
+            out.append(dict(name=name, kind="compress", launches=log, ops=ops, error=err, inputs=[], readback=None))
     return out
 
 
@@ -670,7 +690,7 @@ def floor_bytes(name: str, N: int) -> int | None:
     """The HBM floor of a compress: read what scoring reads (K, K+V for lagkv/criticalkv, nothing for
     streaming_llm), re-read and write the kept K+V."""
     token = SHAPE["B"] * SHAPE["H"] * SHAPE["D"] * 2  # bytes of one bf16 token of K (or V), every head
-    reads = {"streaming_llm": 0, "lagkv": 2, "criticalkv": 2, "criticalkv_l2": 2}.get(name.split("+")[0], 1)
+    reads = {"streaming_llm": 0, "lagkv": 2, "criticalkv": 2, "criticalkv_l2": 2}.get(re.split(r"[+\[]", name)[0], 1)
     return token * (reads * N + 4 * tritonkv.resolve_budget(KEEP, N))
 
 

@@ -19,14 +19,15 @@ for spec in specs:
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     for cap in (80, 90):
         src = ASTSource(fn=fn, signature=spec["signature"], constexprs=spec.get("constexprs", {}))
-        k = triton.compile(src, target=GPUTarget("cuda", cap, 32))
+        k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=spec.get("options"))
         assert "cubin" in k.asm and len(k.asm["cubin"]) > 0, (spec["kernel"], cap)
         print("compiled", spec["kernel"], "sm_%d" % cap)
 """
 
 
 def assert_compiles(*specs: dict) -> None:
-    """Each spec: ``{"module", "kernel", "signature": {arg: type}, "constexprs": {arg: value}}``.
+    """Each spec: ``{"module", "kernel", "signature": {arg: type}, "constexprs": {arg: value}}``, and optionally
+    ``"options": {"num_warps": n}`` (the compile options; default 4 warps).
 
     ``signature`` names every argument; constexpr arguments have type ``"constexpr"`` and a value
     in ``constexprs``.

@@ -185,8 +185,8 @@ def test_grid_and_blocks_do_not_change_results(case, parts, data):
     kept = tritonkv.compress((keys, values), pol, k)
     orig = klag._blocks
 
-    def small(lag, d, itemsize, n_scored, rows_, p):
-        pp, bl, bt, bd, bj, w = orig(lag, d, itemsize, n_scored, rows_, p)
+    def small(*args):  # also rank chunks (BLOCK_J < BLOCK_L), which no tile gives at these sizes
+        pp, bl, bt, bd, bj, w = orig(*args)
         return pp, bl, max(1, bl // 4), bd, max(1, bl // 2), w
 
     try:
@@ -202,6 +202,76 @@ def test_grid_and_blocks_do_not_change_results(case, parts, data):
         assert_same_scores(b, a, rtol=0, atol=0)
     for a, b in zip(kept, chunked):
         assert torch.equal(a, b)
+
+
+def _kept(keys, values, S, L, k, **tiling):
+    """``lagkv_compress`` in budget mode keeping ``k`` tokens (the policy's split), with a tiling."""
+    N = keys.shape[2]
+    q, rem = divmod(k - S - ref.tail_len(N, S, L), ref.num_partitions(N, S, L) - 1)
+    return klag.lagkv_compress(keys, values, k, sink=S, lag=L, quota=q, rem=rem, window=ref.tail_len(N, S, L),
+                               **tiling)
+
+
+@settings(max_examples=20)
+@given(case=kv_case(dups=True), tile=st.sampled_from(sorted({t for t, _ in klag.TILINGS[1:]} | {1, 2, 4, 8})),
+       parts=st.integers(0, 3), data=st.data())
+def test_tilings_match_oracle_and_default(case, tile, parts, data):
+    """Every tile (the GPU session's ``TILINGS`` and smaller; token chunks through the scratch row, warps chosen
+    to keep the channel layout) against the NumPy oracle — raw scores within round-off, ranks and kept tokens
+    exact where the scores are separated — and bit for bit against the default tiling: raw scores, ranks, kept
+    indices and K/V rows."""
+    keys, values, S, L = case
+    N, D = keys.shape[2:]
+    try:
+        klag._tiling(L, D, keys.element_size(), tile, 0)
+    except ValueError:  # a [tile, D] chunk cannot keep the default's channel layout (small tiles, D 33/64)
+        assume(False)
+    k = data.draw(st.integers(S + ref.tail_len(N, S, L), N - 1))
+    tiled = dict(tile=tile, parts=parts)
+    got = [lagkv_scores(keys, values, sink=S, lag=L, rank=r, **tiled) for r in (False, True)]
+    got_kept = _kept(keys, values, S, L, k, **tiled)
+    for b, h, K, V in rows(keys, values):
+        s = ref.lag_scores(K, V, S, L)[0]
+        sc = ~np.isnan(s)
+        np.testing.assert_allclose(got[0][b, h].numpy()[sc], s[sc], rtol=1e-5, atol=1e-7)
+        if separated(s, S, L):
+            np.testing.assert_array_equal(got[1][b, h].numpy()[sc], ref.ranks(s, S, L)[sc].astype(np.float32))
+            np.testing.assert_array_equal(got_kept[2][b, h].numpy(), ref.budget_keep(K, V, S, L, k))
+    want = [lagkv_scores(keys, values, sink=S, lag=L, rank=r) for r in (False, True)] + list(_kept(keys, values, S,
+                                                                                                  L, k))
+    for a, b in zip(want, got + list(got_kept)):
+        assert torch.equal(_bits(a), _bits(b)) if a.is_floating_point() else torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tilings_keep_the_channel_layout(dtype):
+    """At the shipped shape (lag 128, D 128) every tiling of ``TILINGS`` is admitted as given and lays a token's
+    channels out like the default (a 16-byte vector per thread, 128·itemsize/16 lanes, one warp): the per-token
+    stds sum in the same order. A tile too small for its warps is refused by name, and so are bad values."""
+    item = torch.empty((), dtype=dtype).element_size()
+    assert klag._tiling(128, 128, item)[1:4] == (128, 128, 32)  # the whole partition (on a GPU: 16 warps)
+    want = (16 // item, 128 * item // 16, 1)
+    assert klag._channels(128, 128, 16 // item, 16) == want
+    for tile, warps in klag.TILINGS[1:]:
+        _, bt, _, _, w = klag._tiling(128, 128, item, tile, warps)
+        assert (bt, w) == (tile, warps) and klag._channels(bt, 128, 16 // item, w) == want
+    keys = torch.zeros(1, 1, 600, 128, dtype=dtype)
+    with pytest.raises(ValueError, match="tile 2 / warps 4"):  # [2, 128] over 128 threads: 2 channels a thread
+        lagkv_scores(keys, keys, lag=128, tile=2, warps=4)
+    # not 16-byte aligned (a row of 129 channels cut to 128): scalar loads spread a token over 4 warps by default,
+    # so fewer warps are refused, 4 and more admitted
+    odd = torch.zeros(1, 1, 600, 129, dtype=dtype)[..., 1:]
+    assert not klag._aligned(odd, odd) and klag._aligned(keys, keys)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        lagkv_scores(odd, odd, lag=128, tile=8, warps=1)
+    lagkv_scores(odd[:, :, :300], odd[:, :, :300], lag=128, tile=16, warps=4)
+    for kw, arg, err in [({"tile": 3}, "tile", ValueError), ({"warps": 3}, "warps", ValueError),
+                         ({"warps": 32}, "warps", ValueError), ({"tile": -1}, "tile", ValueError),
+                         ({"tile": 1.0}, "tile", TypeError), ({"parts": -1}, "parts", ValueError)]:
+        with pytest.raises(err, match=arg):
+            lagkv_scores(keys, keys, lag=128, **kw)
+        with pytest.raises(err, match=arg):
+            _kept(keys, keys, 16, 128, 16 + 64 + 128 + 72, **kw)
 
 
 @both_backends
@@ -487,8 +557,9 @@ def test_compress_is_one_launch(what):
 
 
 def test_lagkv_kernel_compiles_ahead_of_time():
-    """Every mode (select, rank, raw), whole-partition and chunked tiles, for sm_80 and sm_90; eps also
-    as fp64, how torch.compile (Inductor) passes a Python float."""
+    """Every mode (select, rank, raw), whole-partition and chunked tiles, and every tiling of ``TILINGS`` at the
+    shipped shape and its warps, for sm_80 and sm_90; eps also as fp64, how torch.compile (Inductor) passes a
+    Python float."""
     sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*i64", "ko_ptr": "*bf16", "vo_ptr": "*bf16",
            "tmp_ptr": "*fp32", "H": "i32", "skb": "i64", "skh": "i64", "skn": "i64", "svb": "i64", "svh": "i64",
            "svn": "i64", "N": "i32", "D": "constexpr", "sink": "i32", "lag": "constexpr", "n_scored": "i32",
@@ -501,8 +572,13 @@ def test_lagkv_kernel_compiles_ahead_of_time():
     # (D = BLOCK_D and lag = BLOCK_L: the tile masks fold away; smaller: they stay)
     whole = {"D": 64, "lag": 32, "BLOCK_L": 32, "BLOCK_T": 32, "BLOCK_D": 64, "BLOCK_J": 32}
     chunked = {"D": 48, "lag": 200, "BLOCK_L": 256, "BLOCK_T": 16, "BLOCK_D": 64, "BLOCK_J": 64}
-    specs = [(whole, 2, "fp64", "*i64"), (chunked, 2, "fp32", "*i64"), (whole, 1, "fp32", "*fp32"),
-             (chunked, 0, "fp64", "*fp32")]
+    specs = [(whole, 2, "fp64", "*i64", 4), (chunked, 2, "fp32", "*i64", 4), (whole, 1, "fp32", "*fp32", 4),
+             (chunked, 0, "fp64", "*fp32", 4)]
+    # the GPU session's tilings at the shipped shape (lag 128, D 128), select mode, at their warps
+    for tile, warps in klag.TILINGS[1:]:
+        bl, bt, bd, bj, w = klag._tiling(128, 128, 2, tile, warps)
+        specs.append(({"D": 128, "lag": 128, "BLOCK_L": bl, "BLOCK_T": bt, "BLOCK_D": bd, "BLOCK_J": bj}, 2, "fp32",
+                      "*i64", w))
     assert_compiles(*({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_kernel",
-                       "signature": {**sig, "eps": eps, "out_ptr": out}, "constexprs": {**blocks, "MODE": mode}}
-                      for blocks, mode, eps, out in specs))
+                       "signature": {**sig, "eps": eps, "out_ptr": out}, "constexprs": {**blocks, "MODE": mode},
+                       "options": {"num_warps": warps}} for blocks, mode, eps, out, warps in specs))

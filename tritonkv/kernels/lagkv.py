@@ -21,7 +21,7 @@ dense output at S + Σ_{i<j} q_i. Paper mode is q_j = m = ⌊rL⌋. So one kerne
 writes each partition's kept indices and K/V rows straight into the output: no score buffer, no
 top-k.
 
-**The kernel.** Grid (runs + 1, B·H_kv). Program c < runs takes a run of consecutive partitions of
+**The kernel.** Grid (runs + ⌈(S + tail)/BLOCK_T⌉, B·H_kv). Program c < runs takes a run of consecutive partitions of
 one row and walks it from the last to the first, so the min/max of π_j is gathered while π_j is
 scored and every partition is read once (plus the reference of the run's last partition). A
 partition is one ``[BLOCK_L, BLOCK_D]`` tile per tensor (K and V, cast to fp32 after the load): the
@@ -32,10 +32,20 @@ test). The min/max needs the tokens' finiteness in both K and V, known only afte
 tiles are loaded again for it rather than held (one fp32 tile live at a time: no spills at 128
 registers); the kept rows are re-read as well and stored bit for bit. Both re-reads should hit L1/L2:
 the program read those rows a moment before. Partitions too large for registers (L·d > 16K) go through
-``BLOCK_T``-token chunks and an fp32 scratch row instead. The last program of each
-row writes the protected tokens: +inf scores, or the sinks and the tail copied. On the CPU (outside
-the interpreter) the ops run ``_lagkv_torch``/``_compress_torch``: the same steps on all partitions
-at once.
+``BLOCK_T``-token chunks and an fp32 scratch row instead.
+
+**Tilings.** At the default shape one 16-warp program fills an SM (128 registers) and walks its partitions one
+after another; each is a chain of dependent loads and ~20 block-wide barriers, so the kernel is bound by
+latency, not bytes or issue (H100: ~17 µs a partition against ~4 µs of issue). ``tile``/``warps`` (``TILINGS``,
+timed by ``benchmarks/gpu_session.sh tuning``) run the chunked path with chunks of 4–16 tokens and 1–4 warps, so
+that 3–16 programs — partitions in flight — share an SM. They give the default's bits: the softmax sums over tokens
+are in fixed point (``_sum_fixed``: the same whatever the order), min/max and ranks are exact, and a tiling is
+refused unless a token's channels keep the default's layout (``_channels``), i.e. its std sums keep their order
+(K/V not 16-byte aligned load scalars, a token over up to 4 warps: at D = 128 only 4 warps or more keep it).
+
+The last programs of each row write the protected tokens, BLOCK_T each (no serial loop of small chunks): +inf
+scores, or the sinks and the tail copied. On the CPU (outside the interpreter) the ops run
+``_lagkv_torch``/``_compress_torch``: the same steps on all partitions at once.
 """
 from __future__ import annotations
 
@@ -114,8 +124,16 @@ def _phi(sd_k, sd_v, ok):
     # K and V side by side ([BLOCK, 2]): one cross-warp reduction for both softmaxes' max and sum
     sd = tl.join(sd_k, sd_v)
     e = tl.where(ok[:, None], tl.exp(sd - tl.max(tl.where(ok[:, None], sd, float("-inf")), 0)[None, :]), 0.0)
-    ek, ev = tl.split(e / tl.sum(e, 0)[None, :])
+    ek, ev = tl.split(e / _sum_fixed(e)[None, :])
     return tl.where(ok, ek + ev, float("nan"))
+
+
+@triton.jit
+def _sum_fixed(e):
+    """Σ over axis 0 of ``e`` ∈ [0, 1] (fp32) in fixed point: each term truncated to a multiple of 2⁻⁴⁰ (int64),
+    the integers summed exactly, the sum rounded once to fp32. An fp32 sum's order follows the layout (tile
+    and warps); this one is the same bits whatever the order, within n·2⁻⁴⁰ of the exact sum (n ≤ 2²² terms)."""
+    return tl.sum((e * 1099511627776.0).to(tl.int64), 0).to(tl.float32) * (1.0 / 1099511627776.0)
 
 
 @triton.jit
@@ -181,16 +199,15 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
     else:
         orow = r * N
 
-    if c == n_runs:  # the protected tokens: [0, sink) and [N - window, N)
-        for t0 in range(0, sink + window, BLOCK_T):
-            t = t0 + tt
-            tm = t < sink + window
-            pos = tl.where(t < sink, t, N - window + t - sink)
-            if MODE == SELECT:
-                _copy_rows(krow, vrow, skn, svn, pos, tm, out_ptr, ko_ptr, vo_ptr,
-                           orow + tl.where(t < sink, t, n_out - window + t - sink), dd, D)
-            else:
-                tl.store(out_ptr + orow + pos, float("inf"), mask=tm)
+    if c >= n_runs:  # BLOCK_T of the protected tokens [0, sink) and [N - window, N) (a program each: no serial loop)
+        t = (c - n_runs) * BLOCK_T + tt
+        tm = t < sink + window
+        pos = tl.where(t < sink, t, N - window + t - sink)
+        if MODE == SELECT:
+            _copy_rows(krow, vrow, skn, svn, pos, tm, out_ptr, ko_ptr, vo_ptr,
+                       orow + tl.where(t < sink, t, n_out - window + t - sink), dd, D)
+        else:
+            tl.store(out_ptr + orow + pos, float("inf"), mask=tm)
         return
 
     j_lo = c * parts
@@ -270,31 +287,80 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
                                   vo_ptr, dd, D, MODE)
 
 
+def _channels(block_t: int, block_d: int, vec: int, warps: int) -> tuple[int, int, int]:
+    """How Triton's coalescing spreads a token's channels in a ``[block_t, block_d]`` load over ``warps`` warps:
+    (elements per thread, lanes, warps) along the channels — a ``vec``-element vector per thread (16 bytes when the
+    launch is ``_aligned``, else 1) unless the tile has fewer elements per thread. It fixes the order of the
+    per-token sums over channels (the std); ``benchmarks/lagkv_tilings.py --layouts`` checks it on the TTGIR."""
+    vec = max(1, min(vec, block_d, block_t * block_d // (32 * warps)))
+    lanes = min(32, block_d // vec)
+    return vec, lanes, max(1, min(warps, block_d // (vec * lanes)))
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    """Whether a launch over K/V ``ts`` is specialised as 16-byte aligned pointers and strides (of the first
+    three dims) divisible by 16 — what lets Triton load a token's channels as 16-byte vectors. The pointer from
+    the storage offset (allocations start 16-byte aligned; it also holds for tensors without data, as traced)."""
+    return all(x % 16 == 0 for t in ts for x in (t.storage_offset() * t.element_size(), *t.stride()[:3]))
+
+
 @functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
-def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: int):
-    """(parts per program, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, num_warps). The blocks depend on
-    (lag, d, dtype) only, so a partition's result does not depend on where it sits, how long the row
-    is or the grid."""
+def _tiling(lag: int, d: int, itemsize: int, tile: int = 0, warps: int = 0, aligned: bool = True):
+    """(BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, num_warps) for partitions of ``lag`` tokens of ``d`` channels:
+    ``tile`` tokens per chunk (BLOCK_T = min(tile, BLOCK_L); BLOCK_L: whole partitions) and ``warps`` per
+    program, 0 = the default. Every tiling gives the same bits: the sums over tokens are in fixed point
+    (``_sum_fixed``), min/max and ranks are exact, and the per-token std sums over channels keep the default's
+    order — a tiling whose channel layout (``_channels``; ``aligned``: the launch's, ``_aligned``) differs is
+    refused (ValueError); with ``tile`` and no ``warps``, the warps nearest 32 fp32 per thread and tensor that
+    keep it."""
     block_l, block_d = next_pow2(lag), next_pow2(d)
-    if INTERPRET:  # ~0.5 ms per program and per op: one program per row, whole-partition tiles
-        return parts or max(n_scored, 1), block_l, block_l, block_d, block_l, 4
     if block_l <= 128 and block_l * block_d <= WHOLE_TILE:
         # whole partition: K and V as fp32 [BLOCK_L, BLOCK_D] tiles, one live at a time; 128 x 128 fits
         # 16 warps at 128 registers without spills (8 warps: ~190 registers, one 8-warp program per SM)
-        block_t = block_j = block_l
-        warps = max(4, min(16, block_l * block_d // 1024))
+        block_t, w = block_l, max(4, min(16, block_l * block_d // 1024))
     else:
-        block_t = max(1, min(block_l, 4096 // block_d))
-        block_j = max(1, min(block_l, 4096 // block_t))
-        warps = 8
+        block_t, w = max(1, min(block_l, 4096 // block_d)), 8
+    vec = 16 // itemsize if aligned else 1
+    default = _channels(block_t, block_d, vec, w)  # the GPU default's, under the interpreter too
+    if tile or warps:
+        block_t = min(tile, block_l) if tile else block_t
+        same = [x for x in (1, 2, 4, 8, 16) if _channels(block_t, block_d, vec, x) == default]
+        if not same or (warps and warps not in same):
+            raise ValueError(f"tile {tile} / warps {warps}: a [{block_t}, {block_d}] tile lays a token's channels "
+                             f"out (per thread, lanes, warps) unlike the default {default} with "
+                             f"{'any warps' if not same else f'{warps} warps (these keep it: {same})'}"
+                             f"{'' if aligned else ' (inputs not 16-byte aligned: scalar loads)'}, so its stds "
+                             f"would round differently")
+        aim = max(1, min(16, block_t * block_d // 1024)).bit_length()  # 32 fp32 per thread and tensor
+        w = warps or min(same, key=lambda x: (abs(x.bit_length() - aim), x))
+    elif INTERPRET:  # ~0.5 ms per program and per op: whole-partition tiles
+        block_t, w = block_l, 4
+    return block_l, block_t, block_d, max(1, min(block_l, 4096 // block_t)), w
+
+
+# Tilings the GPU session times against the default (``benchmarks/gpu_session.sh tuning``), as (tile, warps):
+# token chunks small enough that several programs share an SM — 3, 8, 12 and 16 on an H100 with Triton 3.6
+# (benchmarks/results/lagkv_tilings.md) — to hide each partition's chain of dependent loads and barriers (module
+# docstring). (0, 0) is the default.
+TILINGS = ((0, 0), (16, 4), (8, 2), (8, 1), (4, 1))
+
+
+def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: int, tile: int = 0, warps: int = 0,
+            aligned: bool = True):
+    """(parts per program, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, num_warps). The blocks depend on
+    (lag, d, dtype, tile, warps, alignment) only, so a partition's result does not depend on where it sits, how
+    long the row is or the grid."""
+    block_l, block_t, block_d, block_j, w = _tiling(lag, d, itemsize, tile, warps, aligned)
+    if INTERPRET:  # one program per row
+        return parts or max(n_scored, 1), block_l, block_t, block_d, block_j, w
     # runs of consecutive partitions, so that each partition is read about once (a run re-reads only
-    # its last partition's reference): one wave, ~132 programs at one 16-warp program per SM, runs of at
-    # most 32. An H100 run (Triton 3.6, ``benchmarks/gpu_session.sh tuning``, 8 rows, CUDA graph), µs
-    # by parts: 4K (30 scored a row): 1: 60.2, 2: 49.8, 4: 77.3; 32K (254): 8: 276.6, 16: 266.0, 32: 489.5;
-    # 128K (1022): 16: 992.6, 32: 971.8. This picks 2, 16 and 32, the fastest at each (the former ~264
-    # programs picked 1, 8 and 16).
-    parts = parts or max(1, min(32, cdiv(n_scored * rows, 132)))
-    return parts, block_l, block_t, block_d, block_j, warps
+    # its last partition's reference): one wave, ~132 programs at one 16-warp program per SM (smaller
+    # programs: as many more as fit 16 warps), runs of at most 32. An H100 run (Triton 3.6,
+    # ``benchmarks/gpu_session.sh tuning``, 8 rows, CUDA graph), µs by parts: 4K (30 scored a row): 1: 60.2,
+    # 2: 49.8, 4: 77.3; 32K (254): 8: 276.6, 16: 266.0, 32: 489.5; 128K (1022): 16: 992.6, 32: 971.8. This
+    # picks 2, 16 and 32, the fastest at each (the former ~264 programs picked 1, 8 and 16).
+    parts = parts or max(1, min(32, cdiv(n_scored * rows, 132 * (max(1, 16 // w) if tile or warps else 1))))
+    return parts, block_l, block_t, block_d, block_j, w
 
 
 def num_partitions(n: int, sink: int, lag: int) -> int:
@@ -303,17 +369,18 @@ def num_partitions(n: int, sink: int, lag: int) -> int:
 
 
 def _run(keys, values, out, ko, vo, mode: int, sink: int, lag: int, eps: float, parts: int, quota: int = 0,
-         rem: int = 0, window: int = 0) -> None:
+         rem: int = 0, window: int = 0, tile: int = 0, warps: int = 0) -> None:
     """One launch of ``_lagkv_kernel`` over every row: scored partitions plus the protected program."""
     B, H, N, D = keys.shape
     R = B * H
     n_scored = max(num_partitions(N, sink, lag) - 1, 0)
-    parts, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, warps = _blocks(lag, D, keys.element_size(), n_scored, R, parts)
+    parts, BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, warps = _blocks(lag, D, keys.element_size(), n_scored, R, parts,
+                                                               tile, warps, _aligned(keys, values))
     n_runs = cdiv(n_scored, parts)
     chunked = BLOCK_T < BLOCK_L and n_scored > 0
     tmp = torch.empty((R, 2, N) if chunked else (1,), dtype=torch.float32, device=keys.device)
     n_out = ko.shape[2] if mode == SELECT.value else 0
-    launch(_lagkv_kernel, (n_runs + 1, R), keys, values, out, ko, vo, tmp, H,
+    launch(_lagkv_kernel, (n_runs + max(1, cdiv(sink + window, BLOCK_T)), R), keys, values, out, ko, vo, tmp, H,
            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
            N, D, sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
            BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, MODE=mode, num_warps=warps)
@@ -403,9 +470,10 @@ def _compress_torch(keys, values, n_out: int, sink: int, lag: int, eps: float, q
 
 @triton_op("tritonkv::lagkv_score", mutates_args=())
 def lagkv_score_op(keys: torch.Tensor, values: torch.Tensor, sink: int, lag: int, eps: float,
-                   rank: bool, parts: int) -> torch.Tensor:
+                   rank: bool, parts: int, tile: int = 0, warps: int = 0) -> torch.Tensor:
     """The raw op: keys/values ``[B, H, N, D]`` (last dim unit-stride) -> fp32 ``[B, H, N]``.
-    ``parts``: partitions per program (0 = automatic); it never changes the result."""
+    ``parts`` (partitions per program), ``tile`` and ``warps`` (``_tiling``; 0 = automatic) never change the
+    result."""
     if not use_triton(keys):
         return _lagkv_torch(keys, values, sink, lag, eps, rank)
     B, H, N, D = keys.shape
@@ -413,14 +481,15 @@ def lagkv_score_op(keys: torch.Tensor, values: torch.Tensor, sink: int, lag: int
     if B * H > 0 and N > 0:
         sink = min(sink, N)
         tail = N - sink - max(num_partitions(N, sink, lag) - 1, 0) * lag
-        _run(keys, values, out, keys, values, (RANK if rank else RAW).value, sink, lag, eps, parts, window=tail)
+        _run(keys, values, out, keys, values, (RANK if rank else RAW).value, sink, lag, eps, parts, window=tail,
+             tile=tile, warps=warps)
     return out
 
 
 @triton_op("tritonkv::lagkv_compress", mutates_args=())
 def lagkv_compress_op(keys: torch.Tensor, values: torch.Tensor, n_out: int, sink: int, lag: int, eps: float,
-                      quota: int, rem: int, window: int, parts: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                               torch.Tensor]:
+                      quota: int, rem: int, window: int, parts: int, tile: int = 0,
+                      warps: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The raw op: keys/values ``[B, H, N, D]`` (last dim unit-stride) -> kept keys/values
     ``[B, H, n_out, D]`` and int64 indices ``[B, H, n_out]``: the sinks ``[0, sink)``, q_j =
     ``quota`` + [j < ``rem``] tokens of each scored partition j, the last ``window`` tokens."""
@@ -431,7 +500,7 @@ def lagkv_compress_op(keys: torch.Tensor, values: torch.Tensor, n_out: int, sink
     vo = torch.empty((B, H, n_out, D), dtype=values.dtype, device=values.device)
     idx = torch.empty((B, H, n_out), dtype=torch.int64, device=keys.device)
     if B * H > 0 and n_out > 0:
-        _run(keys, values, idx, ko, vo, SELECT.value, sink, lag, eps, parts, quota, rem, window)
+        _run(keys, values, idx, ko, vo, SELECT.value, sink, lag, eps, parts, quota, rem, window, tile, warps)
     return ko, vo, idx
 
 
@@ -455,29 +524,47 @@ def _check(keys, values, sink, lag, eps) -> None:
         raise ValueError(f"eps must be > 0, got {eps!r}")
 
 
+def _check_tiling(keys, values, lag: int, parts, tile, warps) -> None:
+    """``parts``, ``tile`` and ``warps`` ints >= 0, ``tile`` a power of two, ``warps`` one of 1 … 16, and a
+    tiling that gives the default's bits (``_tiling``)."""
+    for name, v in (("parts", parts), ("tile", tile), ("warps", warps)):
+        check_int(name, v)
+    if tile & (tile - 1):
+        raise ValueError(f"tile must be 0 or a power of two, got {tile}")
+    if warps not in (0, 1, 2, 4, 8, 16):
+        raise ValueError(f"warps must be 0 or a power of two up to 16, got {warps}")
+    _tiling(lag, keys.shape[-1], keys.element_size(), tile, warps, _aligned(keys, values))
+
+
 def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, *, sink: int = 16, lag: int = 128,
-                 eps: float = 1e-6, rank: bool = True, parts: int = 0) -> torch.Tensor:
+                 eps: float = 1e-6, rank: bool = True, parts: int = 0, tile: int = 0, warps: int = 0) -> torch.Tensor:
     """LagKV scores, fp32 ``[B, H, N]`` (higher = keep).
 
     Scored partitions get φ_K + φ_V, or with ``rank`` their within-partition rank ρ/L; sinks, the
     tail and rows with N < sink + 2·lag get +inf; a token with a non-finite key or value gets NaN
-    (rank: the lowest of its partition). ``parts`` (partitions per program, 0 = automatic) changes
-    the grid, never the result.
+    (rank: the lowest of its partition). ``parts`` (partitions per program), ``tile`` (tokens per chunk of
+    a partition, a power of two) and ``warps`` (per program), each 0 = automatic, are tuning knobs: they change
+    the grid and the program, never the result (a tiling that could is refused).
     """
     _check(keys, values, sink, lag, eps)
-    return lagkv_score_op(row_major(keys), row_major(values), sink, lag, float(eps), bool(rank), int(parts))
+    keys, values = row_major(keys), row_major(values)
+    _check_tiling(keys, values, lag, parts, tile, warps)
+    return lagkv_score_op(keys, values, sink, lag, float(eps), bool(rank), int(parts), int(tile), int(warps))
 
 
 def lagkv_compress(keys: torch.Tensor, values: torch.Tensor, k: int, *, sink: int, lag: int, quota: int,
-                   rem: int = 0, window: int, eps: float = 1e-6, parts: int = 0):
+                   rem: int = 0, window: int, eps: float = 1e-6, parts: int = 0, tile: int = 0, warps: int = 0):
     """LagKV's kept tokens in one launch: ``(keys, values, indices)``, ``[B, H, k, D]`` and int64
     ``[B, H, k]`` in ascending original order — the first ``sink`` tokens, the top q_j = ``quota`` +
     [j < ``rem``] by rank of each scored partition j (ties and NaN as in ``lagkv_scores``), and the
     last ``window`` tokens. ``k`` must equal sink + window + Σ q_j; ``sink`` is also where the
-    partitions start. (Budget mode: ``divmod(k − S − |tail|, P − 1)``; paper mode: ``quota`` = m.)"""
+    partitions start. (Budget mode: ``divmod(k − S − |tail|, P − 1)``; paper mode: ``quota`` = m.)
+    ``parts``, ``tile`` and ``warps``: as in ``lagkv_scores`` (never change the result)."""
     _check(keys, values, sink, lag, eps)
+    keys, values = row_major(keys), row_major(values)
+    _check_tiling(keys, values, lag, parts, tile, warps)
     N = keys.shape[2]
-    for name, v in (("k", k), ("quota", quota), ("rem", rem), ("window", window), ("parts", parts)):
+    for name, v in (("k", k), ("quota", quota), ("rem", rem), ("window", window)):
         check_int(name, v)
     n_scored = max(num_partitions(N, sink, lag) - 1, 0)
     if quota > lag or (quota == lag and rem) or rem > n_scored or (n_scored == 0 and (quota or rem)):
@@ -489,5 +576,4 @@ def lagkv_compress(keys: torch.Tensor, values: torch.Tensor, k: int, *, sink: in
     if k != sink + window + quota * n_scored + rem:
         raise ValueError(f"k must be sink + window + quota·(P−1) + rem = "
                          f"{sink + window + quota * n_scored + rem}, got {k}")
-    return lagkv_compress_op(row_major(keys), row_major(values), k, sink, lag, float(eps), quota, rem, window,
-                             parts)
+    return lagkv_compress_op(keys, values, k, sink, lag, float(eps), quota, rem, window, parts, tile, warps)
