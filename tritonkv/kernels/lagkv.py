@@ -526,14 +526,16 @@ def _check(keys, values, sink, lag, eps) -> None:
 
 def _check_tiling(keys, values, lag: int, parts, tile, warps) -> None:
     """``parts``, ``tile`` and ``warps`` ints >= 0, ``tile`` a power of two, ``warps`` one of 1 … 16, and a
-    tiling that gives the default's bits (``_tiling``)."""
+    tiling that gives the default's bits (``_tiling``; while traced the strides and storage offset are not
+    readable, so the launch checks it — the same ``ValueError``, when the compiled graph first runs)."""
     for name, v in (("parts", parts), ("tile", tile), ("warps", warps)):
         check_int(name, v)
     if tile & (tile - 1):
         raise ValueError(f"tile must be 0 or a power of two, got {tile}")
     if warps not in (0, 1, 2, 4, 8, 16):
         raise ValueError(f"warps must be 0 or a power of two up to 16, got {warps}")
-    _tiling(lag, keys.shape[-1], keys.element_size(), tile, warps, _aligned(keys, values))
+    if not torch.compiler.is_compiling():
+        _tiling(lag, keys.shape[-1], keys.element_size(), tile, warps, _aligned(keys, values))
 
 
 def lagkv_scores(keys: torch.Tensor, values: torch.Tensor, *, sink: int = 16, lag: int = 128,
