@@ -122,12 +122,6 @@ def _allocator_pairs(name: str) -> List[Tuple[str, str]]:
             + [(cfg_name("snapkv", name, budget=b), cfg_name("snapkv", "uniform", budget=b)) for b in (128, 64)])
 
 
-# configurations recorded before a fix that changes them: the claims that read them say so
-GAPS_FIX = ("the arm that pairs SurfaceLogicKV's allocation with a window-attention policy (SnapKV or SurfaceLogicKV) "
-            "was recorded before the fix of 2026-11-26 (a head of a per-head layer counted the layer's empty slots "
-            "in its window softmax, which lowered a shorter head's scores): re-run it before reading that comparison")
-
-
 CLAIMS = [
     dict(id="keydiff",
          claim="KeyDiff beats TOVA, SnapKV and StreamingLLM under block-wise prefill (B = 128) at small cache "
@@ -162,14 +156,14 @@ CLAIMS = [
          pairs=[(COMPOSE, cfg_name(o, a, mode="blockwise", budget=64))
                 for o, a in (("keydiff", "uniform"), ("tova", "uniform"), ("snapkv", "uniform"),
                              ("streaming_llm", "uniform"), ("criticalkv", "uniform"),
-                             ("surfacelogic", "surfacelogic"))], caveat=GAPS_FIX),
+                             ("surfacelogic", "surfacelogic"))]),
     dict(id="compose_ablation",
          claim="Each ingredient of the composition helps: the composition against itself without the "
                "allocation (uniform), without CriticalKV's second stage (KeyDiff + SurfaceLogicKV allocation), "
                "and with SnapKV's scores instead of KeyDiff's (SnapKV + SurfaceLogicKV allocation)",
          pairs=[(COMPOSE, cfg_name(o, a, mode="blockwise", budget=64))
                 for o, a in (("keydiff_critical", "uniform"), ("keydiff", "surfacelogic"),
-                             ("snapkv", "surfacelogic"))], caveat=GAPS_FIX),
+                             ("snapkv", "surfacelogic"))]),
 ]
 
 

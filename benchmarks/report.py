@@ -23,6 +23,11 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
     ("kernel_stats.md", "registers, spills, shared memory and occupancy of every kernel, launches per policy "
                         "(`kernel_stats.py`)"),
     ("kernel_stats-triton-*.md", "the full kernel statistics under one Triton version (`kernel_stats.py`)"),
+    ("lagkv_tilings.md", "LagKV's kernel tilings (`tile`/`warps`) compiled under Triton 3.6 and 3.9: registers, "
+                         "programs per SM, per-partition SASS, the channel layouts behind their exactness "
+                         "(`lagkv_tilings.py`; no GPU)"),
+    ("lagkv-tilings/kernel_stats-triton-*.md", "the kernel statistics of LagKV's tilings under one Triton version "
+                                               "(`kernel_stats.py --only`)"),
     ("nvidia-h200-memory/memory.md", "memory inside a model on an H200 (`memory.py` on a GPU)"),
     ("memory-8k/memory.md", "memory inside a model at N = 8192, KeyDiff and SnapKV + AdaKV in every mode "
                             "(`memory.py`)"),
