@@ -412,17 +412,30 @@ class TritonKVLayer(CacheLayerMixin):
         """Keep the recent queries for window policies; compress when the schedule says so (eager only)."""
         cache = self.cache
         T = query.shape[2]
+        keep = self._keeps_queries()
         if cache._wants_queries:
-            W = cache.q_window
-            recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
-            self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
+            if T > 1 or keep:  # a one-token forward compresses only in "decoding" mode
+                W = cache.q_window
+                recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
+                self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
             self.roll_queries(query)  # a reserved layer's buffer too (mixed eager and compiled steps)
         cache._maybe_compress(self, prefill=T > 1)
         self._suffix = None  # it holds the store: keep no old one alive
         if self.layer_idx == len(cache.layers) - 1:
             cache._masks.clear()  # the forward's last layer: no mask is kept between forwards
-        if cache.mode == "after_prefill":  # only this forward's compression reads them: keep none between forwards
+        if not keep:  # only this forward's compression reads them: keep none between forwards
             self.queries = None
+
+    def _keeps_queries(self) -> bool:
+        """Whether the window of queries is kept between forwards: a later compression reads queries of earlier
+        forwards in ``"decoding"`` mode (its re-compressions) and block-wise until a known prompt
+        (``prompt_length``) is in (a last block shorter than the window reads the block before it); never in
+        ``"after_prefill"`` mode, nor block-wise after the prompt, where the compression of a later multi-token
+        forward reads that forward's own queries (as in ``"after_prefill"`` mode)."""
+        cache = self.cache
+        if cache.mode == "blockwise":
+            return not cache.prompt_length or self.seen < cache.prompt_length
+        return cache.mode == "decoding"
 
     def kept_tokens(self) -> torch.Tensor:
         """int64 ``[B, H_kv]`` tokens held per (batch row, KV head)."""
