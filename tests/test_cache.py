@@ -168,6 +168,28 @@ def _append_writes_in_place_without_repack():
 
 
 @both_backends
+def test_host_rows_are_read_once_per_layout(backend, monkeypatch):
+    """``host_rows()`` (the rows' starts and lengths as host lists, for CPU code that walks the rows, e.g. the
+    transformers integration's decode attention): read back at the first call and after a re-pack, counted on the
+    host by every append in between, and always the device's values (an empty row, re-packs every few steps)."""
+    keys, values, scores, g = _inputs(2, 2, 40, 16, torch.float32, 0)
+    reads, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    with on_backend(backend):
+        c = RaggedKV.from_selection(scores, torch.tensor([16, 0, 40, 7]), keys, values, slack=3, align=4)
+        layout, repacks = None, 0
+        for _ in range(30):
+            before = len(reads)
+            starts, lengths = c.host_rows()
+            assert len(reads) - before == (0 if c.row_start is layout else 2)  # a read only for a new layout
+            repacks += layout is not None and c.row_start is not layout
+            layout = c.row_start
+            assert (starts, lengths) == (c.row_start.cpu().numpy().tolist(), c.length.cpu().numpy().tolist())
+            c.append(*_new(2, 2, 16, g))
+    assert repacks >= 3
+
+
+@both_backends
 def test_allocate_then_fill(backend):
     with on_backend(backend):
         _allocate_then_fill()

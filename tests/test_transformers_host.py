@@ -2,6 +2,8 @@
 device value (``.item()``, ``bool(t)``, ``.tolist()``) or a host-to-device copy makes the host wait for the device,
 once per layer and block. Run on the meta device, where tensors have shapes and no values: a read-back raises, and a
 host tensor reaching an op is a copy that a GPU run would make. A seeded random Llama; no download."""
+import sys
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -48,3 +50,45 @@ def test_blockwise_prefill_has_no_host_sync(meta_model, policy):
     layers = meta_model.config.num_hidden_layers
     assert cache.compressions == 3 * layers  # every block is over the budget (76 tokens)
     assert cache.stored_tokens() == [76] * layers
+
+
+class OpsIn(TorchDispatchMode):
+    """Counts the aten ops that run inside each of the named functions (the innermost of them on the stack)."""
+
+    def __init__(self, *names):
+        super().__init__()
+        self.names, self.ops = names, {n: 0 for n in names}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_name not in self.names:
+            f = f.f_back
+        if f is not None:
+            self.ops[f.f_code.co_name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_per_head_rows_attend_with_few_ops_and_no_read_back(monkeypatch):
+    """Block-wise SnapKV + AdaKV on the CPU: each later prefill block attends over each (row, KV head)'s slots
+    with one SDPA of strided views (``suffix_attention``: at most 6 ops per row and 4 more, was 12 per row), and a
+    decode step over the per-head rows likewise (``ragged_decode_sdpa``: at most 3 ops per row and 4 more, was
+    12 per row), reading nothing back: the rows' starts and lengths are kept on the host (``RaggedKV.host_rows``)
+    from the first step on."""
+    model = tiny_llama()
+    layers, R = model.config.num_hidden_layers, model.config.num_key_value_heads  # batch 1: R rows per layer
+    ids = torch.randint(0, 256, (1, N), generator=torch.Generator().manual_seed(0))
+    cache = tt.make_cache(model, "snapkv", 0.1, mode="blockwise", block_size=BLOCK, allocation="adakv",
+                          prompt_length=N)
+    counted = OpsIn("suffix_attention", "lower_right_mask")  # the shared mask's ops counted apart
+    with counted:
+        logits = tt.prefill(model, ids, cache)[:, -1]
+    assert 0 < counted.ops["suffix_attention"] <= 2 * layers * (6 * R + 4)  # the 2 blocks after the first
+    tt.decode(model, cache, logits, 2)  # one step: the rows' layout read once
+    assert all(layer.store.ragged for layer in cache.layers)
+    reads, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
+    counted = OpsIn("ragged_decode_sdpa")
+    with counted:
+        tt.decode(model, cache, logits, 5)  # 4 steps
+    assert reads == []
+    assert 0 < counted.ops["ragged_decode_sdpa"] <= 4 * layers * (3 * R + 4)

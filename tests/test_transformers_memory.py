@@ -285,6 +285,35 @@ def test_a_window_policy_layer_keeps_the_last_window_of_queries(model):
     assert torch.equal(layer.queries, torch.cat(fed, dim=2)[:, :, -W:])
 
 
+@pytest.mark.parametrize("allocation", [None, "adakv"])
+def test_blockwise_keeps_no_queries_once_the_prompt_is_in(model, allocation):
+    """Block-wise SnapKV over a known prompt (``generate``) keeps the window of queries while blocks follow (a last
+    block shorter than the window reads the one before it), then none: after the prompt and through decoding the
+    cache holds what after-prefill's holds for the same kept total (the same bytes, uniform and per-head budgets),
+    no window of queries on top (8 query heads · 32 · 32 fp32 per layer, ~8 % of the kept K/V here)."""
+    ids, got = _ids(1000), {}
+    for mode in ("blockwise", "after_prefill"):
+        seen = []
+
+        def probe(module, args, kwargs, out):  # each layer's saved window after its attention call
+            seen.append(cache.layers[module.layer_idx].queries is not None)
+
+        cache = tt.make_cache(model, "snapkv", 0.1, mode=mode, block_size=256, allocation=allocation,
+                              prompt_length=ids.shape[1])
+        hooks = [layer.self_attn.register_forward_hook(probe, with_kwargs=True) for layer in model.model.layers]
+        try:
+            logits = tt.prefill(model, ids, cache)[:, -1]
+            after_prompt = cache.nbytes
+            tt.decode(model, cache, logits, 3)
+        finally:
+            for h in hooks:
+                h.remove()
+        got[mode] = after_prompt, cache.nbytes, seen
+    (bw0, bw1, seen), (ap0, ap1, _) = got["blockwise"], got["after_prefill"]
+    assert seen == [True] * 6 + [False] * 6  # 2 layers: blocks 1-3 keep the window; the last block, 2 steps not
+    assert (bw0, bw1) == (ap0, ap1)  # the same kept total per layer: the same storage
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_elements", [None, 64])
 def test_held_attention_is_masked_attention_of_ordered_slots(monkeypatch, dtype, mask_elements):

@@ -326,6 +326,7 @@ class RaggedKV:
         self.max_capacity = max_capacity
         self.slack, self.align = slack, align
         self._free = free  # host-side lower bound on every row's free slots (0: unknown)
+        self._host = None  # (row_start, length) as host lists once read (``host_rows``), kept current by ``append``
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -540,7 +541,17 @@ class RaggedKV:
         ragged_append(k, v, self.keys, self.values, self._positions, self.row_start, self.length,
                       self.next_position, self.num_heads)
         self._free -= 1
+        if self._host is not None:  # the op's rule on the host: a row grows where it had room
+            starts, lengths = self._host
+            self._host = starts, [n + (s + n < e) for s, e, n in zip(starts, starts[1:], lengths)]
         return self
+
+    def host_rows(self) -> tuple[list, list]:
+        """``(row_start, length)`` as host lists (``R + 1`` and ``R`` ints): read back once per layout (a build or a
+        ``repack``), then kept current on the host by ``append``. For host code that walks the rows (the CPU)."""
+        if self._host is None:
+            self._host = self.row_start.tolist(), self.length.tolist()
+        return self._host
 
     def repack(self, slack: Optional[int] = None) -> "RaggedKV":
         """Re-lay rows with ``capacity = round_up(length + max(slack, 1), align)`` (copies the cache;
@@ -561,7 +572,7 @@ class RaggedKV:
         self._positions = torch.where(valid, self._positions[src], -1)
         self.row_start = start
         self.max_capacity = max(int(max_cap), 1)
-        self._free = slack
+        self._free, self._host = slack, None
         return self
 
     def to_padded(self, cap: Optional[int] = None, *, with_positions: bool = False):

@@ -555,10 +555,13 @@ def _composite_keys(scores: torch.Tensor, forced: torch.Tensor, sink: int, windo
     b = torch.where(s == 0, 0.0, s).view(torch.int32)  # -0 -> +0
     signed = b ^ ((b >> 31) & 0x7FFFFFFF)  # int32 order == float order
     low = (2 ** 62 + N - 1) - pos
+    keys = (signed.to(torch.int64) << _IDX_BITS) + low
+    if not sink and not window and forced.numel() == 0:  # nothing protected
+        return keys
     prot = (pos < sink) | (pos >= N - window)
     if forced.numel() > 0:
         prot = prot | (forced != 0)
-    return torch.where(prot, ((2 ** 32 - 1) << _IDX_BITS) - 2 ** 62 + low, (signed.to(torch.int64) << _IDX_BITS) + low)
+    return torch.where(prot, ((2 ** 32 - 1) << _IDX_BITS) - 2 ** 62 + low, keys)
 
 
 def redirect_invalid(valid: torch.Tensor):

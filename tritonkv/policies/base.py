@@ -61,6 +61,8 @@ class Policy:
     needs: ClassVar[tuple[str, ...]] = ()
     #: True when scores are attention-like (>= 0); CriticalKV accepts only such bases
     nonnegative: ClassVar[bool] = False
+    #: False when ``score()`` never reads the values (a wrapper need not prepare them, e.g. mark empty slots)
+    reads_values: ClassVar[bool] = True
 
     sink: int = 0
     window: int = 0

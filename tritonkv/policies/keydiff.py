@@ -30,6 +30,7 @@ class KeyDiff(Policy):
     """
 
     name: ClassVar[str] = "keydiff"
+    reads_values: ClassVar[bool] = False
 
     window_share: float = 0.0
     anchor: str = "normalized"

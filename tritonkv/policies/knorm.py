@@ -23,6 +23,7 @@ class Knorm(Policy):
     first; among equal scores the lower index is kept). Values are copied, never read."""
 
     name: ClassVar[str] = "knorm"
+    reads_values: ClassVar[bool] = False
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
         """fp32 ``[B, H_kv, N]`` = −‖k_i‖₂ (≤ 0), NaN for a key with a non-finite element."""

@@ -50,6 +50,7 @@ class WindowAttentionPolicy(Policy):
 
     needs: ClassVar[tuple[str, ...]] = ("queries",)
     nonnegative: ClassVar[bool] = True
+    reads_values: ClassVar[bool] = False  # unless a wrapper asks (``read_values``), as CriticalKV does
 
     window: int = 32
     kernel_size: int = 1

@@ -11,8 +11,8 @@ tensor:
 
 - the prompt's first forward (no kept prefix, no padding): causal SDPA, ``is_causal=True`` with GQA — exactly
   what the stock model runs;
-- a decode step over per-head (ragged) rows: the split-K decode kernel (``decode_attention``; Triton on CUDA,
-  its PyTorch body on the CPU); over dense rows on CUDA the same kernel;
+- a decode step over per-head (ragged) rows: the split-K decode kernel (``decode_attention``) on CUDA; on the CPU
+  ``ragged_decode_sdpa``, SDPA per row over a strided view of its slots; over dense rows on CUDA the same kernel;
 - a later prefill block over a kept prefix with no pads or gaps: ``block_attention``, SDPA over query chunks
   with a lower-right causal ``[chunk, S]`` mask shared by every head (every kept token precedes the block);
 - per-head rows of a layer with no pads: ``suffix_attention`` on the CPU (each row's slots alone), else
@@ -138,29 +138,39 @@ def lower_right_mask(c: int, s: int, dtype, device, masks: Optional[dict] = None
     return mask[:, mask.shape[1] - s:]
 
 
+def _rows_view(t, b: int, h: int, heads: int, s0: int, s1: int):
+    """``t[b:b+1, h:h+heads, s0:s1]`` of ``t`` ``[B, H, S, D]``, as one view op."""
+    st = t.stride()
+    return t.as_strided((1, heads, s1 - s0, t.shape[3]), st, t.storage_offset() + b * st[0] + h * st[1] + s0 * st[2])
+
+
 def suffix_attention(query, key, value, lengths, scaling, masks: Optional[dict] = None):
     """Attention of a block of T queries over rows whose tokens are each (batch row, KV head)'s last
     ``lengths[b][h]`` (>= T) slots, in position order, the block's own T tokens last (``held_suffix``): per row,
     ``block_attention`` of its G query heads over those slots alone (no per-head mask, no slot of another row's
-    length). ``masks``: reuse the mask between calls (``lower_right_mask``). Returns ``[B, T, H_q, D]``."""
+    length; each row's SDPA over strided views, its output joined by one ``cat``). ``masks``: reuse the mask
+    between calls (``lower_right_mask``). Returns ``[B, T, H_q, D]``."""
     B, Hq, T, D = query.shape
     H, S = key.shape[1], key.shape[2]
     G = Hq // H
-    out = query.new_empty(B, T, Hq, value.shape[-1])
     chunk = _chunk(T, S)
+    chunks = []
     for c0 in range(0, T, chunk):
         c = min(chunk, T - c0)
         s = S - T + c0 + c  # slots up to the chunk's last query
         mask = lower_right_mask(c, s, query.dtype, query.device, masks)  # a row's: its last columns
+        q = query if c == T else query[:, :, c0:c0 + c]
+        rows = []
         for b in range(B):
+            heads = []
             for h in range(H):
                 s0 = S - lengths[b][h]
-                heads = slice(h * G, (h + 1) * G)
-                o = F.scaled_dot_product_attention(query[b:b + 1, heads, c0:c0 + c], key[b:b + 1, h:h + 1, s0:s],
-                                                   value[b:b + 1, h:h + 1, s0:s], attn_mask=mask[:, s0:],
-                                                   scale=scaling, enable_gqa=G > 1)
-                out[b, c0:c0 + c, heads] = o[0].transpose(0, 1)
-    return out
+                heads.append(F.scaled_dot_product_attention(
+                    _rows_view(q, b, h * G, G, 0, c), _rows_view(key, b, h, 1, s0, s), _rows_view(value, b, h, 1, s0, s),
+                    attn_mask=mask[:, s0:], scale=scaling, enable_gqa=G > 1).transpose(1, 2))  # [1, c, G, D]
+            rows.append(torch.cat(heads, dim=2))
+        chunks.append(torch.cat(rows) if B > 1 else rows[0])
+    return torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0]
 
 
 def held_attention(query, key, value, pos, scaling, masks: Optional[dict] = None):
@@ -233,17 +243,20 @@ def decode_sdpa(query, key, value, scaling):
 def ragged_decode_sdpa(query, kv, scaling):
     """One query token per head over per-head (ragged) rows ``kv`` (a ``RaggedKV`` on the CPU, whose tokens all
     precede the query): per row, SDPA of its G query heads packed as G rows over the row's slots, read in place
-    (no padded copy); an empty row gives zeros (as ``decode_attention``). ``[B, 1, H_q, D]``."""
+    (no padded copy, each row one strided view of the flat storage at the start and length ``kv.host_rows()``
+    keeps on the host); an empty row gives zeros (as ``decode_attention``). ``[B, 1, H_q, D]``."""
     B, Hq, _, D = query.shape
-    H = kv.num_heads
-    q = query.reshape(B * H, 1, Hq // H, D)  # row r = b·H + h: the G query heads of KV head h
-    out = query.new_zeros(B * H, 1, Hq // H, kv.values.shape[1])
-    for r, (start, n) in enumerate(zip(kv.row_start.tolist(), kv.length.tolist())):
+    H, (K, V) = kv.num_heads, (kv.keys, kv.values)
+    starts, lengths = kv.host_rows()
+    outs = []
+    for q, start, n in zip(query.reshape(B * H, 1, Hq // H, D).split(1), starts, lengths):  # row b·H + h
         if n == 0:
+            outs.append(q.new_zeros(*q.shape[:3], V.shape[1]))
             continue
-        k, v = kv.keys[None, None, start:start + n], kv.values[None, None, start:start + n]
-        out[r] = F.scaled_dot_product_attention(q[r:r + 1], k, v, scale=scaling)[0]
-    return out.view(B, 1, Hq, -1)
+        k, v = (t.as_strided((1, 1, n, t.shape[1]), (0, 0, t.stride(0), t.stride(1)), t.storage_offset()
+                             + start * t.stride(0)) for t in (K, V))
+        outs.append(F.scaled_dot_product_attention(q, k, v, scale=scaling))
+    return torch.cat(outs).view(B, 1, Hq, -1)
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):

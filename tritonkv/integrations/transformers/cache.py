@@ -61,7 +61,9 @@ class _MaskedPolicy(Policy):
         # normalisers, means, partition ranges): each head's real tokens score as they would alone, whatever the
         # other heads hold (a zero key there counted in every window row's softmax)
         hole = ~self.valid[..., None]
-        keys, values = keys.masked_fill(hole, float("nan")), values.masked_fill(hole, float("nan"))
+        keys = keys.masked_fill(hole, float("nan"))
+        if self.base.reads_values:  # else a copy nobody reads
+            values = values.masked_fill(hole, float("nan"))
         return torch.where(self.valid, self.base.score(keys, values, **inputs).float(), float("-inf"))
 
 
@@ -250,7 +252,7 @@ class TritonKVLayer(CacheLayerMixin):
             return st.keys, st.values
         if self.store.ragged and T == 1 and self.cache._block_ends is None:  # a decode step over per-head rows
             self.store.append(key_states, value_states)
-            out = key_states
+            out = key_states, value_states
         else:
             if self.store.ragged:  # a prefill block over per-head rows: a padded working view for this forward
                 self.store = self.store.to_dense(free=T)
@@ -261,7 +263,7 @@ class TritonKVLayer(CacheLayerMixin):
             else:  # no slack while more of the prompt follows: this block's compression replaces the store
                 slack = 0 if T > 1 and self._more_prompt(self.seen + T) else self._slack(self.store.n + T)
                 self.store.append(key_states, value_states, pos, slack)
-            out = self.store.view()[0]
+            out = self.store.view()[:2]
         self.seen += T
         self.since += T
         if self.pads is not None:  # a padded batch: every row counts the new tokens (mark_padding takes pads off)
@@ -271,8 +273,8 @@ class TritonKVLayer(CacheLayerMixin):
         self._sync_fill(seen=True)
         self.peak = max(self.peak, self.n)
         self.cache._record(self.layer_idx, self.n)
-        hand_over(self, out, kwargs)
-        return out, (value_states if out is key_states else self.store.view()[1])
+        hand_over(self, out[0], kwargs)
+        return out
 
     def _slack(self, kept: int) -> int:
         return slack_for(kept, self.cache.decode_every)
@@ -412,17 +414,30 @@ class TritonKVLayer(CacheLayerMixin):
         """Keep the recent queries for window policies; compress when the schedule says so (eager only)."""
         cache = self.cache
         T = query.shape[2]
+        keep = self._keeps_queries()
         if cache._wants_queries:
-            W = cache.q_window
-            recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
-            self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
+            if T > 1 or keep:  # a one-token forward compresses only in "decoding" mode
+                W = cache.q_window
+                recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
+                self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
             self.roll_queries(query)  # a reserved layer's buffer too (mixed eager and compiled steps)
         cache._maybe_compress(self, prefill=T > 1)
         self._suffix = None  # it holds the store: keep no old one alive
         if self.layer_idx == len(cache.layers) - 1:
             cache._masks.clear()  # the forward's last layer: no mask is kept between forwards
-        if cache.mode == "after_prefill":  # only this forward's compression reads them: keep none between forwards
+        if not keep:  # only this forward's compression reads them: keep none between forwards
             self.queries = None
+
+    def _keeps_queries(self) -> bool:
+        """Whether the window of queries is kept between forwards: a later compression reads queries of earlier
+        forwards in ``"decoding"`` mode (its re-compressions) and block-wise until a known prompt
+        (``prompt_length``) is in (a last block shorter than the window reads the block before it); never in
+        ``"after_prefill"`` mode, nor block-wise after the prompt, where the compression of a later multi-token
+        forward reads that forward's own queries (as in ``"after_prefill"`` mode)."""
+        cache = self.cache
+        if cache.mode == "blockwise":
+            return not cache.prompt_length or self.seen < cache.prompt_length
+        return cache.mode == "decoding"
 
     def kept_tokens(self) -> torch.Tensor:
         """int64 ``[B, H_kv]`` tokens held per (batch row, KV head)."""
