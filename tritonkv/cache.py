@@ -541,7 +541,9 @@ class RaggedKV:
         ragged_append(k, v, self.keys, self.values, self._positions, self.row_start, self.length,
                       self.next_position, self.num_heads)
         self._free -= 1
-        if self._host is not None:  # the op's rule on the host: a row grows where it had room
+        if self._host is not None and torch.compiler.is_compiling():  # traced, host lists would be baked in
+            self._host = None  # read again when asked
+        elif self._host is not None:  # the op's rule on the host: a row grows where it had room
             starts, lengths = self._host
             self._host = starts, [n + (s + n < e) for s, e, n in zip(starts, starts[1:], lengths)]
         return self
