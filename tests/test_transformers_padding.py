@@ -81,6 +81,20 @@ def test_a_one_token_block_of_a_row_aligned_prefill_marks_its_pads(model):
     assert r["kept_equal"] and r["worst"] <= bi.ATOL, r
 
 
+@pytest.mark.parametrize("allocation", [None, "adakv"])
+def test_a_one_token_last_forward_that_ends_a_row_block_reads_its_query(model, allocation):
+    """Rows of 17, 86 and 92 tokens in blocks of 16: the row-aligned prefill's last forwards are [86, 91) and the one
+    token [91, 92), which ends the 6-token last block of the second row. SnapKV's window for that compression must
+    hold the query of token 91, although no query window is kept once the prompt is in (it lacked it: logits off
+    the row alone, by 0.73 in sweep case 61 with HeadKV budgets)."""
+    g = torch.Generator().manual_seed(61)
+    lengths = [17, 86, 92]
+    case = dict(policy="snapkv", allocation=allocation, mode="blockwise", lengths=lengths, budget=40 + 10,
+                block_size=16, ids=[torch.randint(3, 1000, (n,), generator=g) for n in lengths], inputs={})
+    r = bi.run_case(model, case)
+    assert r["evicted"] and r["kept_equal"] and r["worst"] <= bi.ATOL, r
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("policy", ["snapkv", "h2o", "surfacelogic", "keydiff", "knorm"])
 def test_a_head_with_empty_slots_scores_as_alone(policy, backend):

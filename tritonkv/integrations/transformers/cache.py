@@ -414,9 +414,12 @@ class TritonKVLayer(CacheLayerMixin):
         """Keep the recent queries for window policies; compress when the schedule says so (eager only)."""
         cache = self.cache
         T = query.shape[2]
-        keep = self._keeps_queries()
+        keep = self._keeps_queries(self.seen)
         if cache._wants_queries:
-            if T > 1 or keep:  # a one-token forward compresses only in "decoding" mode
+            # this forward's compression may read the window: a multi-token forward, or one whose queries were kept
+            # before it (decoding mode; the prompt's last forward, which may be one token of a padded batch's
+            # row-aligned blocks that ends a row's block)
+            if T > 1 or self._keeps_queries(self.seen - T):
                 W = cache.q_window
                 recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
                 self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
@@ -428,15 +431,15 @@ class TritonKVLayer(CacheLayerMixin):
         if not keep:  # only this forward's compression reads them: keep none between forwards
             self.queries = None
 
-    def _keeps_queries(self) -> bool:
-        """Whether the window of queries is kept between forwards: a later compression reads queries of earlier
+    def _keeps_queries(self, seen: int) -> bool:
+        """Whether the window of queries is kept after ``seen`` tokens: a later compression reads queries of earlier
         forwards in ``"decoding"`` mode (its re-compressions) and block-wise until a known prompt
         (``prompt_length``) is in (a last block shorter than the window reads the block before it); never in
         ``"after_prefill"`` mode, nor block-wise after the prompt, where the compression of a later multi-token
         forward reads that forward's own queries (as in ``"after_prefill"`` mode)."""
         cache = self.cache
         if cache.mode == "blockwise":
-            return not cache.prompt_length or self.seen < cache.prompt_length
+            return not cache.prompt_length or seen < cache.prompt_length
         return cache.mode == "decoding"
 
     def kept_tokens(self) -> torch.Tensor:
