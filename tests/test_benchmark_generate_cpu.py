@@ -27,6 +27,7 @@ def test_generate_cpu_smoke(tmp_path):
         assert data["tokens"] < x["length"] <= data["tokens"] + data["new_tokens"], x
     assert all(x["ratio"] == 1.0 for x in rows if x["call"] == "stock")
     m = data["machine"]
+    assert data["forward_tokens"] == 512  # generate's default
     assert data["smoke"] and not m["triton_interpret"] and m["cpu"] and m["torch"] and "--smoke" in m["command"]
     md = (tmp_path / "generate_cpu.md").read_text()
     assert "| call | threads | median s | min s | ratio | min ratio |" in md and "| snapkv+adakv | 2 |" in md

@@ -137,7 +137,7 @@ def test_blockwise_memory_bounded_and_positions(lm, prompt):
         kw.get("position_ids", a[1] if len(a) > 1 else None).clone()), with_kwargs=True)
     try:
         cache = tt.make_cache(model, "keydiff", 128, mode="blockwise", block_size=128, record=True)
-        logits = tt.prefill(model, ids, cache)[:, -1]
+        logits = tt.prefill(model, ids, cache, forward_tokens=128)[:, -1]  # one forward per block
         assert cache.stored_tokens() == [128] * 30
         new = tt.decode(model, cache, logits, 3)
     finally:
@@ -150,6 +150,51 @@ def test_blockwise_memory_bounded_and_positions(lm, prompt):
     pos = layer.pos[0, :, : layer.n]
     assert bool((pos[:, 1:] > pos[:, :-1]).all()) and pos[:, -2:].tolist() == [[400, 401]] * 3
     assert new.shape == (1, 3)
+
+
+@pytest.mark.parametrize("policy,allocation", [("keydiff", None), ("snapkv", "adakv"), ("tova", None),
+                                               ("criticalkv", "pyramid")])
+def test_forwards_of_several_blocks_equal_one_forward_per_block(lm, prompt, policy, allocation):
+    """Block-wise prefill with several blocks per model forward (``forward_tokens``: 3 blocks, then the last 2,
+    each block still stored, attended and compressed on its own inside each layer) ends where one forward per block
+    ends: the same logits, kept positions, compressions and slots in use after every change."""
+    model, _ = lm
+    runs = []
+    for forward_tokens in (64, 192):
+        cache = tt.make_cache(model, policy, 48, mode="blockwise", block_size=64, allocation=allocation,
+                              prompt_length=prompt.shape[1], record=True)
+        fed = []
+        logits = tt.prefill(model, prompt, cache, forward_tokens=forward_tokens, progress=fed.append)
+        runs.append((logits, [layer.pos[:, :, :layer.n] for layer in cache.layers], cache.compressions, cache.trace))
+        assert fed == ([64] * 4 + [44] if forward_tokens == 64 else [192, 108])  # 300 tokens: 5 blocks
+    (la, pa, ca, ta), (lb, pb, cb, tb) = runs
+    assert _max_diff([la], [lb]) <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(pa, pb))
+    assert ca == cb == 5 * 30  # every block ends over the budget
+    ta, tb = (sorted(t, key=lambda e: e[0]) for t in (ta, tb))  # per layer: a forward runs all its blocks in turn
+    assert ta == tb
+
+
+def test_forward_grouping():
+    """``_forwards``: consecutive blocks joined up to ``forward_tokens`` per forward (at least one block each) for
+    a TritonKVCache and a batch without pads; one forward per block for a padded batch or another cache."""
+    from transformers import DynamicCache
+
+    from tritonkv.integrations.transformers.generate import _forwards, _row_blocks
+
+    cache = tt.TritonKVCache("keydiff", 8, mode="blockwise", block_size=4)
+    blocks = _row_blocks(None, 2, 15, 4)  # columns [2, 17): ends 6, 10, 14, 17
+    assert _forwards(cache, None, 2, blocks, 8) == [(10, None, [4, 4]), (17, None, [4, 3])]
+    assert _forwards(cache, None, 2, blocks, 3) == [(b, None, None) for b, _ in blocks]  # a block is the least
+    assert _forwards(cache, None, 2, blocks, 100) == [(17, None, [4, 4, 4, 3])]
+    mask = torch.ones(2, 17, dtype=torch.long)
+    # with a mask, blocks start at each row's first real token, here column 0: [2, 4), [4, 8), ..., [16, 17)
+    assert [s for *_, s in _forwards(cache, mask, 2, _row_blocks(mask, 2, 15, 4), 8)] == [[2, 4], [4, 4], None]
+    mask[1, :3] = 0  # a padded row: its blocks are aligned to its first real token, one forward per block
+    assert all(s is None for *_, s in _forwards(cache, mask, 2, _row_blocks(mask, 2, 15, 4), 8))
+    assert all(s is None for *_, s in _forwards(DynamicCache(), None, 2, blocks, 8))
+    lagkv = tt.TritonKVCache("lagkv", 0.5, mode="decoding")  # its layers attend a forward whole
+    assert all(s is None for *_, s in _forwards(lagkv, None, 2, blocks, 8))
 
 
 def test_decoding_mode_bounded(lm, prompt):
@@ -219,6 +264,12 @@ def test_bad_arguments():
         tt.TritonKVCache("lagkv", 0.5, mode="decoding", allocation="adakv")
     with pytest.raises(ValueError, match="budget"):
         tt.TritonKVCache("keydiff", 1.5)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="forward_tokens"):
+            tt.prefill(None, ids, tt.TritonKVCache("keydiff", 10), forward_tokens=bad)
+        with pytest.raises(ValueError, match="forward_tokens"):
+            tt.generate(None, ids, policy="keydiff", budget=10, forward_tokens=bad)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -302,7 +302,7 @@ def test_blockwise_keeps_no_queries_once_the_prompt_is_in(model, allocation):
                               prompt_length=ids.shape[1])
         hooks = [layer.self_attn.register_forward_hook(probe, with_kwargs=True) for layer in model.model.layers]
         try:
-            logits = tt.prefill(model, ids, cache)[:, -1]
+            logits = tt.prefill(model, ids, cache, forward_tokens=256)[:, -1]  # one forward (hook call) per block
             after_prompt = cache.nbytes
             tt.decode(model, cache, logits, 3)
         finally:

@@ -261,7 +261,7 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
             logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): c}).logits[:, -1]
         else:
             c = make_cache(model, pol, budget, mode="blockwise", block_size=block_size, prompt_length=n_tokens)
-            logits = prefill(model, ids, c)[:, -1]
+            logits = prefill(model, ids, c, forward_tokens=block_size)[:, -1]
         decode(model, c, logits, 2)
         sync()
 
@@ -313,7 +313,7 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
             warm_up(pol)
             cache = make_cache(model, pol, budget, mode="blockwise", block_size=block_size, prompt_length=n_tokens)
             t = time.perf_counter()
-            logits = prefill(model, ids, cache, progress=tick)[:, -1]
+            logits = prefill(model, ids, cache, progress=tick, forward_tokens=block_size)[:, -1]  # the same forwards
             sync()
             t_prefill = time.perf_counter() - t
             kept = [int(k.max()) for k in cache.kept_tokens()]

@@ -28,7 +28,8 @@ Where things are:
   ``answer(model, context_ids, questions, ...)`` (compress a context once, answer several questions).
 
 Modes: ``"after_prefill"`` (the prompt in one forward, compressed once), ``"blockwise"`` (the prompt in blocks of
-``block_size``, compressed after each, KeyDiff Eq. 6: never more than ``budget + block_size`` slots per head),
+``block_size``, compressed after each, KeyDiff Eq. 6: never more than ``budget + block_size`` slots per head; the
+model runs up to ``forward_tokens`` tokens per forward, each block still attended and compressed on its own),
 ``"decoding"`` (after-prefill plus re-compression back to the budget every ``decode_every`` steps). With a budget
 >= the sequence length nothing is evicted and the logits equal the uncompressed model's up to fp32 round-off.
 

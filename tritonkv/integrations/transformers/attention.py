@@ -21,7 +21,9 @@ tensor:
   chunks kept under ``MASK_ELEMENTS`` elements;
 - a CPU decode step over a dense layer: SDPA with the G query heads of a KV head packed (``decode_sdpa``).
 
-After attending, the layer compresses when its schedule says so (``TritonKVLayer.after_attention``).
+After attending, the layer compresses when its schedule says so (``TritonKVLayer.after_attention``). A forward of
+several prompt blocks (``prefill``'s ``forward_tokens``) is attended block by block, each block stored, attended
+and compressed before the next (``TritonKVLayer.attend_blocks``).
 """
 from __future__ import annotations
 
@@ -266,12 +268,15 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     ours = active is not None and active[1] is key
     compiling = torch.compiler.is_compiling()
-    check_supported(module, kwargs, active[0].seen if ours and not compiling else key.shape[2])
+    layer = active[0] if ours else None
+    pending = ours and layer._pending is not None  # a forward of several prompt blocks: stored as they are attended
+    check_supported(module, kwargs, layer.seen + pending * key.shape[2] if ours and not compiling else key.shape[2])
     if not ours:
         return _plain_attention(query, key, value, attention_mask, scaling), None
-    layer = active[0]
     T = query.shape[2]
     layer.module = weakref.ref(module)  # its o_proj is CriticalKV's W_O (a weak reference: copies of a cache share it)
+    if pending:  # no pads (prefill groups blocks only then)
+        return layer.attend_blocks(query, scaling), None
     # pads: in any multi-token forward, and in a one-token block of a row-aligned prefill (never in decode steps)
     if attention_mask is not None and not compiling and (T > 1 or layer.cache._block_ends is not None):
         layer.mark_padding(attention_mask[:, -T:].bool())

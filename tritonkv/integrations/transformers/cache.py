@@ -149,6 +149,7 @@ class TritonKVLayer(CacheLayerMixin):
         self.peak = 0  # most slots ever in use
         self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies
         self._suffix = None  # within one attention call: ((store, n), held_suffix of its slots) for compress_to
+        self._pending = None  # (keys, values) of a forward of several prompt blocks, until its attention call
         self._qbuf = self._qcount = None  # reserved: a fixed window of queries kept current on the device
         self.pads: Optional[list[int]] = None  # per batch row, pads fed (set by the first padded forward)
         self.row_n: list[int] = []  # per row: the longest head's tokens held (pads never count)
@@ -250,6 +251,18 @@ class TritonKVLayer(CacheLayerMixin):
             self.seen_dev.add_(T)
             hand_over(self, st.keys, kwargs)
             return st.keys, st.values
+        if self.cache._sub_blocks is not None:  # several prompt blocks in one forward: written block by block by
+            self._pending = (key_states, value_states)  # the attention call (``attend_blocks``)
+            hand_over(self, key_states, kwargs)
+            return key_states, value_states
+        out = self._write(key_states, value_states)
+        hand_over(self, out[0], kwargs)
+        return out
+
+    def _write(self, key_states, value_states):
+        """Store the ``T`` new tokens of an eager forward (or of one block of it) and count them; returns the keys
+        and values the attention call reads."""
+        T = key_states.shape[2]
         if self.store.ragged and T == 1 and self.cache._block_ends is None:  # a decode step over per-head rows
             self.store.append(key_states, value_states)
             out = key_states, value_states
@@ -273,7 +286,6 @@ class TritonKVLayer(CacheLayerMixin):
         self._sync_fill(seen=True)
         self.peak = max(self.peak, self.n)
         self.cache._record(self.layer_idx, self.n)
-        hand_over(self, out[0], kwargs)
         return out
 
     def _slack(self, kept: int) -> int:
@@ -316,7 +328,7 @@ class TritonKVLayer(CacheLayerMixin):
             self.fill.zero_()
             self.seen_dev.zero_()
         self.seen = self.peak = self.since = 0
-        self.has_invalid, self.allocated, self.queries = False, False, None
+        self.has_invalid, self.allocated, self.queries, self._pending = False, False, None, None
         if self._qbuf is not None:
             self._qbuf.zero_()
             self._qcount.zero_()
@@ -401,6 +413,20 @@ class TritonKVLayer(CacheLayerMixin):
                 return suffix_attention(query, key, value, lengths, scaling, self.cache._masks)
         qpos = torch.arange(self.seen - T, self.seen, device=query.device)
         return masked_attention(query, key, value, pos, qpos, scaling)
+
+    def attend_blocks(self, query, scaling):
+        """The attention call of a forward of several prompt blocks (``TritonKVCache._sub_blocks``, set by
+        ``prefill``): per block, in order, store its tokens, attend its queries and compress when due, exactly as
+        one forward per block would (the model's other operations act on each token alone). Returns
+        ``[B, T, H_q, D]``."""
+        (keys, values), self._pending = self._pending, None
+        outs, s = [], 0
+        for t in self.cache._sub_blocks:
+            q = query[:, :, s:s + t]
+            outs.append(self.attend(q, *self._write(keys[:, :, s:s + t], values[:, :, s:s + t]), scaling))
+            self.after_attention(q)
+            s += t
+        return torch.cat(outs, dim=1)
 
     def _held_suffix(self, pos):
         """``held_suffix(pos)`` of the store's slots in use, read once per forward: the attention call's answer is
@@ -751,6 +777,7 @@ class TritonKVCache(Cache):
         self.compressions = 0
         self.frozen = False
         self._block_ends: Optional[list[bool]] = None  # set by ``prefill`` around row-aligned blocks of a padded batch
+        self._sub_blocks: Optional[list[int]] = None  # set by ``prefill`` around a forward of several prompt blocks
         self._masks: dict = {}  # the attention mask that the layers of one forward share (suffix_attention)
         self.record = record
         self.trace: list[tuple[int, int]] = []  # (layer, slots in use) after every change, when ``record``

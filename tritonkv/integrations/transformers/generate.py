@@ -13,6 +13,8 @@ import torch
 from .attention import use_tritonkv
 from .cache import TritonKVCache
 
+FORWARD_TOKENS = 512  # default: prompt tokens per model forward of a block-wise prefill (whole blocks, at least one)
+
 
 @functools.lru_cache(maxsize=None)
 def _forward_takes_cache(cls) -> bool:
@@ -68,16 +70,48 @@ def _row_blocks(attention_mask, start0: int, T: int, block_size: int):
     return out
 
 
+def _check_forward_tokens(forward_tokens) -> None:
+    if isinstance(forward_tokens, bool) or not isinstance(forward_tokens, int) or forward_tokens < 1:
+        raise ValueError(f"forward_tokens must be a positive int, got {forward_tokens!r}")
+
+
+def _forwards(cache, full_mask, start0: int, blocks, forward_tokens: int) -> list:
+    """``(end, rows, blocks)`` per model forward: consecutive ``blocks`` (``_row_blocks``) joined into forwards of
+    at most ``forward_tokens`` tokens (at least one block each; ``blocks``: the token count of each, None for one)
+    when ``cache`` is a ``TritonKVCache`` that then attends and compresses them one by one (``attend_blocks``)
+    and no row has pads; else one forward per block."""
+    from .cache import TritonKVLayer
+
+    if not isinstance(cache, TritonKVCache) or cache._layer_class is not TritonKVLayer or \
+            (full_mask is not None and not bool(full_mask.all())):
+        return [(b, rows, None) for b, rows in blocks]
+    out, a = [], start0
+    for b, rows in blocks:
+        if out and b - out[-1][0] + sum(out[-1][2]) <= forward_tokens:
+            out[-1] = (b, rows, out[-1][2] + [b - out[-1][0]])
+        else:
+            out.append((b, rows, [b - a]))
+        a = b
+    return [(b, rows, sizes if len(sizes) > 1 else None) for b, rows, sizes in out]
+
+
 @torch.no_grad()
 def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, block_size: Optional[int] = None,
-            logits_to_keep: int = 1, progress=None):
+            logits_to_keep: int = 1, progress=None, forward_tokens: int = FORWARD_TOKENS):
     """Feed ``input_ids`` ``[B, T]`` into ``cache`` (in blocks of ``block_size`` in blockwise mode) with RoPE at
     the tokens' true positions; returns the logits of the last ``logits_to_keep`` tokens. ``progress``: an
-    optional callable taking the number of tokens fed by each block.
+    optional callable taking the number of tokens fed by each forward.
 
-    A left-padded batch (``attention_mask``) in blockwise mode is fed so that each row's blocks start at its first
-    real token (forwards end wherever some row's block ends; a row compresses only at its own block ends): every
-    row keeps what it would keep alone."""
+    Consecutive blocks go through the model together, up to ``forward_tokens`` tokens per forward (at least one
+    block): inside each layer's attention a ``TritonKVCache`` still stores, attends and compresses one block after
+    the other, so the result is that of one forward per block (the model's other operations act on each token
+    alone), while its matrix products run on more rows at once. Smaller values bound the activation memory of a
+    forward; ``forward_tokens=block_size`` feeds one block per forward.
+
+    A left-padded batch (``attention_mask``) in blockwise mode is fed one block per forward, so that each row's
+    blocks start at its first real token (forwards end wherever some row's block ends; a row compresses only at
+    its own block ends): every row keeps what it would keep alone."""
+    _check_forward_tokens(forward_tokens)
     B, T = input_ids.shape
     if block_size is None:
         block_size = cache.block_size if cache.mode == "blockwise" else T
@@ -87,28 +121,30 @@ def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, bloc
         raise ValueError(f"attention_mask must cover the tokens already seen plus input_ids "
                          f"({start0 + T} columns), got {attention_mask.shape[1]}")
     return _feed(model, input_ids, cache, full_mask, start0, _row_blocks(full_mask, start0, T, block_size),
-                 logits_to_keep, progress)
+                 logits_to_keep, progress, forward_tokens)
 
 
-def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_keep: int = 1, progress=None):
-    """One forward per ``(end, rows)`` of ``blocks`` (``_row_blocks``) over columns of ``input_ids`` (which starts
-    at column ``start0``); returns the last forward's logits."""
+def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_keep: int = 1, progress=None,
+          forward_tokens: int = FORWARD_TOKENS):
+    """The ``(end, rows)`` of ``blocks`` (``_row_blocks``) over columns of ``input_ids`` (which starts at column
+    ``start0``), fed in forwards of up to ``forward_tokens`` tokens (``_forwards``); returns the last forward's
+    logits."""
     B = input_ids.shape[0]
     out = None
     a = start0
     with use_tritonkv(model):
-        for b, rows in blocks:
+        for b, rows, sizes in _forwards(cache, full_mask, start0, blocks, forward_tokens):
             ids = input_ids[:, a - start0:b - start0]
             pos = _positions(full_mask, a, ids.shape[1], input_ids.device)
             if isinstance(cache, TritonKVCache):
-                cache._block_ends = rows
+                cache._block_ends, cache._sub_blocks = rows, sizes
             try:
                 out = model(input_ids=ids, position_ids=pos.expand(B, -1),
                             attention_mask=None if full_mask is None else full_mask[:, :b],
                             use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(model): cache})
             finally:
                 if isinstance(cache, TritonKVCache):
-                    cache._block_ends = None
+                    cache._block_ends = cache._sub_blocks = None
             if progress is not None:
                 progress(ids.shape[1])
             a = b
@@ -117,11 +153,15 @@ def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_kee
 
 def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", allocation=None,
              block_size: int = 128, decode_every: Optional[int] = None, attention_mask=None,
-             cache_kwargs: Optional[dict] = None, return_cache: bool = False, **generate_kwargs):
+             cache_kwargs: Optional[dict] = None, return_cache: bool = False,
+             forward_tokens: int = FORWARD_TOKENS, **generate_kwargs):
     """``model.generate`` with a ``TritonKVCache``: ``policy`` x ``budget`` (float = fraction of the prompt) x
     ``allocation``, in ``mode`` ``"after_prefill"``, ``"blockwise"`` (true chunked prefill in blocks of
-    ``block_size``) or ``"decoding"``. Other keywords go to ``model.generate`` (greedy or sampling, left-padded
-    batches with ``attention_mask``). Returns the generated ids (and the cache with ``return_cache``)."""
+    ``block_size``; blocks go through the model up to ``forward_tokens`` tokens per forward, each still
+    compressed on its own: see ``prefill``) or ``"decoding"``. Other keywords go to ``model.generate`` (greedy or
+    sampling, left-padded batches with ``attention_mask``). Returns the generated ids (and the cache with
+    ``return_cache``)."""
+    _check_forward_tokens(forward_tokens)
     cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                        decode_every=decode_every, prompt_length=input_ids.shape[1], **(cache_kwargs or {}))
     if attention_mask is None:
@@ -129,7 +169,7 @@ def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", a
     if mode == "blockwise":  # every block but the last one here, each row's blocks from its first real token
         blocks = _row_blocks(attention_mask, 0, input_ids.shape[1], block_size)
         if len(blocks) > 1:
-            _feed(model, input_ids, cache, attention_mask, 0, blocks[:-1])
+            _feed(model, input_ids, cache, attention_mask, 0, blocks[:-1], forward_tokens=forward_tokens)
     with use_tritonkv(model):
         out = model.generate(input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}, **generate_kwargs)
     return (out, cache) if return_cache else out
