@@ -45,14 +45,16 @@ def config_key(model, mode, policy, allocation) -> str:
 STOCK = config_key(MODEL, None, None, None)
 
 
-def plan(smoke: bool, ns=None, modes=None, policies=None) -> list:
+def plan(smoke: bool, ns=None, modes=None, policies=None, block_size: int = BLOCK, forward_tokens=None) -> list:
     """Every measurement as a spec: smallest N first, stock first at each N (a run cut short keeps whole Ns).
-    ``ns``, ``modes``, ``policies`` (labels): only these (stock always runs)."""
+    ``ns``, ``modes``, ``policies`` (labels): only these (stock always runs). ``block_size`` and
+    ``forward_tokens`` (None: ``prefill``'s default): block-wise prefill's."""
     configs = SMOKE_CONFIGS if smoke else [(m, p, a) for m in MODES for p, a in POLICIES]
     configs = [c for c in configs if (not modes or c[0] in modes) and (not policies or label(c[1], c[2]) in policies)]
     return [dict(key=config_key(MODEL, mode, policy, allocation), model=MODEL, N=n, mode=mode, policy=policy,
-                 allocation=allocation, budget=BUDGET, block_size=BLOCK if mode == "blockwise" else None,
-                 new_tokens=SMOKE_NEW_TOKENS if smoke else NEW_TOKENS)
+                 allocation=allocation, budget=BUDGET, block_size=block_size if mode == "blockwise" else None,
+                 new_tokens=SMOKE_NEW_TOKENS if smoke else NEW_TOKENS,
+                 **({"forward_tokens": forward_tokens} if forward_tokens and mode == "blockwise" else {}))
             for n in ns or (SMOKE_NS if smoke else TINY_NS)
             for mode, policy, allocation in [(None, None, None)] + configs]
 
@@ -175,6 +177,10 @@ class AfterPrompt:
         self.hook.remove()
 
 
+def _forward(spec) -> dict:
+    return {"forward_tokens": spec["forward_tokens"]} if spec.get("forward_tokens") else {}
+
+
 def _generate(model, ids, spec, new_tokens, streamer=None):
     """One generate call of ``spec``'s configuration: ``(new_ids, cache)``."""
     import torch
@@ -187,7 +193,7 @@ def _generate(model, ids, spec, new_tokens, streamer=None):
         return out.sequences[:, ids.shape[1]:], tt.output_cache(out)
     out, cache = tt.generate(model, ids, policy=spec["policy"], budget=spec["budget"], mode=spec["mode"],
                              allocation=spec["allocation"], block_size=spec["block_size"] or 128, return_cache=True,
-                             **gen)
+                             **_forward(spec), **gen)
     return out[:, ids.shape[1]:], cache
 
 
@@ -250,7 +256,7 @@ def worker(spec: dict) -> dict:
         c = tt.make_cache(model, spec["policy"], spec["budget"], mode=spec["mode"], allocation=spec["allocation"],
                           block_size=spec["block_size"] or 128, prompt_length=spec["N"])
         t = time.perf_counter()
-        tt.prefill(model, ids, c)
+        tt.prefill(model, ids, c, **_forward(spec))
         res["prefill_wall_s"] = round(time.perf_counter() - t, 3)
         res["after_prompt"] = cache_stats(c)
     return res
@@ -275,13 +281,17 @@ def run(args) -> dict:
     """Every measurement of ``args``, ``args.jobs`` at a time (one by default: their wall times then compare), the
     results rewritten after each (with ``args.out``); none starts after ``args.time_budget`` seconds."""
     specs = [dict(s, tensor_peak=args.tensor_peak, prefill_run_max_n=args.prefill_run_max_n)
-             for s in plan(args.smoke, args.n, args.modes, args.policies)]
+             for s in plan(args.smoke, args.n, args.modes, args.policies, args.block_size, args.forward_tokens)]
     if not args.default_malloc:  # read by glibc when the forkserver starts
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+    from tritonkv.integrations.transformers.generate import FORWARD_TOKENS
+
     m = machine()
     res = dict(machine=m, command=m["command"], smoke=args.smoke, jobs=args.jobs,
                malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-               settings=dict(budget=BUDGET, block_size=BLOCK, new_tokens=SMOKE_NEW_TOKENS if args.smoke else NEW_TOKENS,
+               settings=dict(budget=BUDGET, block_size=args.block_size,
+                             forward_tokens=args.forward_tokens or FORWARD_TOKENS,
+                             new_tokens=SMOKE_NEW_TOKENS if args.smoke else NEW_TOKENS,
                              warmup_tokens=WARMUP_N, warmup_budget=WARMUP_BUDGET, models={MODEL: MODEL_NAME},
                              tiny_config=LLAMA_256,
                              targets=dict(peak_after_prefill=TARGET_PEAK, resident_over_kept=TARGET_RESIDENT)),
@@ -440,7 +450,8 @@ def markdown(data) -> str:
            f"{' plus uncommitted changes to ' + ', '.join(m['tritonkv_modified']) if m.get('tritonkv_dirty') else ''}"
            f"; {m['date']}; run {data.get('wall_s')} s.",
            "", f"Command: `{data['command']}`", "",
-           f"Budget {BUDGET} of the prompt per KV head, blockwise blocks of {BLOCK}, {nt} new tokens (greedy); "
+           f"Budget {BUDGET} of the prompt per KV head, blockwise blocks of {data['settings']['block_size']} "
+           f"(forwards of up to {data['settings'].get('forward_tokens', BLOCK)} tokens), {nt} new tokens (greedy); "
            "every number comes from its own process. **Peak** = the growth of the process's peak RSS "
            "(`ru_maxrss`, reset just before the call) over the RSS before `generate`, in MiB, with the ratio to "
            "stock at the same N. **Resident** = `cache.nbytes` (stock: the DynamicCache's K/V tensors) with the "
@@ -586,6 +597,9 @@ def main(argv=None):
     p.add_argument("--prefill-run-max-n", type=int, default=16384,
                    help="the prefill-only run (resident after the prompt) up to this N; above it the cache inside "
                         "generate right after the prompt is read instead (equal wherever both ran)")
+    p.add_argument("--block-size", type=int, default=BLOCK, help=f"block-wise prefill's blocks (default {BLOCK})")
+    p.add_argument("--forward-tokens", type=int, default=None,
+                   help="prompt tokens per model forward of a block-wise prefill (default: prefill's)")
     p.add_argument("--jobs", type=int, default=None, help="measurements at a time (default 1; --smoke: 2)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: none)")
     a = p.parse_args(argv)

@@ -31,6 +31,10 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
     ("nvidia-h200-memory/memory.md", "memory inside a model on an H200 (`memory.py` on a GPU)"),
     ("memory-8k/memory.md", "memory inside a model at N = 8192, KeyDiff and SnapKV + AdaKV in every mode "
                             "(`memory.py`)"),
+    ("memory-8k-block128/*/memory.md", "memory at N = 8192 in blocks of 128, one block or 512 tokens per model "
+                                       "forward (`memory.py --block-size --forward-tokens`)"),
+    ("generate_cpu-forwards/README.md", "block-wise `generate` on the CPU with one block per forward against 512 "
+                                        "tokens per forward (`generate_cpu.py --forward-tokens`)"),
     ("cache_release.md", "a returned cache is freed with its last reference (`cache_release.py`)"),
     ("soak.md", "memory over a 10,000-step decode and 300 random `generate` requests (`soak.py`)"),
     ("batch_invariance.json", "each row of a left-padded batch against the row alone (`batch_invariance.py`)"),

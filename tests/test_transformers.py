@@ -197,6 +197,24 @@ def test_forward_grouping():
     assert all(s is None for *_, s in _forwards(lagkv, None, 2, blocks, 8))
 
 
+def test_a_forward_of_several_blocks_whose_attention_is_not_ours_fails():
+    """A model whose attention bypasses the "tritonkv" function never stores a grouped forward's keys: an error
+    naming the way out, not a cache that silently holds nothing."""
+    import types
+
+    class Bypass(torch.nn.Module):  # calls cache.update, then attends on its own
+        config = types.SimpleNamespace(_attn_implementation="tritonkv")
+
+        def forward(self, input_ids, cache=None, **kwargs):
+            k = torch.zeros(1, 1, input_ids.shape[1], 4)
+            cache.update(k, k, 0)
+            return types.SimpleNamespace(logits=torch.zeros(1, 1, 5))
+
+    cache = tt.TritonKVCache("keydiff", 2, mode="blockwise", block_size=4)
+    with pytest.raises(RuntimeError, match="forward_tokens=4"):
+        tt.prefill(Bypass(), torch.zeros(1, 8, dtype=torch.long), cache)
+
+
 def test_decoding_mode_bounded(lm, prompt):
     model, _ = lm
     out, cache = tt.generate(model, prompt[:, :200], policy="knorm", budget=100, mode="decoding", decode_every=8,

@@ -145,6 +145,10 @@ def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_kee
             finally:
                 if isinstance(cache, TritonKVCache):
                     cache._block_ends = cache._sub_blocks = None
+            if sizes is not None and any(layer._pending is not None for layer in cache.layers):
+                raise RuntimeError(f"{type(model).__name__}: a layer's attention did not go through the 'tritonkv' "
+                                   f"attention function, so its keys were never stored; feed one block per "
+                                   f"forward (forward_tokens={cache.block_size})")
             if progress is not None:
                 progress(ids.shape[1])
             a = b
