@@ -270,7 +270,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     compiling = torch.compiler.is_compiling()
     layer = active[0] if ours else None
     pending = ours and layer._pending is not None  # a forward of several prompt blocks: stored as they are attended
-    check_supported(module, kwargs, layer.seen + pending * key.shape[2] if ours and not compiling else key.shape[2])
+    seen = layer.seen + (key.shape[2] if pending else 0) if ours and not compiling else key.shape[2]
+    check_supported(module, kwargs, seen)
     if not ours:
         return _plain_attention(query, key, value, attention_mask, scaling), None
     T = query.shape[2]

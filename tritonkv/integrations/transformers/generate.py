@@ -76,8 +76,8 @@ def _check_forward_tokens(forward_tokens) -> None:
 
 
 def _forwards(cache, full_mask, start0: int, blocks, forward_tokens: int) -> list:
-    """``(end, rows, blocks)`` per model forward: consecutive ``blocks`` (``_row_blocks``) joined into forwards of
-    at most ``forward_tokens`` tokens (at least one block each; ``blocks``: the token count of each, None for one)
+    """``(end, rows, sizes)`` per model forward: consecutive ``blocks`` (``_row_blocks``) joined into forwards of
+    at most ``forward_tokens`` tokens (at least one block each; ``sizes``: the token count of each, None for one)
     when ``cache`` is a ``TritonKVCache`` that then attends and compresses them one by one (``attend_blocks``)
     and no row has pads; else one forward per block."""
     from .cache import TritonKVLayer
@@ -148,7 +148,7 @@ def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_kee
             if sizes is not None and any(layer._pending is not None for layer in cache.layers):
                 raise RuntimeError(f"{type(model).__name__}: a layer's attention did not go through the 'tritonkv' "
                                    f"attention function, so its keys were never stored; feed one block per "
-                                   f"forward (forward_tokens={cache.block_size})")
+                                   f"forward (forward_tokens={max(sizes)})")
             if progress is not None:
                 progress(ids.shape[1])
             a = b
