@@ -173,6 +173,23 @@ def test_compressing_context_manager(model, ids, monkeypatch):
             pass
 
 
+def test_blockwise_feed_builds_no_autograd_graph(model, ids):
+    """``generate`` and ``compressing`` feed the prompt's blocks before ``model.generate`` (which runs without
+    gradients): those forwards too run without an autograd graph over their activations, whatever the caller's
+    grad mode (they recorded one: memory held and time spent for nothing)."""
+    assert torch.is_grad_enabled() and any(p.requires_grad for p in model.parameters())
+    grad = []
+    hook = model.model.register_forward_hook(lambda m, a, out: grad.append(out.last_hidden_state.requires_grad))
+    try:
+        tt.generate(model, ids, policy="keydiff", budget=16, mode="blockwise", block_size=16, max_new_tokens=2,
+                    do_sample=False)
+        with tt.compressing(model, "keydiff", 16, mode="blockwise", block_size=16):
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+    finally:
+        hook.remove()
+    assert len(grad) == 2 * (1 + 2) and not any(grad)  # per call: the blocks before the last, then generate's 2
+
+
 def test_cache_keyword_follows_the_model(model, ids):
     """tritonkv hands its cache to ``forward`` and ``generate`` under the keyword the installed transformers takes
     (``cache`` from 5.24, where ``past_key_values`` is deprecated and leaves ``forward`` in 5.40), so its own calls

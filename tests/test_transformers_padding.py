@@ -70,6 +70,35 @@ def test_prefill_and_decode_of_a_padded_batch_equal_each_row_alone(model, alloca
         assert all(torch.equal(k[b], a[0]) for k, a in zip(cache.kept_tokens(), alone.kept_tokens()))
 
 
+@pytest.mark.parametrize("allocation", [None, "adakv"])
+def test_compressing_blockwise_gives_each_row_of_a_padded_batch_as_alone(model, allocation):
+    """``with compressing(model, ..., mode="blockwise"): model.generate(ids, attention_mask=mask)``: every block but
+    the last goes through ``generate``'s row-aligned feed (it went through transformers' ``prefill_chunk_size``,
+    whose chunks start at column 0: a row padded by 17 compressed on another schedule than alone, its logits off by
+    0.88), the unpadded rows' blocks several per forward; each row equals the same prompt alone."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, 1000, (n,), generator=g) for n in (70, 53)]
+    ids = torch.zeros(2, 70, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, 70 - len(r):] = r
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              pad_token_id=0)
+    forwards = []
+    hook = model.model.register_forward_hook(lambda m, a, out: forwards.append(m))
+    try:
+        with tt.compressing(model, "keydiff", 24, mode="blockwise", block_size=16, allocation=allocation):
+            out = model.generate(ids, attention_mask=(ids != 0).long(), **kw)
+            alone = [model.generate(r[None], **kw) for r in rows]
+    finally:
+        hook.remove()
+    for b, a in enumerate(alone):
+        assert max(float((x[b] - y[0]).abs().max()) for x, y in zip(out.logits, a.logits)) <= bi.ATOL
+    # the batch: forwards ending at 16, 32, 33, 48, 49, 64, 65 (each row's blocks from its first real token), then
+    # the last block and 5 steps; alone: the blocks before the last in one forward (4 of the 70-token row, 3 of the
+    # 53-token row), then the last block and 5 steps
+    assert len(forwards) == (7 + 6) + (1 + 6) + (1 + 6)
+
+
 def test_a_one_token_block_of_a_row_aligned_prefill_marks_its_pads(model):
     """Rows padded by 0, 17 and 35 of 40 columns, blocks of 16: the forwards end at 16, 32, 33 and 40, and the
     one-token forward [32, 33) holds a pad of the third row, which must not be kept as a token."""

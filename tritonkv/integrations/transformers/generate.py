@@ -124,6 +124,7 @@ def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, bloc
                  logits_to_keep, progress, forward_tokens)
 
 
+@torch.no_grad()  # as model.generate: no autograd graph over the prompt's activations
 def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_keep: int = 1, progress=None,
           forward_tokens: int = FORWARD_TOKENS):
     """The ``(end, rows)`` of ``blocks`` (``_row_blocks``) over columns of ``input_ids`` (which starts at column
@@ -170,13 +171,19 @@ def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", a
                        decode_every=decode_every, prompt_length=input_ids.shape[1], **(cache_kwargs or {}))
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    if mode == "blockwise":  # every block but the last one here, each row's blocks from its first real token
-        blocks = _row_blocks(attention_mask, 0, input_ids.shape[1], block_size)
-        if len(blocks) > 1:
-            _feed(model, input_ids, cache, attention_mask, 0, blocks[:-1], forward_tokens=forward_tokens)
+    if mode == "blockwise":
+        _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size, forward_tokens)
     with use_tritonkv(model):
         out = model.generate(input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}, **generate_kwargs)
     return (out, cache) if return_cache else out
+
+
+def _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size: int, forward_tokens: int) -> None:
+    """Block-wise mode before ``model.generate``: feed every block of the prompt but the last (each row's blocks
+    from its first real token, ``forward_tokens`` per forward); ``model.generate`` then prefills the last one."""
+    blocks = _row_blocks(attention_mask, 0, input_ids.shape[1], block_size)
+    if len(blocks) > 1:
+        _feed(model, input_ids, cache, attention_mask, 0, blocks[:-1], forward_tokens=forward_tokens)
 
 
 @torch.no_grad()
@@ -208,17 +215,19 @@ def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eo
 
 @contextlib.contextmanager
 def compressing(model, policy, budget, *, mode: str = "after_prefill", allocation=None, block_size: int = 128,
-                decode_every: Optional[int] = None, **cache_kwargs):
+                decode_every: Optional[int] = None, forward_tokens: int = FORWARD_TOKENS, **cache_kwargs):
     """kvpress's ``with press(model): model.generate(...)``: inside the block, every ``model.generate`` call that
     passes no cache of its own gets a fresh ``TritonKVCache`` (``policy``, ``budget`` as a fraction of that call's
-    prompt, ``mode``, ``allocation``) and the ``"tritonkv"`` attention function; blockwise mode also sets
-    ``prefill_chunk_size``. A caller's own cache, passed as ``past_key_values`` or ``cache``, is used as it is and
-    handed on under the keyword the installed transformers takes (``cache_kwarg``). The model's ``generate`` and
-    attention implementation are restored on exit.
+    prompt, ``mode``, ``allocation``) and the ``"tritonkv"`` attention function; in blockwise mode every block of
+    the prompt but the last is fed first, as ``generate`` feeds it (each row of a left-padded batch from its first
+    real token, up to ``forward_tokens`` per forward). A caller's own cache, passed as ``past_key_values`` or
+    ``cache``, is used as it is and handed on under the keyword the installed transformers takes
+    (``cache_kwarg``). The model's ``generate`` and attention implementation are restored on exit.
 
         with compressing(model, "snapkv", 0.25, allocation="adakv"):
             out = model.generate(input_ids, max_new_tokens=64)
     """
+    _check_forward_tokens(forward_tokens)
     make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                decode_every=decode_every, **cache_kwargs)  # argument checks now, not at the first call
     stock = model.generate
@@ -231,11 +240,13 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
         if own:
             kwargs[cache_kwarg(model)] = own[0]
         elif input_ids is not None:
-            kwargs[cache_kwarg(model)] = make_cache(model, policy, budget, mode=mode, allocation=allocation,
-                                                   block_size=block_size, decode_every=decode_every,
-                                                   prompt_length=input_ids.shape[1], **cache_kwargs)
+            cache = kwargs[cache_kwarg(model)] = make_cache(
+                model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
+                decode_every=decode_every, prompt_length=input_ids.shape[1], **cache_kwargs)
             if mode == "blockwise":
-                kwargs.setdefault("prefill_chunk_size", block_size)
+                if kwargs.get("attention_mask") is None:
+                    kwargs["attention_mask"] = torch.ones_like(input_ids)
+                _blocks_but_the_last(model, input_ids, cache, kwargs["attention_mask"], block_size, forward_tokens)
         return stock(input_ids, *args, **kwargs)
 
     model.generate = generate_compressed
