@@ -54,7 +54,7 @@ def plan(smoke: bool, ns=None, modes=None, policies=None, block_size: int = BLOC
     return [dict(key=config_key(MODEL, mode, policy, allocation), model=MODEL, N=n, mode=mode, policy=policy,
                  allocation=allocation, budget=BUDGET, block_size=block_size if mode == "blockwise" else None,
                  new_tokens=SMOKE_NEW_TOKENS if smoke else NEW_TOKENS,
-                 **({"forward_tokens": forward_tokens} if forward_tokens and mode == "blockwise" else {}))
+                 forward_tokens=forward_tokens if mode == "blockwise" else None)
             for n in ns or (SMOKE_NS if smoke else TINY_NS)
             for mode, policy, allocation in [(None, None, None)] + configs]
 

@@ -283,11 +283,14 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="budget"):
         tt.TritonKVCache("keydiff", 1.5)
     ids = torch.zeros(1, 4, dtype=torch.long)
-    for bad in (0, 1.5, True):
-        with pytest.raises(ValueError, match="forward_tokens"):
+    for bad, error in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="forward_tokens"):
             tt.prefill(None, ids, tt.TritonKVCache("keydiff", 10), forward_tokens=bad)
-        with pytest.raises(ValueError, match="forward_tokens"):
+        with pytest.raises(error, match="forward_tokens"):
             tt.generate(None, ids, policy="keydiff", budget=10, forward_tokens=bad)
+        with pytest.raises(error, match="forward_tokens"):
+            with tt.compressing(None, "keydiff", 10, forward_tokens=bad):
+                pass
 
 
 # ------------------------------------------------------------------------------------------------

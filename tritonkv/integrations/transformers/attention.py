@@ -270,7 +270,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     compiling = torch.compiler.is_compiling()
     layer = active[0] if ours else None
     pending = ours and layer._pending is not None  # a forward of several prompt blocks: stored as they are attended
-    seen = layer.seen + (key.shape[2] if pending else 0) if ours and not compiling else key.shape[2]
+    if ours and not compiling:  # the tokens seen once this forward's are in
+        seen = layer.seen + key.shape[2] if pending else layer.seen
+    else:
+        seen = key.shape[2]
     check_supported(module, kwargs, seen)
     if not ours:
         return _plain_attention(query, key, value, attention_mask, scaling), None

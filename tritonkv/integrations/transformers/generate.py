@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ...kernels._common import check_int
 from .attention import use_tritonkv
 from .cache import TritonKVCache
 
@@ -70,11 +71,6 @@ def _row_blocks(attention_mask, start0: int, T: int, block_size: int):
     return out
 
 
-def _check_forward_tokens(forward_tokens) -> None:
-    if isinstance(forward_tokens, bool) or not isinstance(forward_tokens, int) or forward_tokens < 1:
-        raise ValueError(f"forward_tokens must be a positive int, got {forward_tokens!r}")
-
-
 def _forwards(cache, full_mask, start0: int, blocks, forward_tokens: int) -> list:
     """``(end, rows, sizes)`` per model forward: consecutive ``blocks`` (``_row_blocks``) joined into forwards of
     at most ``forward_tokens`` tokens (at least one block each; ``sizes``: the token count of each, None for one)
@@ -85,12 +81,13 @@ def _forwards(cache, full_mask, start0: int, blocks, forward_tokens: int) -> lis
     if not isinstance(cache, TritonKVCache) or cache._layer_class is not TritonKVLayer or \
             (full_mask is not None and not bool(full_mask.all())):
         return [(b, rows, None) for b, rows in blocks]
-    out, a = [], start0
+    out, a, first = [], start0, start0  # a: where the next block starts; first: where the last forward starts
     for b, rows in blocks:
-        if out and b - out[-1][0] + sum(out[-1][2]) <= forward_tokens:
-            out[-1] = (b, rows, out[-1][2] + [b - out[-1][0]])
+        if out and b - first <= forward_tokens:
+            out[-1] = (b, rows, out[-1][2] + [b - a])
         else:
             out.append((b, rows, [b - a]))
+            first = a
         a = b
     return [(b, rows, sizes if len(sizes) > 1 else None) for b, rows, sizes in out]
 
@@ -111,7 +108,7 @@ def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, bloc
     A left-padded batch (``attention_mask``) in blockwise mode is fed one block per forward, so that each row's
     blocks start at its first real token (forwards end wherever some row's block ends; a row compresses only at
     its own block ends): every row keeps what it would keep alone."""
-    _check_forward_tokens(forward_tokens)
+    check_int("forward_tokens", forward_tokens, 1)
     B, T = input_ids.shape
     if block_size is None:
         block_size = cache.block_size if cache.mode == "blockwise" else T
@@ -166,7 +163,7 @@ def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", a
     compressed on its own: see ``prefill``) or ``"decoding"``. Other keywords go to ``model.generate`` (greedy or
     sampling, left-padded batches with ``attention_mask``). Returns the generated ids (and the cache with
     ``return_cache``)."""
-    _check_forward_tokens(forward_tokens)
+    check_int("forward_tokens", forward_tokens, 1)
     cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                        decode_every=decode_every, prompt_length=input_ids.shape[1], **(cache_kwargs or {}))
     if attention_mask is None:
@@ -227,7 +224,7 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
         with compressing(model, "snapkv", 0.25, allocation="adakv"):
             out = model.generate(input_ids, max_new_tokens=64)
     """
-    _check_forward_tokens(forward_tokens)
+    check_int("forward_tokens", forward_tokens, 1)
     make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                decode_every=decode_every, **cache_kwargs)  # argument checks now, not at the first call
     stock = model.generate
