@@ -13,6 +13,7 @@ raises: ``torch._dynamo.config.error_on_recompile``), and the compressions of ea
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 
@@ -29,10 +30,11 @@ def cache_inputs(model, policy):
     return {"hd": torch.ones(model.config.num_key_value_heads)} if policy == "score" else {}
 
 
-def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: int = 64, decode_every: int = 16):
-    """Greedy-decode ``steps`` tokens with the compiled step (``compress_now`` after each) and eagerly, from the
-    same prompt; returns (largest logit difference, graphs compiled after the first step, compressions of each).
-    A recompile after the first step raises (``torch._dynamo.config.error_on_recompile``)."""
+def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: int = 64, decode_every: int = 16,
+                      compress_every: int = 1):
+    """Greedy-decode ``steps`` tokens with the compiled step (``compress_now`` after every ``compress_every``-th)
+    and eagerly, from the same prompt; returns (largest logit difference, graphs compiled after the first step,
+    compressions of each). A recompile after the first step raises (``torch._dynamo.config.error_on_recompile``)."""
     from torch._dynamo.utils import counters
 
     ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
@@ -45,9 +47,13 @@ def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: in
     cache, ref = caches
     cache.reserve(budget + 2 * decode_every)
     name = tt.cache_kwarg(model)
+    # a forward that still takes ``cache_position`` (transformers < 5.24) gets it as generate passes it: Gemma 3's
+    # would otherwise build it from ``get_seq_length()``, a device value in a traced step
+    at = (lambda p: {"cache_position": p[0]}) if "cache_position" in inspect.signature(type(model).forward).parameters \
+        else (lambda p: {})
 
     def step(t, p):
-        return model(input_ids=t, position_ids=p, use_cache=True, **{name: cache}).logits[:, -1]
+        return model(input_ids=t, position_ids=p, use_cache=True, **at(p), **{name: cache}).logits[:, -1]
 
     torch._dynamo.reset()
     counters.clear()
@@ -60,10 +66,11 @@ def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: in
                 p = torch.tensor([[prompt + i]])
                 torch._dynamo.config.error_on_recompile = i > 0  # a recompile after warm-up raises
                 lc = cstep(t_c, p).clone()
-                cache.compress_now()
+                if i % compress_every == compress_every - 1:
+                    cache.compress_now()
                 if i == 0:
                     graphs = counters["stats"]["unique_graphs"]
-                lr = model(input_ids=t_r, position_ids=p, use_cache=True, **{name: ref}).logits[:, -1]
+                lr = model(input_ids=t_r, position_ids=p, use_cache=True, **at(p), **{name: ref}).logits[:, -1]
                 worst = max(worst, float((lc - lr).abs().max()))
                 t_c, t_r = lc.argmax(-1, keepdim=True), lr.argmax(-1, keepdim=True)
     finally:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.memory                     # random Llama, 3 modes x 4 policies + stock, N = 4K..32K
     python -m benchmarks.memory --smoke --out DIR   # N = 512, 1024, one policy per mode (the test's check)
+    python -m benchmarks.memory --model gemma3 --out DIR   # a random Gemma 3: five sliding-window layers, one full
 
 Each measurement runs in a fresh process forked from a forkserver: the peak RSS (on a GPU the CUDA allocator's
 peak) during ``generate`` over what the process held before it, and the cache's resident bytes against the K/V it
@@ -30,7 +31,15 @@ SMOKE_NS = (512, 1024)
 SMOKE_CONFIGS = (("after_prefill", "keydiff", None), ("blockwise", "snapkv", "adakv"), ("decoding", "lagkv", None))
 TARGET_PEAK, TARGET_RESIDENT = 1.2, 1.1
 MMAP_THRESHOLD = 128 * 1024  # glibc: a fixed threshold (no dynamic raise), so freed tensors leave the RSS
-MODEL, MODEL_NAME = "tiny", "random Llama (2 layers, 8/2 heads, head_dim 32, fp32)"  # the one model measured
+# the models: name -> (description, config). One is measured per run (``--model``; ``use_model``)
+GEMMA3_WINDOW = 1024  # Gemma 3's sliding window
+MODELS = {
+    "tiny": ("random Llama (2 layers, 8/2 heads, head_dim 32, fp32)", dict(LLAMA_256)),
+    "gemma3": (f"random Gemma 3 (6 layers: 5 sliding-window ({GEMMA3_WINDOW}), then 1 full; 8/2 heads, head_dim 32, "
+               f"fp32)", dict(LLAMA_256, num_hidden_layers=6, sliding_window=GEMMA3_WINDOW,
+                              layer_types=["sliding_attention"] * 5 + ["full_attention"])),
+}
+MODEL, MODEL_NAME = "tiny", MODELS["tiny"][0]
 
 
 def label(policy, allocation) -> str:
@@ -43,6 +52,25 @@ def config_key(model, mode, policy, allocation) -> str:
 
 
 STOCK = config_key(MODEL, None, None, None)
+
+
+def use_model(name: str) -> None:
+    """Measure ``name`` of ``MODELS`` in this run (the keys, the stock row, the titles)."""
+    global MODEL, MODEL_NAME, STOCK
+    MODEL, MODEL_NAME = name, MODELS[name][0]
+    STOCK = config_key(MODEL, None, None, None)
+
+
+def build_model(name: str):
+    """A seeded random model of ``MODELS[name]`` with SDPA attention (on the CPU)."""
+    config = MODELS[name][1]
+    if name == "tiny":
+        return random_llama(**config, attn_implementation="sdpa")
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(Gemma3TextConfig(**config, attn_implementation="sdpa")).eval()
 
 
 def plan(smoke: bool, ns=None, modes=None, policies=None, block_size: int = BLOCK, forward_tokens=None) -> list:
@@ -208,7 +236,7 @@ def worker(spec: dict) -> dict:
     t_import = time.perf_counter() - t_import
     cuda = torch.cuda.is_available()
     t0 = time.perf_counter()
-    model = random_llama(**LLAMA_256, attn_implementation="sdpa").to("cuda" if cuda else "cpu")
+    model = build_model(spec["model"]).to("cuda" if cuda else "cpu")
     ids, warm = (torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
                  .to(model.device) for n, seed in ((spec["N"], 1), (WARMUP_N, 2)))
     load_s = time.perf_counter() - t0
@@ -293,7 +321,7 @@ def run(args) -> dict:
                              forward_tokens=args.forward_tokens or FORWARD_TOKENS,
                              new_tokens=SMOKE_NEW_TOKENS if args.smoke else NEW_TOKENS,
                              warmup_tokens=WARMUP_N, warmup_budget=WARMUP_BUDGET, models={MODEL: MODEL_NAME},
-                             tiny_config=LLAMA_256,
+                             model_config=MODELS[MODEL][1],
                              targets=dict(peak_after_prefill=TARGET_PEAK, resident_over_kept=TARGET_RESIDENT)),
                configurations=sorted({s["key"] for s in specs}), rows=[], skipped=[], complete=False)
     # the forkserver: a process started once that imports PRELOAD (and runs nothing); every measurement is a child
@@ -600,9 +628,11 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=BLOCK, help=f"block-wise prefill's blocks (default {BLOCK})")
     p.add_argument("--forward-tokens", type=int, default=None,
                    help="prompt tokens per model forward of a block-wise prefill (default: prefill's)")
+    p.add_argument("--model", choices=sorted(MODELS), default=MODEL, help="the random model measured (default tiny)")
     p.add_argument("--jobs", type=int, default=None, help="measurements at a time (default 1; --smoke: 2)")
     p.add_argument("--out", default=None, help="results folder (default benchmarks/results; --smoke: none)")
     a = p.parse_args(argv)
+    use_model(a.model)
     a.out = a.out or (None if a.smoke else RESULTS)
     a.jobs = a.jobs or (2 if a.smoke else 1)
     res = run(a)

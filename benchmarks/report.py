@@ -33,11 +33,15 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
                             "(`memory.py`)"),
     ("memory-8k-block128/*/memory.md", "memory at N = 8192 in blocks of 128, one block or 512 tokens per model "
                                        "forward (`memory.py --block-size --forward-tokens`)"),
+    ("memory-gemma3/memory.md", "memory inside a random Gemma 3 (five sliding-window layers to one full) at "
+                                "N = 8K-32K (`memory.py --model gemma3`)"),
     ("generate_cpu-forwards/README.md", "block-wise `generate` on the CPU with one block per forward against 512 "
                                         "tokens per forward (`generate_cpu.py --forward-tokens`)"),
     ("cache_release.md", "a returned cache is freed with its last reference (`cache_release.py`)"),
     ("soak.md", "memory over a 10,000-step decode and 300 random `generate` requests (`soak.py`)"),
     ("batch_invariance.json", "each row of a left-padded batch against the row alone (`batch_invariance.py`)"),
+    ("batch_invariance-gemma3-sliding.json", "the same on a random Gemma 3 with a sliding-window layer "
+     "(`batch_invariance.py --model gemma3-sliding`)"),
     ("compiled_decode.json", "a decode loop under `torch.compile(fullgraph=True)` against the eager loop "
                              "(`compiled_decode.py`)"),
     ("quality/profiles/README.md", "the SurfaceLogicKV INF profiles of the quality runs"),

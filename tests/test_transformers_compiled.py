@@ -53,6 +53,24 @@ def test_compiled_loop_compressing_every_step_matches_eager(model, policy):
     assert worst <= ATOL, worst
 
 
+@pytest.mark.parametrize("policy", ["keydiff", "snapkv"])
+def test_compiled_loop_over_sliding_window_layers_matches_eager(policy):
+    """Gemma 3's sliding-window layers (window 24) beside full ones, ``compress_now`` every fourth step: between two
+    calls a reserved sliding layer holds up to 27 tokens, so its compiled attention masks by the window; one graph,
+    eager's logits, and only the full layer compresses (its prompt's compression and two decode ones)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    gemma = Gemma3ForCausalLM(Gemma3TextConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"])).eval()
+    worst, recompiles, compiled_n, eager_n = compiled_vs_eager(gemma, policy, steps=40, compress_every=4)
+    assert recompiles == 0
+    assert compiled_n == eager_n == 3
+    assert worst <= ATOL, worst
+
+
 def test_window_queries_stay_current_in_compiled_steps(model):
     """SnapKV's saved window after 16 compiled steps holds the 16 decode queries last, as eagerly."""
     ids = torch.randint(3, 1000, (1, 80), generator=torch.Generator().manual_seed(1))

@@ -7,9 +7,13 @@
   left-padded row, in every mode. Each config is 2 layers, hidden size 64, 4 query heads over 2 KV heads; it keeps
   what sets the family apart (query/key norms, fused projections, attention multipliers, parallel blocks, NoPE
   layers, a query scale other than 1/sqrt(D), sliding-window layers whose window the 76-token sequences fit).
+* Sliding-window layers shorter than the sequence (``WINDOWED``: Gemma 3 and Gemma 2 beside full layers, Mistral
+  v0.1's every layer): the same exactness with a left-padded row in every mode, from a plain forward under
+  ``use_tritonkv`` too; compressed, a sliding layer holds its window's last ``sliding_window - 1`` tokens and only
+  the full layers compress.
 * What the "tritonkv" attention function cannot compute exactly (``UNSUPPORTED``: Gemma 2's attention logit
-  softcapping, a sliding window shorter than the sequence) must be a clear error naming the architecture and the
-  feature, not silently different logits.
+  softcapping; a sliding window shorter than the sequence with recursive LagKV) must be a clear error naming the
+  architecture and the feature, not silently different logits.
 """
 import importlib
 import warnings
@@ -52,13 +56,20 @@ FAMILIES = {
     "starcoder2": lambda: Starcoder2ForCausalLM(Starcoder2Config(**SMALL)),  # biases, LayerNorm
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**SMALL, no_rope_layers=[1, 0])),  # a NoPE layer
 }
+WINDOW = 16  # sliding windows shorter than the 70-token sequences
+WINDOWED = {
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, sliding_window=WINDOW, layer_types=SLIDING)),
+    # a window of 40: attention chunks of 16 queries, shorter than the window
+    "gemma3-40": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, sliding_window=40, layer_types=SLIDING)),
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**SMALL, sliding_window=WINDOW, layer_types=SLIDING,
+                                                     attn_logit_softcapping=None)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW)),  # every layer slides
+}
 # architecture/feature the attention function cannot serve exactly -> words its error must contain
 UNSUPPORTED = {
     "gemma2-softcap": (lambda: Gemma2ForCausalLM(Gemma2Config(**SMALL, sliding_window=128, layer_types=SLIDING,
                                                               attn_logit_softcapping=1.0)),
                        ("gemma2", "softcap", "support")),
-    "mistral-sliding-window": (lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=16)),
-                               ("mistral", "sliding", "16", "support")),
 }
 
 
@@ -77,15 +88,25 @@ def family(request):
     return _build(FAMILIES[request.param])
 
 
+@pytest.fixture(scope="module", params=sorted(WINDOWED))
+def windowed(request):
+    return _build(WINDOWED[request.param])
+
+
 @pytest.fixture(scope="module")
 def ids():
     return torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(1))
 
 
-def _full_budget_equals_stock(model, ids, mode):
-    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+def _padded_mask(ids):
     mask = torch.ones_like(ids)
     mask[1, :9] = 0  # a left-padded second row
+    return mask
+
+
+def _full_budget_equals_stock(model, ids, mode):
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    mask = _padded_mask(ids)
     ref = model.generate(ids, attention_mask=mask, **kw)
     out = tt.generate(model, ids, attention_mask=mask, policy="keydiff", budget=10_000, mode=mode, block_size=32,
                       **kw)
@@ -101,6 +122,62 @@ def test_full_budget_equals_stock(model, ids, mode):
 @pytest.mark.parametrize("mode", tt.MODES)
 def test_family_full_budget_equals_stock(family, ids, mode):
     _full_budget_equals_stock(family, ids, mode)
+
+
+@pytest.mark.parametrize("mode", tt.MODES)
+def test_sliding_window_full_budget_equals_stock(windowed, ids, mode):
+    _full_budget_equals_stock(windowed, ids, mode)
+
+
+@pytest.mark.parametrize("mode", tt.MODES)
+def test_sliding_window_without_pads_equals_stock(windowed, ids, mode):
+    """No pads (the band-mask path): the prompt in one forward, or block-wise in blocks of 8 with several blocks per
+    forward, each block attended over its window and the layer slid after it."""
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              attention_mask=torch.ones_like(ids[:1]))  # no pads (token 0 is the pad id of some configs)
+    ref = windowed.generate(ids[:1], **kw)
+    out, cache = tt.generate(windowed, ids[:1], policy="keydiff", budget=10_000, mode=mode, block_size=8,
+                             forward_tokens=32, return_cache=True, cache_kwargs=dict(record=True), **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits)) <= ATOL
+    if mode == "blockwise":
+        window = cache.layers[0].window
+        assert max(n for layer, n in cache.trace if cache.layers[layer].window) < window + 8  # slid after each block
+
+
+@pytest.mark.parametrize("pads", [False, True])
+def test_sliding_window_under_tritonkv_with_a_stock_cache_equals_stock(windowed, ids, pads):
+    """A plain forward under ``use_tritonkv`` (transformers' own cache): the window and the pads masked as the stock
+    attention masks them (the real tokens' logits; a pad's own query sees nothing)."""
+    mask = _padded_mask(ids) if pads else torch.ones_like(ids)
+    with torch.no_grad():
+        ref = windowed(ids, attention_mask=mask).logits
+        with tt.use_tritonkv(windowed):
+            out = windowed(ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert float((out[real] - ref[real]).abs().max()) <= ATOL
+
+
+@pytest.mark.parametrize("mode", ["after_prefill", "blockwise"])
+def test_sliding_window_layers_keep_their_window(ids, mode):
+    """Compressed (budget 24): each sliding layer holds the last WINDOW - 1 tokens of every row, its pads never
+    counted, and is never scored; the full layers keep the budget."""
+    model = _build(WINDOWED["gemma3"])
+    out, cache = tt.generate(model, ids, attention_mask=_padded_mask(ids), policy="keydiff", budget=24, mode=mode,
+                             block_size=32, max_new_tokens=5, do_sample=False, return_cache=True)
+    assert [layer.window for layer in cache.layers] == [WINDOW, None]
+    assert cache.kept_tokens()[0].tolist() == [[WINDOW - 1] * 2] * 2
+    assert cache.stored_tokens()[0] == WINDOW - 1
+    assert cache.kept_tokens()[1].max() <= 24 + 4
+    sliding, full = cache.layers
+    assert sliding.since == sliding.seen and full.since < full.seen  # only the full layer ever compressed
+
+
+def test_sliding_window_with_recursive_lagkv_is_a_clear_error(ids):
+    """Recursive LagKV keeps every partition's pick in its own state: a window shorter than the sequence is refused."""
+    model = _build(WINDOWED["gemma3"])
+    with pytest.raises(NotImplementedError, match=r"(?i)gemma3.*sliding.*lagkv"):
+        tt.generate(model, ids, policy="lagkv", budget=0.5, mode="decoding", max_new_tokens=2, do_sample=False)
 
 
 @pytest.mark.parametrize("case", sorted(UNSUPPORTED))

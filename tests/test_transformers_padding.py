@@ -1,6 +1,7 @@
-"""Left-padded batches in the transformers integration (random Llama, fp32, CPU; no download): every row gives the
-logits of the same prompt run alone and keeps the same tokens, in every mode, for every policy, with and without
-every allocation; ``kept_tokens()`` counts real tokens only and no per-head row keeps a pad slot.
+"""Left-padded batches in the transformers integration (a random Llama, and a random Gemma 3 with a sliding-window
+layer; fp32, CPU; no download): every row gives the logits of the same prompt run alone and keeps the same tokens, in
+every mode, for every policy, with and without every allocation; ``kept_tokens()`` counts real tokens only and no
+per-head row keeps a pad slot.
 
 The randomized sweep is ``benchmarks/batch_invariance.py`` (its first ``CASES`` cases here; the committed
 ``benchmarks/results/batch_invariance.json`` holds a longer run)."""
@@ -48,6 +49,21 @@ def test_short_padded_row_with_per_head_budgets_keeps_no_pad(model, allocation):
 def test_batch_invariance_sweep(model, i):
     case = bi.draw(i)
     r = bi.run_case(model, case)
+    assert r["kept_equal"], case
+    assert r["worst"] <= bi.ATOL, (r["worst"], {k: case[k] for k in ("policy", "allocation", "mode", "lengths")})
+
+
+@pytest.fixture(scope="module")
+def windowed():
+    return bi.gemma3_sliding()
+
+
+@pytest.mark.parametrize("i", bi.case_indices(12, "gemma3-sliding"))
+def test_batch_invariance_with_a_sliding_window_layer(windowed, i):
+    """Gemma 3's sliding-window layer (window 24) keeps its window by column, pads included: each row attends and
+    keeps what it does alone."""
+    case = bi.draw(i)
+    r = bi.run_case(windowed, case)
     assert r["kept_equal"], case
     assert r["worst"] <= bi.ATOL, (r["worst"], {k: case[k] for k in ("policy", "allocation", "mode", "lengths")})
 

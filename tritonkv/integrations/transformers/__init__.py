@@ -21,7 +21,7 @@ Where things are:
   query chunks for later blocks, the split-K decode kernel for decode steps);
 - ``cache.py``: ``TritonKVCache`` and its layers — when a layer compresses (after every multi-token forward over
   the budget; in ``"decoding"`` mode every ``decode_every`` tokens), budget semantics, ``nbytes`` and
-  ``kept_tokens()``;
+  ``kept_tokens()``; a sliding-window layer (transformers' ``sliding_window``) keeps its window instead;
 - ``generate.py``: ``make_cache``, ``prefill`` (block-wise), ``generate``, ``decode``, ``cache_kwarg`` and
   ``output_cache`` (the cache's keyword across transformers versions); for kvpress users the
   ``compressing(model, policy, budget)`` context manager (``with compressing(...): model.generate(...)``) and

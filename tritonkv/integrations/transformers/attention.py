@@ -19,7 +19,10 @@ tensor:
   ``held_attention``, the shared causal mask plus a per-head bias at the empty slots;
 - padded rows, compiled steps: ``masked_attention``, the same by sequence position with a per-head mask, its
   chunks kept under ``MASK_ELEMENTS`` elements;
-- a CPU decode step over a dense layer: SDPA with the G query heads of a KV head packed (``decode_sdpa``).
+- a CPU decode step over a dense layer: SDPA with the G query heads of a KV head packed (``decode_sdpa``);
+- a sliding-window layer (``sliding_window`` W, which it keeps: ``TritonKVLayer.slide``) holding a slot out of some
+  query's window: ``band_attention`` (a band mask shared by every head), or with pads ``masked_attention`` with
+  ``window=W``; each chunk of queries over the slots its window reaches.
 
 After attending, the layer compresses when its schedule says so (``TritonKVLayer.after_attention``). A forward of
 several prompt blocks (``prefill``'s ``forward_tokens``) is attended block by block, each block stored, attended
@@ -106,6 +109,29 @@ def block_attention(query, key, value, scaling, masks: Optional[dict] = None):
         mask = lower_right_mask(c, s, query.dtype, query.device, masks)
         o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, :s], value[:, :, :s], attn_mask=mask,
                                            scale=scaling, enable_gqa=Hq != key.shape[1])
+        out[:, c0:c0 + c] = o.transpose(1, 2)
+    return out
+
+
+def band_attention(query, key, value, scaling, window: int):
+    """``block_attention`` through a sliding ``window``: ``S`` slots that all hold tokens, one per sequence index in
+    order, the block's own T tokens last; slot j is visible to query i iff ``S - T + i - window < j <= S - T + i``,
+    the same for every head. Chunks of about ``window / 4`` queries (at least 16), each over the slots its window
+    reaches (~1.25·window: a quarter of the products are masked), with a ``[chunk, slots]`` band mask shared by all
+    heads. Returns ``[B, T, H_q, D]``."""
+    B, Hq, T, D = query.shape
+    S = key.shape[2]
+    out = query.new_empty(B, T, Hq, value.shape[-1])
+    chunk = min(_chunk(T, min(S, 2 * window)), max(16, window // 4))
+    for c0 in range(0, T, chunk):
+        c = min(chunk, T - c0)
+        f = S - T + c0  # the chunk's first query's slot
+        lo = max(0, f - window + 1)  # the first slot in its window
+        d = f - lo  # query i's own slot is lo + d + i
+        visible = torch.ones(c, d + c, dtype=torch.bool, device=query.device).tril(d).triu(d - window + 1)
+        mask = torch.zeros(c, d + c, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
+        o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, lo:f + c], value[:, :, lo:f + c],
+                                           attn_mask=mask, scale=scaling, enable_gqa=Hq != key.shape[1])
         out[:, c0:c0 + c] = o.transpose(1, 2)
     return out
 
@@ -199,12 +225,15 @@ def held_attention(query, key, value, pos, scaling, masks: Optional[dict] = None
     return out
 
 
-def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = True):
+def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = True, window: Optional[int] = None):
     """Attention of ``query`` ``[B, H_q, T, D]`` over slots ``key``/``value`` ``[B, H_kv, S, D]`` whose sequence
     indices are ``pos`` int32 ``[B, H_kv, S]``; the queries are at sequence indices ``qpos`` int ``[T]``. A query
-    sees the slots with ``pos <= qpos`` (``SENTINEL`` slots: none); a query that sees nothing (a pad) gets a
-    finite row. ``ordered``: slots are in ascending position order with the T queries' own tokens last, so a
-    chunk needs only the slots up to its last query. Returns ``[B, T, H_q, D]``.
+    sees the slots with ``pos <= qpos`` (``SENTINEL`` slots: none), and with a sliding ``window`` only those with
+    ``pos > qpos - window`` (transformers' sliding-window mask); a query that sees nothing (a pad) gets a finite
+    row. ``ordered``: slots are in ascending position order with the T queries' own tokens last, so a chunk needs
+    only the slots up to its last query; with a ``window`` they must also be one slot per sequence index (a pad's
+    slot included, as a sliding-window layer keeps them), so a chunk reads only the slots its window reaches.
+    Returns ``[B, T, H_q, D]``.
 
     The mask is per (batch row, head): chunks of queries keep it under ~``MASK_ELEMENTS`` elements (never
     ``H·T·S``)."""
@@ -212,16 +241,21 @@ def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = T
     H, S = key.shape[1], key.shape[2]
     G = Hq // H
     out = query.new_empty(B, T, Hq, value.shape[-1])
-    chunk = _chunk(T, B * Hq * S)
+    sliding = window is not None and ordered  # a chunk of c <= window queries reads at most 2·window slots
+    chunk = min(_chunk(T, B * Hq * min(S, 2 * window)), window) if sliding else _chunk(T, B * Hq * S)
     qpos = qpos.to(torch.int32)
     for c0 in range(0, T, chunk):
         c = min(chunk, T - c0)
         s = S - T + c0 + c if ordered else S
-        allowed = pos[:, :, None, :s] <= qpos[c0:c0 + c, None]  # [B, H, c, s]
+        lo = max(0, S - T + c0 - window + 1) if sliding else 0  # the chunk's first query sees no slot before it
+        p, qp = pos[:, :, None, lo:s], qpos[c0:c0 + c, None]
+        allowed = p <= qp  # [B, H, c, s - lo]
+        if window is not None:
+            allowed &= p > qp - window
         allowed = allowed | ~allowed.any(-1, keepdim=True)
         q = query[:, :, c0:c0 + c].reshape(B, H, G * c, D)  # query head h*G + g reads KV head h: no repeat_kv
-        mask = allowed[:, :, None].expand(B, H, G, c, s).reshape(B, H, G * c, s)
-        o = F.scaled_dot_product_attention(q, key[:, :, :s], value[:, :, :s], attn_mask=mask, scale=scaling)
+        mask = allowed[:, :, None].expand(B, H, G, c, s - lo).reshape(B, H, G * c, s - lo)
+        o = F.scaled_dot_product_attention(q, key[:, :, lo:s], value[:, :, lo:s], attn_mask=mask, scale=scaling)
         out[:, c0:c0 + c] = o.reshape(B, Hq, c, -1).transpose(1, 2)  # CUDA SDPA may return a [B, M, H, D] layout
     return out
 
@@ -274,11 +308,14 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
         seen = layer.seen + key.shape[2] if pending else layer.seen
     else:
         seen = key.shape[2]
-    check_supported(module, kwargs, seen)
+    window = kwargs.get("sliding_window")
+    check_supported(module, kwargs, seen, sliding=not ours or layer.slides)
     if not ours:
-        return _plain_attention(query, key, value, attention_mask, scaling), None
+        return _plain_attention(query, key, value, attention_mask, scaling, window), None
     T = query.shape[2]
     layer.module = weakref.ref(module)  # its o_proj is CriticalKV's W_O (a weak reference: copies of a cache share it)
+    if window is not None and layer.slides:  # a sliding-window layer: it keeps its window (``slide``)
+        layer.window = window
     if pending:  # no pads (prefill groups blocks only then)
         return layer.attend_blocks(query, scaling), None
     # pads: in any multi-token forward, and in a one-token block of a row-aligned prefill (never in decode steps)
@@ -293,21 +330,21 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
 
 
 SUPPORTED = ("causal softmax attention over every earlier token, at any scale (Llama, Qwen2/Qwen3, Mistral, Phi-3, "
-             "Gemma, Granite, OLMo 2, Cohere, StarCoder2, SmolLM3, ...); sliding-window layers only while the sequence "
-             "fits the window")
+             "Gemma, Granite, OLMo 2, Cohere, StarCoder2, SmolLM3, ...), and sliding-window layers (Gemma 3, "
+             "Mistral v0.1, ...; with recursive LagKV only while the sequence fits the window)")
 
 
-def check_supported(module, kwargs, seen: int) -> None:
+def check_supported(module, kwargs, seen: int, sliding: bool = True) -> None:
     """A NotImplementedError naming the architecture and the feature for attention the cache cannot serve exactly:
-    logit softcapping, attention sinks, or a sliding window shorter than the tokens seen (a window that still
-    covers every token is plain causal attention)."""
+    logit softcapping, attention sinks, or — where ``sliding`` is False (a recursive LagKV layer) — a sliding
+    window shorter than the tokens seen (a window that still covers every token is plain causal attention)."""
     softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
     if softcap is not None:
         what = f"attention logit softcapping (softcap={softcap})"
     elif kwargs.get("s_aux") is not None:
         what = "attention sinks (s_aux)"
-    elif window is not None and seen > window:  # transformers masks kv_idx <= q_idx - window
-        what = f"sliding-window attention (sliding_window={window}) over {seen} tokens"
+    elif window is not None and seen > window and not sliding:  # transformers masks kv_idx <= q_idx - window
+        what = f"sliding-window attention (sliding_window={window}) over {seen} tokens with recursive LagKV"
     else:
         return
     config = getattr(module, "config", None)
@@ -317,15 +354,18 @@ def check_supported(module, kwargs, seen: int) -> None:
         f"support: it supports {SUPPORTED}")
 
 
-def _plain_attention(query, key, value, attention_mask, scaling):
-    """Causal attention for caches other than ours; ``attention_mask`` is the 2D padding mask (or None)."""
+def _plain_attention(query, key, value, attention_mask, scaling, window: Optional[int] = None):
+    """Causal attention for caches other than ours (their ``S`` slots: the last ``S`` columns, one each);
+    ``attention_mask`` is the 2D padding mask (or None), ``window`` a sliding window (or None)."""
     B, T, S = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is None or bool(attention_mask[:, -S:].all()):
+        if window is not None and S > window:  # some slot out of some query's window
+            return band_attention(query, key, value, scaling, window)
         return causal_attention(query, key, value, scaling) if T == S else block_attention(query, key, value, scaling)
     pos = torch.arange(S, device=key.device, dtype=torch.int32).expand(B, key.shape[1], S)
     if attention_mask is not None:
         pos = torch.where(attention_mask[:, None, -S:].bool(), pos, SENTINEL)
-    return masked_attention(query, key, value, pos, torch.arange(S - T, S, device=key.device), scaling)
+    return masked_attention(query, key, value, pos, torch.arange(S - T, S, device=key.device), scaling, window=window)
 
 
 def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):

@@ -26,8 +26,8 @@ from ...api import Compressed, check_input_names, compress, compress_kept, resol
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
 from ...kernels._common import on_host, use_triton
-from .attention import (block_attention, causal_attention, decode_sdpa, hand_over, held_attention, held_suffix,
-                        masked_attention, ragged_decode_sdpa, suffix_attention)
+from .attention import (band_attention, block_attention, causal_attention, decode_sdpa, hand_over, held_attention,
+                        held_suffix, masked_attention, ragged_decode_sdpa, suffix_attention)
 from .storage import SENTINEL, DenseStore, RaggedStore, kept_padded, left_padded, padded_width, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
@@ -137,6 +137,7 @@ class TritonKVLayer(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
     is_croppable = False
+    slides = True  # can serve a sliding-window layer (``window``)
 
     def __init__(self, cache: "TritonKVCache", layer_idx: int):
         super().__init__()
@@ -150,6 +151,7 @@ class TritonKVLayer(CacheLayerMixin):
         self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies
         self._suffix = None  # within one attention call: ((store, n), held_suffix of its slots) for compress_to
         self._pending = None  # (keys, values) of a forward of several prompt blocks, until its attention call
+        self.window: Optional[int] = None  # a sliding-window layer's window (set by the attention call): see ``slide``
         self._qbuf = self._qcount = None  # reserved: a fixed window of queries kept current on the device
         self.pads: Optional[list[int]] = None  # per batch row, pads fed (set by the first padded forward)
         self.row_n: list[int] = []  # per row: the longest head's tokens held (pads never count)
@@ -391,11 +393,16 @@ class TritonKVLayer(CacheLayerMixin):
             return ragged_decode_sdpa(query, st.kv, scaling)
         if _compiling():  # the whole static capacity, by position
             qpos = self.seen_dev - T + torch.arange(T, device=query.device)
-            if T == 1 and self.cache._use_kernel(query):
+            if T == 1 and self.cache._use_kernel(query) and self.window is None:
                 lengths = self.fill.to(torch.int32).expand(B, key.shape[1])
                 return decode_attention(query, (key, value), lengths, scale=scaling).transpose(1, 2).contiguous()
-            return masked_attention(query, key, value, st.pos, qpos, scaling, ordered=False)
+            return masked_attention(query, key, value, st.pos, qpos, scaling, ordered=False, window=self.window)
         S = key.shape[2]
+        if self.window is not None and S > self.window:  # some slot is out of some query's window
+            if not self.has_invalid:  # one slot per token seen, none a pad
+                return band_attention(query, key, value, scaling, self.window)
+            qpos = torch.arange(self.seen - T, self.seen, device=query.device)
+            return masked_attention(query, key, value, st.view()[2], qpos, scaling, window=self.window)
         if not self.has_invalid:
             if S == T:  # the prompt's first forward
                 return causal_attention(query, key, value, scaling)
@@ -440,8 +447,8 @@ class TritonKVLayer(CacheLayerMixin):
         """Keep the recent queries for window policies; compress when the schedule says so (eager only)."""
         cache = self.cache
         T = query.shape[2]
-        keep = self._keeps_queries(self.seen)
-        if cache._wants_queries:
+        keep = self._keeps_queries(self.seen) and self.window is None
+        if cache._wants_queries and self.window is None:  # a sliding-window layer is never scored
             # this forward's compression may read the window: a multi-token forward, or one whose queries were kept
             # before it (decoding mode; the prompt's last forward, which may be one token of a padded batch's
             # row-aligned blocks that ends a row's block)
@@ -508,6 +515,18 @@ class TritonKVLayer(CacheLayerMixin):
             # kept slots of a view that held a token in every slot all hold one: no read-back (a device sync)
             self.has_invalid = self.has_invalid and bool((out[2] == SENTINEL).any())
         self._compressed()
+
+    def slide(self) -> None:
+        """A sliding-window layer (``window`` W, transformers' ``sliding_window``: a query sees itself and the W - 1
+        tokens before it): keep the last W - 1 slots, all that a later query can see, as the stock model's sliding
+        cache does. Its slots stay one per token seen (pads included), so a chunk of queries attends only the
+        slots its window reaches; the policy never scores it (nothing outside the window is ever seen again)."""
+        keep = self.window - 1
+        if self.store.ragged or self.store.n <= keep:
+            return
+        self.store.keep_last(keep, self._slack(keep))
+        self._sync_fill()
+        self.cache._record(self.layer_idx, self.n)
 
     def _more_prompt(self, seen: int) -> bool:
         """Whether more of a known prompt (``prompt_length``) is to come block-wise after ``seen`` tokens (a batch
@@ -681,6 +700,8 @@ class LagKVLayer(TritonKVLayer):
         hand_over(self, keys, kwargs)
         return keys, values
 
+    slides = False  # its state keeps every partition's pick: a window is refused once the sequence exceeds it
+
     def mark_padding(self, real):
         if not bool(real.all()):
             raise ValueError("recursive LagKV (mode='decoding') does not support padded batches; "
@@ -739,7 +760,9 @@ class TritonKVCache(Cache):
         **inputs: extra inputs handed to every ``compress`` call.
 
     Memory: ``nbytes`` (every tensor held) and ``kept_tokens()`` (per layer and head). After a compression a layer
-    holds its kept tokens plus a small decode slack (``storage.slack_for``), not its high-water mark.
+    holds its kept tokens plus a small decode slack (``storage.slack_for``), not its high-water mark. A
+    sliding-window layer (its attention call's ``sliding_window``) holds the last ``sliding_window - 1`` tokens
+    after every forward, as the stock model's sliding cache does, and is never compressed (``TritonKVLayer.slide``).
     """
 
     def __init__(self, policy, budget, *, mode: str = "after_prefill", allocation=None, block_size: int = 128,
@@ -801,7 +824,12 @@ class TritonKVCache(Cache):
         return resolve_budget(self.budget, self.prompt_length or seen)
 
     def _maybe_compress(self, layer: TritonKVLayer, *, prefill: bool) -> None:
-        if self.frozen or _compiling():
+        if _compiling():
+            return
+        if layer.window is not None:  # a sliding-window layer keeps its window (frozen or not), never a policy's pick
+            layer.slide()
+            return
+        if self.frozen:
             return
         if layer.pads is not None:  # a left-padded batch: each row on its own schedule and tokens
             due = layer.rows_due()

@@ -192,6 +192,22 @@ class DenseStore:
         if slack:
             self.resize(m + slack)
 
+    def keep_last(self, m: int, slack: int) -> None:
+        """Hold only the last ``m`` slots in use (a sliding window), in buffers of ``m + slack`` slots (one copy); a
+        static store moves them to its front in place."""
+        n = self.n
+        if self.static:
+            kept = [t[:, :, n - m:n].clone() for t in (self.keys, self.values, self.pos)]  # the ranges overlap
+            self.replace(*kept, 0)
+            return
+        grown = []
+        for t, fill in ((self.keys, 0), (self.values, 0), (self.pos, SENTINEL)):
+            new = t.new_full((*t.shape[:2], m + slack, *t.shape[3:]), fill)
+            new[:, :, :m] = t[:, :, n - m:n]
+            grown.append(new)
+        self.keys, self.values, self.pos = grown
+        self.n = m
+
     def kept_tokens(self) -> torch.Tensor:
         """int64 ``[B, H_kv]`` tokens held per (batch row, KV head)."""
         return (self.view()[2] != SENTINEL).sum(-1)
