@@ -340,6 +340,40 @@ def test_held_attention_is_masked_attention_of_ordered_slots(monkeypatch, dtype,
         assert torch.isfinite(got).all()
 
 
+@pytest.mark.parametrize("window", [1, 3, 16, 24, 200])
+@pytest.mark.parametrize("mask_elements", [None, 64])
+def test_sliding_window_attention_is_the_windowed_softmax(monkeypatch, window, mask_elements):
+    """``band_attention`` and ``masked_attention(..., window=)`` over slots one per sequence index (a sliding-window
+    layer's), the block's T queries last: each query's softmax over the slots j with ``q - window < j <= q`` (and
+    not a pad), written out with a dense [T, S] mask per row and head; windows shorter and longer than a chunk of
+    queries (``mask_elements`` small: chunks of 16), grouped queries (G = 4), a left-padded second row."""
+    at = importlib.import_module("tritonkv.integrations.transformers.attention")
+    if mask_elements is not None:
+        monkeypatch.setattr(at, "MASK_ELEMENTS", mask_elements)
+    g = torch.Generator().manual_seed(2)
+    B, H, G, T, D = 2, 2, 4, 40, 16
+    for S in (T, T + 7, T + 60):
+        q = torch.randn(B, H * G, T, D, generator=g)
+        k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(2))
+        col = torch.arange(S)
+        qcol = col[S - T:]
+        inside = (col[None] <= qcol[:, None]) & (col[None] > qcol[:, None] - window)  # [T, S]
+        scores = torch.einsum("bhgtd,bhsd->bhgts", q.view(B, H, G, T, D), k) * 0.25
+        want = torch.softmax(scores.masked_fill(~inside, float("-inf")), -1) @ v[:, :, None]  # [B, H, G, T, D]
+        want = want.reshape(B, H * G, T, D).transpose(1, 2)
+        assert torch.allclose(at.band_attention(q, k, v, 0.25, window), want, atol=1e-5, rtol=0)
+        pos = col.to(torch.int32).expand(B, H, S).clone()
+        assert torch.allclose(tt.masked_attention(q, k, v, pos, qcol, 0.25, window=window), want, atol=1e-5, rtol=0)
+        pads = 5  # the second row's first 5 slots are pads: nobody sees them
+        pos[1, :, :pads] = tt.SENTINEL
+        padded = scores[1:].masked_fill(~(inside & (col >= pads)), float("-inf"))
+        want_1 = (torch.softmax(padded, -1) @ v[1:, :, None]).reshape(1, H * G, T, D).transpose(1, 2)
+        got = tt.masked_attention(q, k, v, pos, qcol, 0.25, window=window)
+        real = qcol >= pads  # a pad's own query sees nothing (any finite row)
+        assert torch.allclose(got[1:, real], want_1[:, real], atol=1e-5, rtol=0)
+        assert torch.isfinite(got).all()
+
+
 @pytest.mark.parametrize("allocation", ["adakv", "pyramid"])
 def test_per_head_rows_off_the_host_attend_as_before(model, monkeypatch, allocation):
     """Block-wise SnapKV with per-head budgets where ``held_suffix`` cannot look (a GPU: it reads nothing back) and

@@ -241,8 +241,8 @@ def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = T
     H, S = key.shape[1], key.shape[2]
     G = Hq // H
     out = query.new_empty(B, T, Hq, value.shape[-1])
-    sliding = window is not None and ordered  # a chunk of c <= window queries reads at most 2·window slots
-    chunk = min(_chunk(T, B * Hq * min(S, 2 * window)), window) if sliding else _chunk(T, B * Hq * S)
+    sliding = window is not None and ordered  # a chunk of c <= max(16, window) queries reads at most c + window slots
+    chunk = min(_chunk(T, B * Hq * min(S, 2 * window)), max(16, window)) if sliding else _chunk(T, B * Hq * S)
     qpos = qpos.to(torch.int32)
     for c0 in range(0, T, chunk):
         c = min(chunk, T - c0)
