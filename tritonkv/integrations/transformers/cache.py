@@ -524,7 +524,7 @@ class TritonKVLayer(CacheLayerMixin):
         keep = self.window - 1
         if self.store.ragged or self.store.n <= keep:
             return
-        self.store.keep_last(keep, self._slack(keep))
+        self.store.keep_last(keep, max(self._slack(keep), self._next_block()))  # room for the next prompt block
         self._sync_fill()
         self.cache._record(self.layer_idx, self.n)
 
