@@ -346,12 +346,13 @@ def test_sliding_window_attention_is_the_windowed_softmax(monkeypatch, window, m
     """``band_attention`` and ``masked_attention(..., window=)`` over slots one per sequence index (a sliding-window
     layer's), the block's T queries last: each query's softmax over the slots j with ``q - window < j <= q`` (and
     not a pad), written out with a dense [T, S] mask per row and head; windows shorter and longer than a chunk of
-    queries (``mask_elements`` small: chunks of 16), grouped queries (G = 4), a left-padded second row."""
+    queries (``mask_elements`` small: chunks of 16), grouped queries (G = 4), a left-padded second row; band masks
+    kept between calls (``masks``) as the layers of one forward keep them."""
     at = importlib.import_module("tritonkv.integrations.transformers.attention")
     if mask_elements is not None:
         monkeypatch.setattr(at, "MASK_ELEMENTS", mask_elements)
     g = torch.Generator().manual_seed(2)
-    B, H, G, T, D = 2, 2, 4, 40, 16
+    B, H, G, T, D, masks = 2, 2, 4, 40, 16, {}
     for S in (T, T + 7, T + 60):
         q = torch.randn(B, H * G, T, D, generator=g)
         k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(2))
@@ -362,6 +363,7 @@ def test_sliding_window_attention_is_the_windowed_softmax(monkeypatch, window, m
         want = torch.softmax(scores.masked_fill(~inside, float("-inf")), -1) @ v[:, :, None]  # [B, H, G, T, D]
         want = want.reshape(B, H * G, T, D).transpose(1, 2)
         assert torch.allclose(at.band_attention(q, k, v, 0.25, window), want, atol=1e-5, rtol=0)
+        assert torch.allclose(at.band_attention(q, k, v, 0.25, window, masks), want, atol=1e-5, rtol=0)
         pos = col.to(torch.int32).expand(B, H, S).clone()
         assert torch.allclose(tt.masked_attention(q, k, v, pos, qcol, 0.25, window=window), want, atol=1e-5, rtol=0)
         pads = 5  # the second row's first 5 slots are pads: nobody sees them

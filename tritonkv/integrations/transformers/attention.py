@@ -113,23 +113,29 @@ def block_attention(query, key, value, scaling, masks: Optional[dict] = None):
     return out
 
 
-def band_attention(query, key, value, scaling, window: int):
+def band_attention(query, key, value, scaling, window: int, masks: Optional[dict] = None):
     """``block_attention`` through a sliding ``window``: ``S`` slots that all hold tokens, one per sequence index in
     order, the block's own T tokens last; slot j is visible to query i iff ``S - T + i - window < j <= S - T + i``,
     the same for every head. Chunks of about ``window / 4`` queries (at least 16), each over the slots its window
     reaches (~1.25·window: a quarter of the products are masked), with a ``[chunk, slots]`` band mask shared by all
-    heads. Returns ``[B, T, H_q, D]``."""
+    heads — the same for every chunk past the first window, built once and kept in ``masks`` (a dict the caller may
+    keep between calls, e.g. for the layers of one forward). Returns ``[B, T, H_q, D]``."""
     B, Hq, T, D = query.shape
     S = key.shape[2]
     out = query.new_empty(B, T, Hq, value.shape[-1])
     chunk = min(_chunk(T, min(S, 2 * window)), max(16, window // 4))
+    masks = {} if masks is None else masks
     for c0 in range(0, T, chunk):
         c = min(chunk, T - c0)
         f = S - T + c0  # the chunk's first query's slot
         lo = max(0, f - window + 1)  # the first slot in its window
         d = f - lo  # query i's own slot is lo + d + i
-        visible = torch.ones(c, d + c, dtype=torch.bool, device=query.device).tril(d).triu(d - window + 1)
-        mask = torch.zeros(c, d + c, dtype=query.dtype, device=query.device).masked_fill_(~visible, float("-inf"))
+        name = ("band", c, d, window, query.dtype, query.device)
+        mask = masks.get(name)
+        if mask is None:
+            visible = torch.ones(c, d + c, dtype=torch.bool, device=query.device).tril(d).triu(d - window + 1)
+            mask = masks[name] = torch.zeros(c, d + c, dtype=query.dtype, device=query.device).masked_fill_(
+                ~visible, float("-inf"))
         o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, lo:f + c], value[:, :, lo:f + c],
                                            attn_mask=mask, scale=scaling, enable_gqa=Hq != key.shape[1])
         out[:, c0:c0 + c] = o.transpose(1, 2)

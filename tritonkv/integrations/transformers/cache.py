@@ -400,7 +400,7 @@ class TritonKVLayer(CacheLayerMixin):
         S = key.shape[2]
         if self.window is not None and S > self.window:  # some slot is out of some query's window
             if not self.has_invalid:  # one slot per token seen, none a pad
-                return band_attention(query, key, value, scaling, self.window)
+                return band_attention(query, key, value, scaling, self.window, self.cache._masks)
             qpos = torch.arange(self.seen - T, self.seen, device=query.device)
             return masked_attention(query, key, value, st.view()[2], qpos, scaling, window=self.window)
         if not self.has_invalid:
