@@ -343,7 +343,7 @@ def test_held_attention_is_masked_attention_of_ordered_slots(monkeypatch, dtype,
 @pytest.mark.parametrize("window", [1, 3, 16, 24, 200])
 @pytest.mark.parametrize("mask_elements", [None, 64])
 def test_sliding_window_attention_is_the_windowed_softmax(monkeypatch, window, mask_elements):
-    """``band_attention`` and ``masked_attention(..., window=)`` over slots one per sequence index (a sliding-window
+    """``block_attention`` and ``masked_attention`` with a ``window`` over slots one per sequence index (a sliding-window
     layer's), the block's T queries last: each query's softmax over the slots j with ``q - window < j <= q`` (and
     not a pad), written out with a dense [T, S] mask per row and head; windows shorter and longer than a chunk of
     queries (``mask_elements`` small: chunks of 16), grouped queries (G = 4), a left-padded second row; band masks
@@ -362,8 +362,8 @@ def test_sliding_window_attention_is_the_windowed_softmax(monkeypatch, window, m
         scores = torch.einsum("bhgtd,bhsd->bhgts", q.view(B, H, G, T, D), k) * 0.25
         want = torch.softmax(scores.masked_fill(~inside, float("-inf")), -1) @ v[:, :, None]  # [B, H, G, T, D]
         want = want.reshape(B, H * G, T, D).transpose(1, 2)
-        assert torch.allclose(at.band_attention(q, k, v, 0.25, window), want, atol=1e-5, rtol=0)
-        assert torch.allclose(at.band_attention(q, k, v, 0.25, window, masks), want, atol=1e-5, rtol=0)
+        assert torch.allclose(at.block_attention(q, k, v, 0.25, window=window), want, atol=1e-5, rtol=0)
+        assert torch.allclose(at.block_attention(q, k, v, 0.25, masks, window), want, atol=1e-5, rtol=0)
         pos = col.to(torch.int32).expand(B, H, S).clone()
         assert torch.allclose(tt.masked_attention(q, k, v, pos, qcol, 0.25, window=window), want, atol=1e-5, rtol=0)
         pads = 5  # the second row's first 5 slots are pads: nobody sees them

@@ -21,8 +21,8 @@ tensor:
   chunks kept under ``MASK_ELEMENTS`` elements;
 - a CPU decode step over a dense layer: SDPA with the G query heads of a KV head packed (``decode_sdpa``);
 - a sliding-window layer (``sliding_window`` W, which it keeps: ``TritonKVLayer.slide``) holding a slot out of some
-  query's window: ``band_attention`` (a band mask shared by every head), or with pads ``masked_attention`` with
-  ``window=W``; each chunk of queries over the slots its window reaches.
+  query's window: ``block_attention`` with ``window=W`` (a band mask shared by every head), or with pads
+  ``masked_attention`` with ``window=W``; each chunk of queries over the slots its window reaches.
 
 After attending, the layer compresses when its schedule says so (``TritonKVLayer.after_attention``). A forward of
 several prompt blocks (``prefill``'s ``forward_tokens``) is attended block by block, each block stored, attended
@@ -93,50 +93,26 @@ def _chunk(T: int, per_query: int) -> int:
     return max(1, min(T, max(16, MASK_ELEMENTS // max(1, per_query))))
 
 
-def block_attention(query, key, value, scaling, masks: Optional[dict] = None):
+def block_attention(query, key, value, scaling, masks: Optional[dict] = None, window: Optional[int] = None):
     """Attention of a block of T queries over ``S`` slots that all hold tokens, in position order, the block's own
     T tokens last (a kept prefix, then the block): slot j is visible to query i iff ``j <= S - T + i``, the same
     for every head. Chunks of queries with a ``[chunk, S]`` mask shared by all heads; ``masks``: reuse it between
-    calls (``lower_right_mask``, e.g. the layers of one forward). Returns ``[B, T, H_q, D]``."""
+    calls (``lower_right_mask``, e.g. the layers of one forward). A sliding ``window`` (slots one per sequence
+    index) also hides the slots ``j <= S - T + i - window``: chunks of about ``window / 4`` queries (at least 16)
+    then read only the slots their window reaches (~1.25·window: a quarter of the products are masked). Returns
+    ``[B, T, H_q, D]``."""
     B, Hq, T, D = query.shape
     S = key.shape[2]
     out = query.new_empty(B, T, Hq, value.shape[-1])
-    chunk = _chunk(T, S)
+    chunk = _chunk(T, S) if window is None else min(_chunk(T, min(S, 2 * window)), max(16, window // 4))
+    masks = {} if masks is None else masks  # every chunk of a full width shares one mask
     for c0 in range(0, T, chunk):
         c = min(chunk, T - c0)
         s = S - T + c0 + c  # slots up to the chunk's last query
+        lo = 0 if window is None else max(0, s - c - window + 1)  # the first slot in its first query's window
         # a float mask: SDPA turns a bool one into this one (three more device ops) on every call
-        mask = lower_right_mask(c, s, query.dtype, query.device, masks)
-        o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, :s], value[:, :, :s], attn_mask=mask,
-                                           scale=scaling, enable_gqa=Hq != key.shape[1])
-        out[:, c0:c0 + c] = o.transpose(1, 2)
-    return out
-
-
-def band_attention(query, key, value, scaling, window: int, masks: Optional[dict] = None):
-    """``block_attention`` through a sliding ``window``: ``S`` slots that all hold tokens, one per sequence index in
-    order, the block's own T tokens last; slot j is visible to query i iff ``S - T + i - window < j <= S - T + i``,
-    the same for every head. Chunks of about ``window / 4`` queries (at least 16), each over the slots its window
-    reaches (~1.25·window: a quarter of the products are masked), with a ``[chunk, slots]`` band mask shared by all
-    heads — the same for every chunk past the first window, built once and kept in ``masks`` (a dict the caller may
-    keep between calls, e.g. for the layers of one forward). Returns ``[B, T, H_q, D]``."""
-    B, Hq, T, D = query.shape
-    S = key.shape[2]
-    out = query.new_empty(B, T, Hq, value.shape[-1])
-    chunk = min(_chunk(T, min(S, 2 * window)), max(16, window // 4))
-    masks = {} if masks is None else masks
-    for c0 in range(0, T, chunk):
-        c = min(chunk, T - c0)
-        f = S - T + c0  # the chunk's first query's slot
-        lo = max(0, f - window + 1)  # the first slot in its window
-        d = f - lo  # query i's own slot is lo + d + i
-        name = ("band", c, d, window, query.dtype, query.device)
-        mask = masks.get(name)
-        if mask is None:
-            visible = torch.ones(c, d + c, dtype=torch.bool, device=query.device).tril(d).triu(d - window + 1)
-            mask = masks[name] = torch.zeros(c, d + c, dtype=query.dtype, device=query.device).masked_fill_(
-                ~visible, float("-inf"))
-        o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, lo:f + c], value[:, :, lo:f + c],
+        mask = lower_right_mask(c, s - lo, query.dtype, query.device, masks, window)
+        o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, lo:s], value[:, :, lo:s],
                                            attn_mask=mask, scale=scaling, enable_gqa=Hq != key.shape[1])
         out[:, c0:c0 + c] = o.transpose(1, 2)
     return out
@@ -156,15 +132,19 @@ def held_suffix(pos):
     return count.tolist()
 
 
-def lower_right_mask(c: int, s: int, dtype, device, masks: Optional[dict] = None) -> torch.Tensor:
+def lower_right_mask(c: int, s: int, dtype, device, masks: Optional[dict] = None,
+                     window: Optional[int] = None) -> torch.Tensor:
     """Float ``[c, s]``: 0 where slot j is visible to query i (``j <= s - c + i``: the c queries are the last
-    tokens), -inf elsewhere. The mask depends on ``s - j`` alone, so the last ``s`` columns of a wider one are
-    this one: ``masks`` (a dict the caller keeps between calls, e.g. for the layers of one forward) holds the
-    widest built, one entry, and serves every call of the same ``c``, dtype and device that it covers."""
-    key = (c, dtype, device)
+    tokens; with a sliding ``window`` also ``j > s - c + i - window``), -inf elsewhere. The mask depends on
+    ``s - j`` alone, so the last ``s`` columns of a wider one are this one: ``masks`` (a dict the caller keeps
+    between calls, e.g. for the layers of one forward) holds the widest built, one entry, and serves every call of
+    the same ``c``, window, dtype and device that it covers."""
+    key = (c, window, dtype, device)
     mask = None if masks is None else masks.get(key)
     if mask is None or mask.shape[1] < s:
         visible = torch.ones(c, s, dtype=torch.bool, device=device).tril(s - c)
+        if window is not None:
+            visible = visible.triu(s - c - window + 1)
         mask = torch.zeros(c, s, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
         if masks is not None:
             masks.clear()  # one mask kept: at most MASK_ELEMENTS elements
@@ -366,7 +346,7 @@ def _plain_attention(query, key, value, attention_mask, scaling, window: Optiona
     B, T, S = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is None or bool(attention_mask[:, -S:].all()):
         if window is not None and S > window:  # some slot out of some query's window
-            return band_attention(query, key, value, scaling, window)
+            return block_attention(query, key, value, scaling, window=window)
         return causal_attention(query, key, value, scaling) if T == S else block_attention(query, key, value, scaling)
     pos = torch.arange(S, device=key.device, dtype=torch.int32).expand(B, key.shape[1], S)
     if attention_mask is not None:

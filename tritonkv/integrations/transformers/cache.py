@@ -26,8 +26,8 @@ from ...api import Compressed, check_input_names, compress, compress_kept, resol
 from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
 from ...kernels._common import on_host, use_triton
-from .attention import (band_attention, block_attention, causal_attention, decode_sdpa, hand_over, held_attention,
-                        held_suffix, masked_attention, ragged_decode_sdpa, suffix_attention)
+from .attention import (block_attention, causal_attention, decode_sdpa, hand_over, held_attention, held_suffix,
+                        masked_attention, ragged_decode_sdpa, suffix_attention)
 from .storage import SENTINEL, DenseStore, RaggedStore, kept_padded, left_padded, padded_width, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
@@ -400,7 +400,7 @@ class TritonKVLayer(CacheLayerMixin):
         S = key.shape[2]
         if self.window is not None and S > self.window:  # some slot is out of some query's window
             if not self.has_invalid:  # one slot per token seen, none a pad
-                return band_attention(query, key, value, scaling, self.window, self.cache._masks)
+                return block_attention(query, key, value, scaling, self.cache._masks, self.window)
             qpos = torch.arange(self.seen - T, self.seen, device=query.device)
             return masked_attention(query, key, value, st.view()[2], qpos, scaling, window=self.window)
         if not self.has_invalid:

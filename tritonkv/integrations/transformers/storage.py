@@ -193,20 +193,14 @@ class DenseStore:
             self.resize(m + slack)
 
     def keep_last(self, m: int, slack: int) -> None:
-        """Hold only the last ``m`` slots in use (a sliding window), in buffers of ``m + slack`` slots (one copy); a
-        static store moves them to its front in place."""
+        """Hold only the last ``m`` slots in use (a sliding window) plus ``slack`` free ones: ``replace`` with views of
+        them, which ``resize`` copies into new buffers (one copy; ``slack`` > 0 so that the old buffers go), or
+        a static store copies to its front in place (from a clone: the ranges overlap)."""
         n = self.n
+        kept = [t[:, :, n - m:n] for t in (self.keys, self.values, self.pos)]
         if self.static:
-            kept = [t[:, :, n - m:n].clone() for t in (self.keys, self.values, self.pos)]  # the ranges overlap
-            self.replace(*kept, 0)
-            return
-        grown = []
-        for t, fill in ((self.keys, 0), (self.values, 0), (self.pos, SENTINEL)):
-            new = t.new_full((*t.shape[:2], m + slack, *t.shape[3:]), fill)
-            new[:, :, :m] = t[:, :, n - m:n]
-            grown.append(new)
-        self.keys, self.values, self.pos = grown
-        self.n = m
+            kept = [t.clone() for t in kept]
+        self.replace(*kept, max(slack, 1))
 
     def kept_tokens(self) -> torch.Tensor:
         """int64 ``[B, H_kv]`` tokens held per (batch row, KV head)."""
