@@ -106,3 +106,28 @@ def test_a_compiled_step_needs_reserved_buffers(model):
     step = torch.compile(lambda k, v: layer.update(k, v), fullgraph=True, backend="eager")
     with pytest.raises(Exception, match=r"cache\.reserve\(capacity\)"):
         step(k, k.clone())
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_compiled_loop_with_softcapping_and_sinks_matches_eager(family):
+    """Gemma 2's attention logit softcapping and gpt-oss's attention sinks (random, one per query head), beside
+    sliding-window layers (window 24): the compiled steps attend through the same written-out softmax as eager
+    ones (``attention.Logits``), in one graph, with eager's logits; only the full layer compresses."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=24,
+                  layer_types=["sliding_attention", "full_attention"])
+    if family == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(**common, attn_logit_softcapping=0.02)).eval()
+    else:
+        model = GptOssForCausalLM(GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1)).eval()
+        model.set_experts_implementation("batched_mm")  # grouped_mm traces only in bf16 on a CPU (5.2)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+    worst, recompiles, compiled_n, eager_n = compiled_vs_eager(model, "keydiff", steps=20, compress_every=4)
+    assert recompiles == 0
+    assert compiled_n == eager_n == 2
+    assert worst <= ATOL, worst

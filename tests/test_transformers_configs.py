@@ -8,23 +8,33 @@
   what sets the family apart (query/key norms, fused projections, attention multipliers, parallel blocks, NoPE
   layers, a query scale other than 1/sqrt(D), sliding-window layers whose window the 76-token sequences fit).
 * Sliding-window layers shorter than the sequence (``WINDOWED``: Gemma 3 and Gemma 2 beside full layers, Mistral
-  v0.1's every layer): the same exactness with a left-padded row in every mode, from a plain forward under
-  ``use_tritonkv`` too; compressed, a sliding layer holds its window's last ``sliding_window - 1`` tokens and only
-  the full layers compress.
-* What the "tritonkv" attention function cannot compute exactly (``UNSUPPORTED``: Gemma 2's attention logit
-  softcapping; a sliding window shorter than the sequence with recursive LagKV) must be a clear error naming the
-  architecture and the feature, not silently different logits.
+  v0.1's every layer, Gemma 2 with attention logit softcapping, gpt-oss with attention sinks): the same exactness
+  with a left-padded row in every mode, from a plain forward under ``use_tritonkv`` too; compressed, a sliding
+  layer holds its window's last ``sliding_window - 1`` tokens and only the full layers compress.
+* What the "tritonkv" attention function cannot compute exactly (``UNSUPPORTED``: chunked attention beyond a chunk,
+  an encoder's bidirectional attention; a sliding window shorter than the sequence with recursive LagKV) must be a
+  clear error naming the architecture and the feature, not silently different logits.
+* Models a TritonKVCache cannot hold or compress (``UNSERVED``: attention outside transformers' AttentionInterface,
+  a latent cache expanded per head, linear-attention layers) are a clear error too, never a cache that silently
+  stays uncompressed; so is a cache used without the "tritonkv" attention function. Gemma 3's multimodal model
+  serves text prompts (its decoder's config).
 """
 import importlib
 import warnings
 
 import pytest
 import torch
-from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
-                          Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, GraniteConfig, GraniteForCausalLM,
+import transformers
+from transformers import (BertConfig, BertLMHeadModel, BloomConfig, BloomForCausalLM, CohereConfig, CohereForCausalLM,
+                          DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3Config,
+                          Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig, GemmaConfig,
+                          GemmaForCausalLM, Glm4Config, Glm4ForCausalLM, GPT2Config, GPT2LMHeadModel, GptOssConfig,
+                          GptOssForCausalLM, GraniteConfig, GraniteForCausalLM, Llama4ForCausalLM, Llama4TextConfig,
                           LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Olmo2Config,
                           Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM, Starcoder2Config, Starcoder2ForCausalLM)
+                          Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM,
+                          SiglipVisionConfig, SmolLM3Config, SmolLM3ForCausalLM, Starcoder2Config,
+                          Starcoder2ForCausalLM)
 
 from tritonkv.integrations import transformers as tt
 
@@ -55,7 +65,24 @@ FAMILIES = {
     "cohere": lambda: CohereForCausalLM(CohereConfig(**SMALL)),  # parallel attention + MLP, interleaved RoPE
     "starcoder2": lambda: Starcoder2ForCausalLM(Starcoder2Config(**SMALL)),  # biases, LayerNorm
     "smollm3": lambda: SmolLM3ForCausalLM(SmolLM3Config(**SMALL, no_rope_layers=[1, 0])),  # a NoPE layer
+    # a chunked-attention layer (and a NoPE one) whose chunk of 128 the sequences fit
+    "llama4": lambda: Llama4ForCausalLM(Llama4TextConfig(**SMALL, intermediate_size_mlp=96, attention_chunk_size=128,
+                                                         num_local_experts=2, no_rope_layers=[1, 0])),
+    # the multimodal model (how Gemma 3's 4B-27B checkpoints load) on text: its decoder's config holds the layers
+    "gemma3-multimodal": lambda: Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=Gemma3TextConfig(**dict(SMALL, vocab_size=300), sliding_window=16, layer_types=SLIDING),
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298)),
+    "qwen3_moe": lambda: Qwen3MoeForCausalLM(Qwen3MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2,
+                                                            moe_intermediate_size=32)),  # mixture of experts
+    "glm4": lambda: Glm4ForCausalLM(Glm4Config(**SMALL)),  # partial rotary, extra norms
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=512)),
 }
+if hasattr(transformers, "Gemma4ForCausalLM"):  # transformers >= 5.24: per-layer head dims and KV heads, K = V
+    FAMILIES["gemma4"] = lambda: transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(
+        **dict(SMALL, num_hidden_layers=4), global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        sliding_window=128, layer_types=SLIDING * 2, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8))
 WINDOW = 16  # sliding windows shorter than the 70-token sequences
 WINDOWED = {
     "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, sliding_window=WINDOW, layer_types=SLIDING)),
@@ -64,13 +91,55 @@ WINDOWED = {
     "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**SMALL, sliding_window=WINDOW, layer_types=SLIDING,
                                                      attn_logit_softcapping=None)),
     "mistral": lambda: MistralForCausalLM(MistralConfig(**COMMON, sliding_window=WINDOW)),  # every layer slides
+    # attention logit softcapping (a cap of 0.02, below the random logits: every one is bent)
+    # (eager: transformers 5.2 picks SDPA for Gemma 2 by default, which drops the cap)
+    "gemma2-softcap": lambda: _eager(Gemma2ForCausalLM(Gemma2Config(
+        **SMALL, sliding_window=WINDOW, layer_types=SLIDING, attn_logit_softcapping=0.02))),
+    "gpt_oss": lambda: _with_sinks(GptOssForCausalLM(GptOssConfig(
+        **SMALL, sliding_window=WINDOW, layer_types=SLIDING, num_local_experts=2, num_experts_per_tok=1))),
 }
 # architecture/feature the attention function cannot serve exactly -> words its error must contain
 UNSUPPORTED = {
-    "gemma2-softcap": (lambda: Gemma2ForCausalLM(Gemma2Config(**SMALL, sliding_window=128, layer_types=SLIDING,
-                                                              attn_logit_softcapping=1.0)),
-                       ("gemma2", "softcap", "support")),
+    # chunks of 32 tokens (only the model's mask says so), shorter than the 70-token sequences
+    "llama4-chunked": (lambda: Llama4ForCausalLM(Llama4TextConfig(
+        **SMALL, intermediate_size_mlp=96, attention_chunk_size=32, num_local_experts=2, no_rope_layers=[1, 0])),
+        ("llama4_text", "chunked attention", "attention_chunk_size=32")),
+    # an encoder's attention (no is_decoder=True): bidirectional, which a cache of earlier tokens cannot serve
+    "bert-encoder": (lambda: BertLMHeadModel(BertConfig(vocab_size=128, hidden_size=64, intermediate_size=96,
+                                                        num_hidden_layers=2, num_attention_heads=4)),
+                     ("bert", "bidirectional")),
 }
+
+# models a TritonKVCache cannot hold or compress -> words the NotImplementedError of ``generate`` must contain
+UNSERVED = {
+    # its attention is its own (not through AttentionInterface): the cache would never be compressed
+    "bloom": (lambda: BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)),
+              ("bloomforcausallm", "attentioninterface", "never be compressed")),
+    # multi-head latent attention: the cache holds a latent that the model expands per head after the update (from
+    # transformers 5.24), or keys and values of different head dims (before)
+    "deepseek_v3": (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1, max_position_embeddings=512)), ("deepseek", "latent")),
+    "qwen3_next": (lambda: Qwen3NextForCausalLM(Qwen3NextConfig(
+        **dict(SMALL, num_hidden_layers=4), linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)), ("qwen3_next", "linear_attention")),
+}
+
+
+def _eager(model):
+    model.set_attn_implementation("eager")
+    return model
+
+
+def _with_sinks(model):
+    """gpt-oss with random attention sinks (one logit per query head), so that they change every softmax."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(generator=torch.Generator().manual_seed(layer.self_attn.layer_idx))
+    return model
 
 
 def _build(make):
@@ -182,8 +251,9 @@ def test_sliding_window_with_recursive_lagkv_is_a_clear_error(ids):
 
 @pytest.mark.parametrize("case", sorted(UNSUPPORTED))
 def test_unsupported_attention_is_a_clear_error(case, ids):
-    """Softcapped logits or a window shorter than the sequence: NotImplementedError naming the architecture, the
-    feature and what is supported — from ``generate`` and from a plain forward under ``use_tritonkv``."""
+    """Chunked attention over more than a chunk, or an encoder's bidirectional attention: NotImplementedError naming
+    the architecture, the feature and what is supported — from ``generate`` and from a plain forward under
+    ``use_tritonkv`` (before, both silently ran causal attention over every token)."""
     make, words = UNSUPPORTED[case]
     model = _build(make)
     with pytest.raises(NotImplementedError) as exc:
@@ -193,6 +263,55 @@ def test_unsupported_attention_is_a_clear_error(case, ids):
     with pytest.raises(NotImplementedError):
         with tt.use_tritonkv(model):
             model(ids)
+
+
+@pytest.mark.parametrize("case", sorted(UNSERVED))
+def test_unserved_model_is_a_clear_error(case, ids):
+    """A model the cache cannot hold or compress: NotImplementedError naming the model and the feature, from
+    ``generate`` in every mode (before the old code's unbounded cache, shape errors or different logits)."""
+    make, words = UNSERVED[case]
+    model = _build(make)
+    for mode in tt.MODES:
+        with pytest.raises(NotImplementedError) as exc:
+            tt.generate(model, ids, policy="keydiff", budget=24, mode=mode, block_size=16, max_new_tokens=2,
+                        do_sample=False)
+        msg = str(exc.value).lower()
+        assert all(w in msg for w in words), msg
+    assert model.config._attn_implementation != "tritonkv"  # use_tritonkv restored (or never switched) it
+
+
+def test_check_model_refuses_kv_sharing_and_bidirectional_attention():
+    """Layers that attend over another layer's cache (Gemma 3n, Gemma 4's small models) or attention that is not
+    causal: ``make_cache`` refuses them by name; a config with full and sliding layers only passes."""
+    from types import SimpleNamespace
+
+    def model(**config):
+        base = dict(model_type="toy", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+        return SimpleNamespace(config=SimpleNamespace(**{**base, **config}))
+
+    tt.make_cache(model(), "keydiff", 16)
+    tt.make_cache(model(num_kv_shared_layers=0, use_bidirectional_attention=None), "keydiff", 16)
+    for config, words in [(dict(num_kv_shared_layers=1), "kv sharing"),
+                          (dict(kv_sharing_modes=[None, "reuse"]), "kv sharing"),
+                          (dict(use_bidirectional_attention="all"), "bidirectional"),
+                          (dict(layer_types=["full_attention", "mamba"]), "['mamba']")]:
+        with pytest.raises(NotImplementedError, match="toy") as exc:
+            tt.make_cache(model(**config), "keydiff", 16)
+        assert words in str(exc.value).lower()
+
+
+def test_cache_without_the_tritonkv_attention_is_a_clear_error(model, ids):
+    """A TritonKVCache handed to ``model.generate`` outside ``use_tritonkv``: the model attends with its own
+    function, which never compresses; the second write of a layer is a RuntimeError that says what to do. Under
+    ``use_tritonkv`` the same call runs and compresses."""
+    kw = dict(max_new_tokens=3, do_sample=False)
+    cache = tt.make_cache(model, "keydiff", 24, mode="blockwise", block_size=16)
+    with pytest.raises(RuntimeError, match=r"use_tritonkv\(model\)"):
+        model.generate(ids[:1], **{tt.cache_kwarg(model): cache}, **kw)
+    cache = tt.make_cache(model, "keydiff", 24, mode="blockwise", block_size=16)
+    with tt.use_tritonkv(model):
+        model.generate(ids[:1], **{tt.cache_kwarg(model): cache}, prefill_chunk_size=16, **kw)
+    assert cache.compressions > 0 and cache.stored_tokens() == [24 + 2] * 2
 
 
 def test_blockwise_compressed_is_bounded(model, ids):

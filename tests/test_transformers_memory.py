@@ -376,6 +376,82 @@ def test_sliding_window_attention_is_the_windowed_softmax(monkeypatch, window, m
         assert torch.isfinite(got).all()
 
 
+def _written_out(q, k, v, visible, scale, softcap=None, sinks=None):
+    """Attention from its definition, per query head (query head h·G + g reads KV head h): logits q·k·scale, bent
+    to ``softcap·tanh(s / softcap)``, -inf where ``visible`` ``[B, H_kv, T, S]`` is False, one sink logit per query
+    head in the softmax's denominator (its value none); a row that sees nothing gives zeros. ``[B, T, H_q, D]``."""
+    B, Hq, T, _ = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    s = torch.einsum("bhgtd,bhsd->bhgts", q.double().view(B, H, G, T, -1), k.double()) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~visible[:, :, None], float("-inf"))
+    e = torch.exp(s - s.amax(-1, keepdim=True).clamp(min=-1e30))  # a row that sees nothing: all zeros
+    z = e.sum(-1, keepdim=True)
+    if sinks is not None:
+        m = s.amax(-1, keepdim=True).clamp(min=-1e30)
+        z = z + torch.exp(sinks.double().view(1, H, G, 1, 1) - m)
+    out = (e / z.clamp(min=1e-300)) @ v.double()[:, :, None]  # [B, H, G, T, D]; an empty row: zeros
+    return out.reshape(B, Hq, T, -1).transpose(1, 2)
+
+
+@pytest.mark.parametrize("mask_elements", [None, 64])
+@pytest.mark.parametrize("softcap, sinks", [(2.0, False), (None, True), (0.5, True)])
+def test_every_attention_path_serves_softcapping_and_sinks(monkeypatch, mask_elements, softcap, sinks):
+    """Each attention path with the model's logit softcapping and attention sinks (``Logits``: Gemma 2, gpt-oss)
+    gives attention as defined, written out here per query head: causal over a first block, a later block over a
+    kept prefix (with and without a sliding window), ordered slots with empty ones (``held_attention``), per-head
+    rows (``suffix_attention``), slots by position with pads (``masked_attention``), a decode step over dense and
+    per-head rows; grouped queries (G = 4), two batch rows, chunks of rows (``mask_elements`` small)."""
+    from tritonkv.cache import RaggedKV
+    from tritonkv.integrations.transformers.storage import left_padded
+
+    at = importlib.import_module("tritonkv.integrations.transformers.attention")
+    if mask_elements is not None:
+        monkeypatch.setattr(at, "MASK_ELEMENTS", mask_elements)
+    g = torch.Generator().manual_seed(3)
+    B, H, G, T, Dh, scale = 2, 2, 4, 12, 16, 0.3
+    sink = torch.randn(H * G, generator=g) if sinks else None
+    lg = at.Logits(softcap, sink)
+    close = lambda got, want: torch.allclose(got.double(), want, atol=1e-5, rtol=0)  # noqa: E731
+    q = torch.randn(B, H * G, T, Dh, generator=g) * 3
+    for S in (T, T + 9):
+        k, v = (torch.randn(B, H, S, Dh, generator=g) for _ in range(2))
+        col, qcol = torch.arange(S), torch.arange(S - T, S)
+        causal = (col[None] <= qcol[:, None]).expand(B, H, T, S)
+        want = _written_out(q, k, v, causal, scale, softcap, sink)
+        if S == T:
+            assert close(at.causal_attention(q, k, v, scale, lg), want)
+        assert close(at.block_attention(q, k, v, scale, {}, logits=lg), want)
+        window = causal & (col[None] > qcol[:, None] - 3)
+        assert close(at.block_attention(q, k, v, scale, {}, 3, lg), _written_out(q, k, v, window, scale, softcap, sink))
+        held = torch.rand(B, H, S, generator=g) < 0.6
+        held[..., S - T:] = True
+        pos = torch.where(held, col, tt.SENTINEL).to(torch.int32)
+        want = _written_out(q, k, v, causal & held[:, :, None], scale, softcap, sink)
+        assert close(at.held_attention(q, k, v, pos, scale, {}, lg), want)
+        assert close(at.masked_attention(q, k, v, pos, qcol, scale, logits=lg), want)
+        lengths = torch.randint(T, S + 1, (B, H), generator=g)
+        rows = col >= S - lengths[..., None]
+        want = _written_out(q, k, v, causal & rows[:, :, None], scale, softcap, sink)
+        assert close(at.suffix_attention(q, k, v, lengths.tolist(), scale, {}, lg), want)
+        pads = torch.where(col < 4, tt.SENTINEL, col).to(torch.int32).expand(B, H, S).clone()
+        pads[0] = col  # the second row left-padded by 4
+        visible = causal & (pads != tt.SENTINEL)[:, :, None]
+        got = at.masked_attention(q, k, v, pads, qcol, scale, window=5, logits=lg)
+        want = _written_out(q, k, v, visible & (col[None] > qcol[:, None] - 5), scale, softcap, sink)
+        real = visible.any(-1)[:, 0].T  # [T, B]: a pad's own query sees nothing (any finite row)
+        assert close(got.transpose(0, 1)[real], want.transpose(0, 1)[real])
+    q1 = q[:, :, -1:]
+    want = _written_out(q1, k, v, torch.ones(B, H, 1, S, dtype=torch.bool), scale, softcap, sink)
+    assert close(at.decode_sdpa(q1, k, v, scale, lg), want)
+    kv = RaggedKV.from_selection(torch.randn(B, H, S, generator=g), torch.tensor([5, 0, S, 3]), k, v)
+    K, V, _, held = left_padded(kv)
+    want = _written_out(q1, K, V, held[:, :, None], scale, softcap, sink)
+    assert close(at.ragged_decode_sdpa(q1, kv, scale, lg), want)
+
+
 @pytest.mark.parametrize("allocation", ["adakv", "pyramid"])
 def test_per_head_rows_off_the_host_attend_as_before(model, monkeypatch, allocation):
     """Block-wise SnapKV with per-head budgets where ``held_suffix`` cannot look (a GPU: it reads nothing back) and
@@ -384,7 +460,7 @@ def test_per_head_rows_off_the_host_attend_as_before(model, monkeypatch, allocat
     cm = importlib.import_module("tritonkv.integrations.transformers.cache")
     monkeypatch.setattr(cm, "held_suffix", lambda pos: None)  # as off the host
 
-    def by_position(query, key, value, pos, scaling, masks=None):
+    def by_position(query, key, value, pos, scaling, masks=None, logits=None):
         T = query.shape[2]
         return tt.masked_attention(query, key, value, pos, pos[0, 0, -T:], scaling)  # the block's own positions
 

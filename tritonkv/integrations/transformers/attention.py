@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +93,73 @@ def _chunk(T: int, per_query: int) -> int:
     return max(1, min(T, max(16, MASK_ELEMENTS // max(1, per_query))))
 
 
-def block_attention(query, key, value, scaling, masks: Optional[dict] = None, window: Optional[int] = None):
+class Logits(NamedTuple):
+    """What a model's attention does to its logits besides scaling them (transformers' ``softcap`` and ``s_aux``
+    attention kwargs): ``softcap`` (Gemma 2: each logit s becomes ``softcap · tanh(s / softcap)`` before the mask)
+    and ``sinks`` (gpt-oss: one learned logit per query head, ``[H_q]``, in each softmax's denominator only)."""
+    softcap: Optional[float] = None
+    sinks: Optional[torch.Tensor] = None
+
+
+def _logits(kwargs: dict) -> Optional[Logits]:
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    return None if softcap is None and sinks is None else Logits(softcap, sinks)
+
+
+def _head_sinks(logits: Optional[Logits], h0: int = 0, n: Optional[int] = None):
+    """The sinks of query heads ``h0 .. h0 + n`` (all by default) as ``[1, n, 1, 1]``: queries laid out by head."""
+    if logits is None or logits.sinks is None:
+        return None
+    sinks = logits.sinks if n is None else logits.sinks[h0:h0 + n]
+    return sinks.view(1, -1, 1, 1)
+
+
+def _packed_sinks(logits: Optional[Logits], H: int, c: int):
+    """The sinks of queries packed as ``[B, H_kv, G·c, D]`` (row g·c + i: query head h·G + g) as ``[1, H_kv, G·c,
+    1]``."""
+    if logits is None or logits.sinks is None:
+        return None
+    sinks = logits.sinks.view(H, -1, 1)
+    return sinks.expand(H, sinks.shape[1], c).reshape(1, H, -1, 1)
+
+
+def _sdpa(q, k, v, attn_mask=None, scale=None, is_causal=False, enable_gqa=False, logits: Optional[Logits] = None,
+          sinks=None):
+    """``F.scaled_dot_product_attention`` of ``q`` ``[B, H, T, D]`` over ``k``/``v`` ``[B, H_kv, S, D]``; with
+    ``logits`` (softcapping, sinks: ``sinks`` laid out as ``q``'s rows, ``_head_sinks``/``_packed_sinks``) the
+    same written out, in fp32, in chunks of rows whose scores stay under ``MASK_ELEMENTS`` elements: the stock
+    model's eager attention, which SDPA cannot express."""
+    if logits is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, is_causal=is_causal,
+                                              enable_gqa=enable_gqa)
+    B, H, T, D = q.shape
+    Hk, S, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hk  # query head h·G + g reads KV head h: rows packed per KV head, no repeated K or V
+    kf, vf = k.float().transpose(-1, -2), v.float()
+    outs = []
+    rows = max(1, MASK_ELEMENTS // max(1, B * H * S))
+    for r0 in range(0, T, rows):
+        r = min(rows, T - r0)
+        s = (q[:, :, r0:r0 + r].reshape(B, Hk, G * r, D).float() @ kf).view(B, H, r, S) * scale
+        if logits.softcap is not None:
+            s = torch.tanh(s / logits.softcap) * logits.softcap
+        if is_causal:  # top-left aligned, as SDPA's: query i sees keys j <= i
+            s = s.masked_fill(~torch.ones(r, S, dtype=torch.bool, device=q.device).tril(r0), float("-inf"))
+        if attn_mask is not None:
+            m = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., r0:r0 + r, :]
+            s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
+        if sinks is not None:
+            sk = sinks if sinks.shape[-2] == 1 else sinks[..., r0:r0 + r, :]
+            s = torch.cat([s, sk.float().expand(B, H, r, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)
+        if sinks is not None:
+            p = p[..., :S]
+        outs.append((p.reshape(B, Hk, G * r, S) @ vf).view(B, H, r, Dv))
+    return (torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]).to(q.dtype)
+
+
+def block_attention(query, key, value, scaling, masks: Optional[dict] = None, window: Optional[int] = None,
+                    logits: Optional[Logits] = None):
     """Attention of a block of T queries over ``S`` slots that all hold tokens, in position order, the block's own
     T tokens last (a kept prefix, then the block): slot j is visible to query i iff ``j <= S - T + i``, the same
     for every head. Chunks of queries with a ``[chunk, S]`` mask shared by all heads; ``masks``: reuse it between
@@ -112,8 +178,8 @@ def block_attention(query, key, value, scaling, masks: Optional[dict] = None, wi
         lo = 0 if window is None else max(0, s - c - window + 1)  # the first slot in its first query's window
         # a float mask: SDPA turns a bool one into this one (three more device ops) on every call
         mask = lower_right_mask(c, s - lo, query.dtype, query.device, masks, window)
-        o = F.scaled_dot_product_attention(query[:, :, c0:c0 + c], key[:, :, lo:s], value[:, :, lo:s],
-                                           attn_mask=mask, scale=scaling, enable_gqa=Hq != key.shape[1])
+        o = _sdpa(query[:, :, c0:c0 + c], key[:, :, lo:s], value[:, :, lo:s], attn_mask=mask, scale=scaling,
+                  enable_gqa=Hq != key.shape[1], logits=logits, sinks=_head_sinks(logits))
         out[:, c0:c0 + c] = o.transpose(1, 2)
     return out
 
@@ -158,7 +224,8 @@ def _rows_view(t, b: int, h: int, heads: int, s0: int, s1: int):
     return t.as_strided((1, heads, s1 - s0, t.shape[3]), st, t.storage_offset() + b * st[0] + h * st[1] + s0 * st[2])
 
 
-def suffix_attention(query, key, value, lengths, scaling, masks: Optional[dict] = None):
+def suffix_attention(query, key, value, lengths, scaling, masks: Optional[dict] = None,
+                     logits: Optional[Logits] = None):
     """Attention of a block of T queries over rows whose tokens are each (batch row, KV head)'s last
     ``lengths[b][h]`` (>= T) slots, in position order, the block's own T tokens last (``held_suffix``): per row,
     ``block_attention`` of its G query heads over those slots alone (no per-head mask, no slot of another row's
@@ -179,15 +246,16 @@ def suffix_attention(query, key, value, lengths, scaling, masks: Optional[dict] 
             heads = []
             for h in range(H):
                 s0 = S - lengths[b][h]
-                heads.append(F.scaled_dot_product_attention(
+                heads.append(_sdpa(
                     _rows_view(q, b, h * G, G, 0, c), _rows_view(key, b, h, 1, s0, s), _rows_view(value, b, h, 1, s0, s),
-                    attn_mask=mask[:, s0:], scale=scaling, enable_gqa=G > 1).transpose(1, 2))  # [1, c, G, D]
+                    attn_mask=mask[:, s0:], scale=scaling, enable_gqa=G > 1, logits=logits,
+                    sinks=_head_sinks(logits, h * G, G)).transpose(1, 2))  # [1, c, G, D]
             rows.append(torch.cat(heads, dim=2))
         chunks.append(torch.cat(rows) if B > 1 else rows[0])
     return torch.cat(chunks, dim=1) if len(chunks) > 1 else chunks[0]
 
 
-def held_attention(query, key, value, pos, scaling, masks: Optional[dict] = None):
+def held_attention(query, key, value, pos, scaling, masks: Optional[dict] = None, logits: Optional[Logits] = None):
     """``masked_attention`` of a block with no pads whose T queries' own tokens are the last T slots, every slot
     before them a kept token in position order or empty (``SENTINEL``; gaps anywhere): a query then sees the held
     slots up to its own, so its mask is the lower-right causal one (shared by every row and head, ``masks``) plus
@@ -205,13 +273,14 @@ def held_attention(query, key, value, pos, scaling, masks: Optional[dict] = None
         s = S - T + c0 + c  # slots up to the chunk's last query
         causal = lower_right_mask(c, s, query.dtype, query.device, masks).repeat(G, 1)  # rows (g, i): as q's
         q = query[:, :, c0:c0 + c].reshape(B, H, G * c, D)  # query head h*G + g reads KV head h: no repeat_kv
-        o = F.scaled_dot_product_attention(q, key[:, :, :s], value[:, :, :s], attn_mask=causal + bias[..., :s],
-                                           scale=scaling)
+        o = _sdpa(q, key[:, :, :s], value[:, :, :s], attn_mask=causal + bias[..., :s], scale=scaling, logits=logits,
+                  sinks=_packed_sinks(logits, H, c))
         out[:, c0:c0 + c] = o.reshape(B, Hq, c, -1).transpose(1, 2)
     return out
 
 
-def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = True, window: Optional[int] = None):
+def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = True, window: Optional[int] = None,
+                     logits: Optional[Logits] = None):
     """Attention of ``query`` ``[B, H_q, T, D]`` over slots ``key``/``value`` ``[B, H_kv, S, D]`` whose sequence
     indices are ``pos`` int32 ``[B, H_kv, S]``; the queries are at sequence indices ``qpos`` int ``[T]``. A query
     sees the slots with ``pos <= qpos`` (``SENTINEL`` slots: none), and with a sliding ``window`` only those with
@@ -241,28 +310,30 @@ def masked_attention(query, key, value, pos, qpos, scaling, *, ordered: bool = T
         allowed = allowed | ~allowed.any(-1, keepdim=True)
         q = query[:, :, c0:c0 + c].reshape(B, H, G * c, D)  # query head h*G + g reads KV head h: no repeat_kv
         mask = allowed[:, :, None].expand(B, H, G, c, s - lo).reshape(B, H, G * c, s - lo)
-        o = F.scaled_dot_product_attention(q, key[:, :, lo:s], value[:, :, lo:s], attn_mask=mask, scale=scaling)
+        o = _sdpa(q, key[:, :, lo:s], value[:, :, lo:s], attn_mask=mask, scale=scaling, logits=logits,
+                  sinks=_packed_sinks(logits, H, c))
         out[:, c0:c0 + c] = o.reshape(B, Hq, c, -1).transpose(1, 2)  # CUDA SDPA may return a [B, M, H, D] layout
     return out
 
 
-def causal_attention(query, key, value, scaling):
+def causal_attention(query, key, value, scaling, logits: Optional[Logits] = None):
     """Plain causal attention of a block over itself (the prompt's first forward): ``[B, T, H_q, D]``."""
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1, scale=scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])
+    out = _sdpa(query, key, value, is_causal=query.shape[2] > 1, scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1], logits=logits, sinks=_head_sinks(logits))
     return out.transpose(1, 2).contiguous()
 
 
-def decode_sdpa(query, key, value, scaling):
+def decode_sdpa(query, key, value, scaling, logits: Optional[Logits] = None):
     """One query token per head over slots that all precede it (no pads, no gaps): the G query heads of a KV head
     packed as G rows, as the stock model's SDPA path does. ``[B, 1, H_q, D]``."""
     B, Hq, _, D = query.shape
     H = key.shape[1]
-    out = F.scaled_dot_product_attention(query.reshape(B, H, Hq // H, D), key, value, scale=scaling)
+    out = _sdpa(query.reshape(B, H, Hq // H, D), key, value, scale=scaling, logits=logits,
+                sinks=_packed_sinks(logits, H, 1))
     return out.reshape(B, 1, Hq, -1)
 
 
-def ragged_decode_sdpa(query, kv, scaling):
+def ragged_decode_sdpa(query, kv, scaling, logits: Optional[Logits] = None):
     """One query token per head over per-head (ragged) rows ``kv`` (a ``RaggedKV`` on the CPU, whose tokens all
     precede the query): per row, SDPA of its G query heads packed as G rows over the row's slots, read in place
     (no padded copy, each row one strided view of the flat storage at the start and length ``kv.host_rows()``
@@ -271,13 +342,15 @@ def ragged_decode_sdpa(query, kv, scaling):
     H, (K, V) = kv.num_heads, (kv.keys, kv.values)
     starts, lengths = kv.host_rows()
     outs = []
-    for q, start, n in zip(query.reshape(B * H, 1, Hq // H, D).split(1), starts, lengths):  # row b·H + h
+    G = Hq // H
+    for r, (q, start, n) in enumerate(zip(query.reshape(B * H, 1, G, D).split(1), starts, lengths)):  # row b·H + h
         if n == 0:
             outs.append(q.new_zeros(*q.shape[:3], V.shape[1]))
             continue
         k, v = (t.as_strided((1, 1, n, t.shape[1]), (0, 0, t.stride(0), t.stride(1)), t.storage_offset()
                              + start * t.stride(0)) for t in (K, V))
-        outs.append(F.scaled_dot_product_attention(q, k, v, scale=scaling))
+        sinks = None if logits is None or logits.sinks is None else logits.sinks[r % H * G:][:G].view(1, 1, G, 1)
+        outs.append(_sdpa(q, k, v, scale=scaling, logits=logits, sinks=sinks))
     return torch.cat(outs).view(B, 1, Hq, -1)
 
 
@@ -287,6 +360,12 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     active = _take_layer(kwargs)
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     ours = active is not None and active[1] is key
+    if active is not None and not ours:
+        _refuse(module, "attention over keys other than the ones its cache.update returned (e.g. a latent cache "
+                        "expanded per head: multi-head latent attention), which the cache cannot compress")
+    if ours and value.shape[-1] != key.shape[-1]:
+        _refuse(module, f"values of head dim {value.shape[-1]} beside keys of head dim {key.shape[-1]} (e.g. "
+                        f"multi-head latent attention expanded per head), which the cache's policies cannot compress")
     compiling = torch.compiler.is_compiling()
     layer = active[0] if ours else None
     pending = ours and layer._pending is not None  # a forward of several prompt blocks: stored as they are attended
@@ -294,20 +373,20 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
         seen = layer.seen + key.shape[2] if pending else layer.seen
     else:
         seen = key.shape[2]
-    window = kwargs.get("sliding_window")
+    window, logits = kwargs.get("sliding_window"), _logits(kwargs)
     check_supported(module, kwargs, seen, sliding=not ours or layer.slides)
     if not ours:
-        return _plain_attention(query, key, value, attention_mask, scaling, window), None
+        return _plain_attention(query, key, value, attention_mask, scaling, window, logits), None
     T = query.shape[2]
     layer.module = weakref.ref(module)  # its o_proj is CriticalKV's W_O (a weak reference: copies of a cache share it)
     if window is not None and layer.slides:  # a sliding-window layer: it keeps its window (``slide``)
         layer.window = window
     if pending:  # no pads (prefill groups blocks only then)
-        return layer.attend_blocks(query, scaling), None
+        return layer.attend_blocks(query, scaling, logits), None
     # pads: in any multi-token forward, and in a one-token block of a row-aligned prefill (never in decode steps)
     if attention_mask is not None and not compiling and (T > 1 or layer.cache._block_ends is not None):
         layer.mark_padding(attention_mask[:, -T:].bool())
-    out = layer.attend(query, key, value, scaling)
+    out = layer.attend(query, key, value, scaling, logits)
     if compiling:
         layer.roll_queries(query)  # window policies: the saved queries stay current, on the device
     else:
@@ -315,43 +394,95 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     return out, None
 
 
-SUPPORTED = ("causal softmax attention over every earlier token, at any scale (Llama, Qwen2/Qwen3, Mistral, Phi-3, "
-             "Gemma, Granite, OLMo 2, Cohere, StarCoder2, SmolLM3, ...), and sliding-window layers (Gemma 3, "
-             "Mistral v0.1, ...; with recursive LagKV only while the sequence fits the window)")
+SUPPORTED = ("causal softmax attention over every earlier token, at any scale, with or without logit softcapping "
+             "and attention sinks (Llama, Qwen2/Qwen3, Mistral, Phi-3, Gemma 1-4, gpt-oss, GLM-4, Granite, OLMo 2, "
+             "Cohere, StarCoder2, SmolLM3, ...), and sliding-window layers (Gemma 2/3, gpt-oss, Mistral v0.1, ...; "
+             "with recursive LagKV only while the sequence fits the window)")
 
 
 def check_supported(module, kwargs, seen: int, sliding: bool = True) -> None:
     """A NotImplementedError naming the architecture and the feature for attention the cache cannot serve exactly:
-    logit softcapping, attention sinks, or — where ``sliding`` is False (a recursive LagKV layer) — a sliding
-    window shorter than the tokens seen (a window that still covers every token is plain causal attention)."""
-    softcap, window = kwargs.get("softcap"), kwargs.get("sliding_window")
-    if softcap is not None:
-        what = f"attention logit softcapping (softcap={softcap})"
-    elif kwargs.get("s_aux") is not None:
-        what = "attention sinks (s_aux)"
+    attention that is not causal, chunked attention (Llama 4's ``chunked_attention`` layers, which only the model's
+    mask describes) over more tokens than a chunk, or — where ``sliding`` is False (a recursive LagKV layer) — a
+    sliding window shorter than the tokens seen (a window or a chunk that still covers every token is plain causal
+    attention). Logit softcapping and attention sinks are served (``Logits``)."""
+    window, chunk = kwargs.get("sliding_window"), _attention_chunk(module)
+    if getattr(module, "is_causal", True) is False:  # an encoder's attention (e.g. without is_decoder=True)
+        what = "bidirectional (not causal) attention"
+    elif chunk is not None and seen > chunk:
+        what = f"chunked attention (attention_chunk_size={chunk}: a token sees its own chunk only) over {seen} tokens"
     elif window is not None and seen > window and not sliding:  # transformers masks kv_idx <= q_idx - window
         what = f"sliding-window attention (sliding_window={window}) over {seen} tokens with recursive LagKV"
     else:
         return
+    _refuse(module, f"{what}, which the 'tritonkv' attention function does not support")
+
+
+def _attention_chunk(module) -> Optional[int]:
+    """The attention chunk of a ``chunked_attention`` layer (its config's ``attention_chunk_size``), else None."""
+    config, i = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if types is None or i is None or i >= len(types) or types[i] != "chunked_attention":
+        return None
+    return getattr(config, "attention_chunk_size", None)
+
+
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")  # layer types a cache layer serves
+NO_ATTENTION_LAYERS = ("moe", "mlp")  # layer types with no attention (no cache layer)
+
+
+def text_config(model):
+    """The config of ``model``'s decoder (a multimodal model's text config, e.g. Gemma 3's ``text_config``)."""
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def check_model(model) -> None:
+    """A NotImplementedError naming the model type and the feature, before any forward, for a model whose layers a
+    TritonKVCache cannot hold: layers other than softmax attention (``layer_types``: linear attention, state-space
+    or convolution layers, indexed or compressed attention), keys and values shared across layers (KV sharing), or
+    attention that is not causal (``use_bidirectional_attention``)."""
+    config = text_config(model)
+    types = getattr(config, "layer_types", None) or ()
+    other = sorted({t for t in types if t not in ATTENTION_LAYERS + NO_ATTENTION_LAYERS})
+    shared = "reuse" in (getattr(config, "kv_sharing_modes", None) or ()) or \
+        (getattr(config, "num_kv_shared_layers", 0) or 0) > 0
+    if other:
+        what = f"layers other than softmax attention (layer_types {other})"
+    elif shared:
+        what = "keys and values shared across layers (KV sharing: a layer attends over another layer's cache)"
+    elif getattr(config, "use_bidirectional_attention", None) in (True, "all"):
+        what = "bidirectional (not causal) attention"
+    else:
+        return
+    raise NotImplementedError(f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r}) has "
+                              f"{what}, which a TritonKVCache cannot hold: tritonkv supports {SUPPORTED}")
+
+
+def _refuse(module, what: str):
+    """The NotImplementedError for an attention module the cache cannot serve: its class, model type and layer."""
     config = getattr(module, "config", None)
     raise NotImplementedError(
         f"{type(module).__name__} (model_type {getattr(config, 'model_type', None)!r}, layer "
-        f"{getattr(module, 'layer_idx', None)}) uses {what}, which the 'tritonkv' attention function does not "
-        f"support: it supports {SUPPORTED}")
+        f"{getattr(module, 'layer_idx', None)}) uses {what}: it supports {SUPPORTED}")
 
 
-def _plain_attention(query, key, value, attention_mask, scaling, window: Optional[int] = None):
+def _plain_attention(query, key, value, attention_mask, scaling, window: Optional[int] = None,
+                     logits: Optional[Logits] = None):
     """Causal attention for caches other than ours (their ``S`` slots: the last ``S`` columns, one each);
     ``attention_mask`` is the 2D padding mask (or None), ``window`` a sliding window (or None)."""
     B, T, S = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is None or bool(attention_mask[:, -S:].all()):
         if window is not None and S > window:  # some slot out of some query's window
-            return block_attention(query, key, value, scaling, window=window)
-        return causal_attention(query, key, value, scaling) if T == S else block_attention(query, key, value, scaling)
+            return block_attention(query, key, value, scaling, window=window, logits=logits)
+        if T == S:
+            return causal_attention(query, key, value, scaling, logits)
+        return block_attention(query, key, value, scaling, logits=logits)
     pos = torch.arange(S, device=key.device, dtype=torch.int32).expand(B, key.shape[1], S)
     if attention_mask is not None:
         pos = torch.where(attention_mask[:, None, -S:].bool(), pos, SENTINEL)
-    return masked_attention(query, key, value, pos, torch.arange(S - T, S, device=key.device), scaling, window=window)
+    return masked_attention(query, key, value, pos, torch.arange(S - T, S, device=key.device), scaling, window=window,
+                            logits=logits)
 
 
 def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
@@ -366,10 +497,17 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)
 
 @contextlib.contextmanager
 def use_tritonkv(model):
-    """Run ``model`` with ``attn_implementation="tritonkv"`` inside the block (restored afterwards)."""
+    """Run ``model`` with ``attn_implementation="tritonkv"`` inside the block (restored afterwards). A model whose
+    attention does not go through transformers' ``AttentionInterface`` (transformers then keeps its own attention
+    and only logs a warning) is a NotImplementedError: its cache would never be compressed."""
     old = model.config._attn_implementation
     if old != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise NotImplementedError(
+                f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}) cannot switch to "
+                f"the 'tritonkv' attention function: its attention does not go through transformers' "
+                f"AttentionInterface, so a TritonKVCache would never be compressed; tritonkv supports {SUPPORTED}")
     try:
         yield model
     finally:

@@ -151,6 +151,7 @@ class TritonKVLayer(CacheLayerMixin):
         self.queries: Optional[torch.Tensor] = None  # the last queries, for window policies
         self._suffix = None  # within one attention call: ((store, n), held_suffix of its slots) for compress_to
         self._pending = None  # (keys, values) of a forward of several prompt blocks, until its attention call
+        self._unattended = False  # an eager update no "tritonkv" attention call followed yet (``_expect_attention``)
         self.window: Optional[int] = None  # a sliding-window layer's window (set by the attention call): see ``slide``
         self._qbuf = self._qcount = None  # reserved: a fixed window of queries kept current on the device
         self.pads: Optional[list[int]] = None  # per batch row, pads fed (set by the first padded forward)
@@ -233,11 +234,27 @@ class TritonKVLayer(CacheLayerMixin):
                 f"{self._shape[1]} KV heads of dim {self._shape[2]}, but the model gave [B, H_kv, T, D] = "
                 f"{tuple(key_states.shape)}: a cache belongs to one model and batch (make a new one with make_cache)")
 
+    def _expect_attention(self) -> None:
+        """An eager update: the "tritonkv" attention call must follow it (``after_attention`` clears the mark). A
+        second update of a layer with none in between means the model attends without it — it was not run under
+        ``use_tritonkv``, or its attention does not go through transformers' ``AttentionInterface`` — and the cache
+        would grow without ever compressing: a RuntimeError, not a silently unbounded cache."""
+        if self._unattended:
+            raise RuntimeError(
+                f"layer {self.layer_idx} of this TritonKVCache was written twice with no 'tritonkv' attention call in "
+                f"between: the model attends with its own attention function, so the cache would never compress. Run "
+                f"the model inside `use_tritonkv(model)` (tritonkv's `generate`, `prefill` and `compressing` do) or "
+                f"load it with attn_implementation='tritonkv'; a model whose attention does not go through "
+                f"transformers' AttentionInterface cannot use this cache")
+        self._unattended = True
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         elif not _compiling():
             self._check_shape(key_states)
+        if not _compiling():
+            self._expect_attention()
         T = key_states.shape[2]
         if _compiling():  # static shapes, no host state: write at the device fill index, return everything
             if not self.store.static:  # the device counters are kept current for reserved layers only
@@ -331,6 +348,7 @@ class TritonKVLayer(CacheLayerMixin):
             self.seen_dev.zero_()
         self.seen = self.peak = self.since = 0
         self.has_invalid, self.allocated, self.queries, self._pending = False, False, None, None
+        self._unattended = False
         if self._qbuf is not None:
             self._qbuf.zero_()
             self._qcount.zero_()
@@ -383,45 +401,50 @@ class TritonKVLayer(CacheLayerMixin):
         st.values[:, :, sl] *= keep
         self.has_invalid = True
 
-    def attend(self, query, key, value, scaling):
-        """Attention of ``query`` ``[B, H_q, T, D]`` over this layer (see ``attention.py``): ``[B, T, H_q, D]``."""
+    def attend(self, query, key, value, scaling, logits=None):
+        """Attention of ``query`` ``[B, H_q, T, D]`` over this layer (see ``attention.py``): ``[B, T, H_q, D]``.
+        ``logits``: the model's softcapping and sinks (``attention.Logits``), or None; with them a decode step
+        runs the PyTorch paths, not the split-K kernel."""
         B, Hq, T, D = query.shape
         st = self.store
+        kernel = logits is None and self.cache._use_kernel(query)
         if st.ragged:  # T == 1: the split-K decode kernel over the per-head rows (on the CPU: SDPA per row)
-            if self.cache._use_kernel(query) or not on_host(query):
+            if logits is None and (kernel or not on_host(query)):
                 return decode_attention(query, st.kv, scale=scaling).transpose(1, 2).contiguous()
-            return ragged_decode_sdpa(query, st.kv, scaling)
+            return ragged_decode_sdpa(query, st.kv, scaling, logits)
         if _compiling():  # the whole static capacity, by position
             qpos = self.seen_dev - T + torch.arange(T, device=query.device)
-            if T == 1 and self.cache._use_kernel(query) and self.window is None:
+            if T == 1 and kernel and self.window is None:
                 lengths = self.fill.to(torch.int32).expand(B, key.shape[1])
                 return decode_attention(query, (key, value), lengths, scale=scaling).transpose(1, 2).contiguous()
-            return masked_attention(query, key, value, st.pos, qpos, scaling, ordered=False, window=self.window)
+            return masked_attention(query, key, value, st.pos, qpos, scaling, ordered=False, window=self.window,
+                                    logits=logits)
         S = key.shape[2]
         if self.window is not None and S > self.window:  # some slot is out of some query's window
             if not self.has_invalid:  # one slot per token seen, none a pad
-                return block_attention(query, key, value, scaling, self.cache._masks, self.window)
+                return block_attention(query, key, value, scaling, self.cache._masks, self.window, logits)
             qpos = torch.arange(self.seen - T, self.seen, device=query.device)
-            return masked_attention(query, key, value, st.view()[2], qpos, scaling, window=self.window)
+            return masked_attention(query, key, value, st.view()[2], qpos, scaling, window=self.window,
+                                    logits=logits)
         if not self.has_invalid:
             if S == T:  # the prompt's first forward
-                return causal_attention(query, key, value, scaling)
+                return causal_attention(query, key, value, scaling, logits)
             if T == 1:
-                if self.cache._use_kernel(query):
+                if kernel:
                     return decode_attention(query, (key, value), scale=scaling).transpose(1, 2).contiguous()
-                return decode_sdpa(query, key, value, scaling)
-            return block_attention(query, key, value, scaling, self.cache._masks)
+                return decode_sdpa(query, key, value, scaling, logits)
+            return block_attention(query, key, value, scaling, self.cache._masks, logits=logits)
         pos = st.view()[2]
         if self.pads is None:  # the block's own T tokens are the last T slots, every slot before them in order
             lengths = self._held_suffix(pos)
             if lengths is None:  # off the CPU (nothing is read back), or a row with a gap
-                return held_attention(query, key, value, pos, scaling, self.cache._masks)
+                return held_attention(query, key, value, pos, scaling, self.cache._masks, logits)
             if min(min(row) for row in lengths) >= T:  # per-head rows, each ending in the block: each row alone
-                return suffix_attention(query, key, value, lengths, scaling, self.cache._masks)
+                return suffix_attention(query, key, value, lengths, scaling, self.cache._masks, logits)
         qpos = torch.arange(self.seen - T, self.seen, device=query.device)
-        return masked_attention(query, key, value, pos, qpos, scaling)
+        return masked_attention(query, key, value, pos, qpos, scaling, logits=logits)
 
-    def attend_blocks(self, query, scaling):
+    def attend_blocks(self, query, scaling, logits=None):
         """The attention call of a forward of several prompt blocks (``TritonKVCache._sub_blocks``, set by
         ``prefill``): per block, in order, store its tokens, attend its queries and compress when due, exactly as
         one forward per block would (the model's other operations act on each token alone). Returns
@@ -430,7 +453,7 @@ class TritonKVLayer(CacheLayerMixin):
         outs, s = [], 0
         for t in self.cache._sub_blocks:
             q = query[:, :, s:s + t]
-            outs.append(self.attend(q, *self._write(keys[:, :, s:s + t], values[:, :, s:s + t]), scaling))
+            outs.append(self.attend(q, *self._write(keys[:, :, s:s + t], values[:, :, s:s + t]), scaling, logits))
             self.after_attention(q)
             s += t
         return torch.cat(outs, dim=1)
@@ -446,6 +469,7 @@ class TritonKVLayer(CacheLayerMixin):
     def after_attention(self, query) -> None:
         """Keep the recent queries for window policies; compress when the schedule says so (eager only)."""
         cache = self.cache
+        self._unattended = False
         T = query.shape[2]
         keep = self._keeps_queries(self.seen) and self.window is None
         if cache._wants_queries and self.window is None:  # a sliding-window layer is never scored
@@ -683,6 +707,7 @@ class LagKVLayer(TritonKVLayer):
             self.lazy_initialization(key_states, value_states)
         else:
             self._check_shape(key_states)
+        self._expect_attention()
         B, H, T, _ = key_states.shape
         new_pos = torch.arange(self.seen, self.seen + T, device=self.device, dtype=torch.int32).expand(B, H, T)
         if len(self.state):
@@ -708,6 +733,7 @@ class LagKVLayer(TritonKVLayer):
                              "use mode='after_prefill' or 'blockwise'")
 
     def after_attention(self, query):
+        self._unattended = False
         self.state.append(*self.pending)
         self.pending = None
         n = self.store.n

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ...kernels._common import check_int
-from .attention import use_tritonkv
+from .attention import check_model, text_config, use_tritonkv
 from .cache import TritonKVCache
 
 FORWARD_TOKENS = 512  # default: prompt tokens per model forward of a block-wise prefill (whole blocks, at least one)
@@ -41,10 +41,12 @@ def output_cache(out):
 
 def make_cache(model, policy, budget, *, mode="after_prefill", allocation=None, block_size=128,
                decode_every=None, prompt_length=None, **kwargs) -> TritonKVCache:
-    """A ``TritonKVCache`` for ``model`` (its layer count filled in)."""
+    """A ``TritonKVCache`` for ``model`` (its decoder's layer count filled in; a multimodal model's text config).
+    A model whose layers the cache cannot hold is a NotImplementedError here (``check_model``)."""
+    check_model(model)
     return TritonKVCache(policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                          decode_every=decode_every, prompt_length=prompt_length,
-                         num_layers=model.config.num_hidden_layers, **kwargs)
+                         num_layers=text_config(model).num_hidden_layers, **kwargs)
 
 
 def _positions(attention_mask, start: int, T: int, device=None):
