@@ -1,6 +1,6 @@
-"""Split-K GQA decode attention against the per-row NumPy oracle (ragged, padded, through RaggedKV):
-the Triton kernels (interpreted) and the CPU PyTorch body, and the two against each other within a
-tolerance derived from fp32 round-off."""
+"""Split-K GQA decode attention against the per-row NumPy oracle (ragged, padded, through RaggedKV;
+with and without logit softcapping): the Triton kernels (interpreted) and the CPU PyTorch body, and the
+two against each other within a tolerance derived from fp32 round-off."""
 import importlib.util
 import math
 import os
@@ -62,13 +62,14 @@ def ragged_case(draw):
     slack = [draw(st.integers(0, 5)) for _ in range(R)]
     split = draw(st.sampled_from([16, 32, 48, None]))
     scale = draw(st.sampled_from([None, 0.3]))
-    return B, H, G, D, lengths, slack, split, scale, draw(st.integers(0, 2 ** 31 - 1))
+    softcap = draw(st.sampled_from([None, None, 0.5, 5.0]))  # Gemma 2's logit softcapping: tanh-bent logits
+    return B, H, G, D, lengths, slack, split, scale, softcap, draw(st.integers(0, 2 ** 31 - 1))
 
 
 def _ragged_inputs(dtype, case):
     """Flat rows with slack; the slack holds NaN (a body that read past a row's length would turn
     the output NaN)."""
-    B, H, G, D, lengths, slack, split, scale, seed = case
+    B, H, G, D, lengths, slack, split, scale, softcap, seed = case
     g = torch.Generator().manual_seed(seed)
     ln = torch.tensor(lengths, dtype=torch.int32)
     cap = ln.to(torch.int64) + torch.tensor(slack)
@@ -88,12 +89,13 @@ def _ragged_inputs(dtype, case):
 @pytest.mark.parametrize("dtype", DTYPES)
 @given(case=ragged_case())
 def test_ragged_matches_oracle(backend, dtype, case):
-    B, H, G, D, lengths, slack, split, scale, seed = case
+    B, H, G, D, lengths, slack, split, scale, softcap, seed = case
     q, keys, values, row_start, ln, max_cap = _ragged_inputs(dtype, case)
     with on_backend(backend):
         out, lse = decode_attention_ragged(q, keys, values, row_start, ln, H, max_cap, scale=scale,
-                                           split_tokens=split, return_lse=True)
-    ref_o, ref_lse = decode_ragged(_np(q)[:, :, 0], _np(keys), _np(values), row_start.cpu().numpy(), lengths, H, scale)
+                                           split_tokens=split, return_lse=True, softcap=softcap)
+    ref_o, ref_lse = decode_ragged(_np(q)[:, :, 0], _np(keys), _np(values), row_start.cpu().numpy(), lengths, H, scale,
+                                   softcap)
     assert out.shape == (B, H * G, 1, D)
     _check(out[:, :, 0], lse, ref_o, ref_lse, dtype)
     for r, n in enumerate(lengths):  # an empty row gives exact zeros, LSE -inf
@@ -128,11 +130,12 @@ def test_padded_matches_oracle(backend, dtype, data):
     else:
         lengths = ln_bh if form == "bh" else ln_bh.flatten()
     split = data.draw(st.sampled_from([16, None]))
+    softcap = data.draw(st.sampled_from([None, 0.7]))
     q, keys, values = _dev(q, keys, values)
     lengths = None if lengths is None else lengths.to(DEVICE)
     with on_backend(backend):
-        out, lse = decode_attention(q, (keys, values), lengths, split_tokens=split, return_lse=True)
-    ref_o, ref_lse = decode_padded(_np(q)[:, :, 0], _np(keys), _np(values), ln_bh.numpy())
+        out, lse = decode_attention(q, (keys, values), lengths, split_tokens=split, return_lse=True, softcap=softcap)
+    ref_o, ref_lse = decode_padded(_np(q)[:, :, 0], _np(keys), _np(values), ln_bh.numpy(), softcap=softcap)
     _check(out[:, :, 0], lse, ref_o, ref_lse, dtype)
 
 
@@ -190,7 +193,7 @@ def test_scale_argument(backend):
     torch.testing.assert_close(a[:, :, 0].double().cpu().numpy(), ref, rtol=1e-5, atol=1e-6)
 
 
-def _fp32_tolerance(q, keys, values, row_start, lengths, H, scale):
+def _fp32_tolerance(q, keys, values, row_start, lengths, H, scale, softcap=None):
     """How far two fp32 evaluations of the same attention (same rounded inputs, any summation order)
     can be apart, per query head: each is within E of the exact result, so they are within 2E.
 
@@ -198,7 +201,10 @@ def _fp32_tolerance(q, keys, values, row_start, lengths, H, scale):
     a logit (a D-term dot product, then scaled) is off by at most e_s = (D + 3) u A; the softmax
     weights by a relative 2 e_s + (n + 4) u (exp, an n-term sum, a division); so
     |o - o*| <= V (2 e_s + (2n + 4) u) (their weighted sum of V adds an n-term sum) and
-    |lse - lse*| <= e_s + (n + 2) u + u |lse|. First order in u; returns ``(tol_o, tol_lse)`` [B, H_q]."""
+    |lse - lse*| <= e_s + (n + 2) u + u |lse|. With a ``softcap`` c the logit c·tanh(s/c) moves by at most
+    what s moves (tanh' <= 1) plus the tanh's own error, 8 u c for the kernel's 2 / (1 + e^(-2x)) - 1 (an exp, a
+    sum, a division and the subtraction, each scaled by c), and |lse| <= c + log n. First order in u; returns
+    ``(tol_o, tol_lse)`` [B, H_q]."""
     u = 2.0 ** -24
     q = q[:, :, 0].double().cpu().numpy()
     B, Hq, D = q.shape
@@ -212,9 +218,10 @@ def _fp32_tolerance(q, keys, values, row_start, lengths, H, scale):
         k, v = keys[s:s + n].double().cpu().numpy(), values[s:s + n].double().cpu().numpy()  # the row's tokens only
         heads = slice(h * G, (h + 1) * G)
         a = scale * (np.abs(q[b, heads]) @ np.abs(k).T).max(1)  # [G]
-        e_s = (D + 3) * u * a
+        e_s = (D + 3) * u * a + (0.0 if softcap is None else 8 * u * softcap)
+        top = a if softcap is None else np.minimum(a, softcap)  # the largest logit's size
         tol_o[b, heads] = 2 * np.abs(v).max() * (2 * e_s + (2 * n + 4) * u)
-        tol_lse[b, heads] = 2 * (e_s + (n + 2) * u + u * (a + np.log(n)))  # |lse| <= A + log n
+        tol_lse[b, heads] = 2 * (e_s + (n + 2) * u + u * (top + np.log(n)))  # |lse| <= A + log n
     return tol_o, tol_lse
 
 
@@ -240,16 +247,16 @@ def test_torch_body_matches_kernel(dtype, case):
     """The PyTorch body and the interpreted kernels on the same ragged caches: outputs within the fp32
     round-off of ``_fp32_tolerance`` (fp16/bf16 outputs: plus one rounding to the output dtype),
     LSE likewise, empty rows exactly zeros and -inf on both."""
-    B, H, G, D, lengths, slack, split, scale, seed = case
+    B, H, G, D, lengths, slack, split, scale, softcap, seed = case
     q, keys, values, row_start, ln, max_cap = _ragged_inputs(dtype, case)
     res = {}
     for backend in ("triton", "torch"):
         with on_backend(backend):
             res[backend] = decode_attention_ragged(q, keys, values, row_start, ln, H, max_cap, scale=scale,
-                                                   split_tokens=split, return_lse=True)
+                                                   split_tokens=split, return_lse=True, softcap=softcap)
     assert res["torch"][0].dtype == dtype
     _assert_same_fp32(res["triton"], res["torch"],
-                      _fp32_tolerance(q, keys, values, row_start, lengths, H, scale or 1 / math.sqrt(D)))
+                      _fp32_tolerance(q, keys, values, row_start, lengths, H, scale or 1 / math.sqrt(D), softcap))
 
 
 def test_meta_tensors_give_shapes():
@@ -274,6 +281,8 @@ BAD = [
     ("lengths float", lambda: decode_attention(Q0, (K0, V0), torch.tensor([1.0])), TypeError, ["lengths"]),
     ("kv type", lambda: decode_attention(Q0, K0), TypeError, ["kv"]),
     ("split", lambda: decode_attention(Q0, (K0, V0), split_tokens=0), ValueError, ["split_tokens"]),
+    ("softcap", lambda: decode_attention(Q0, (K0, V0), softcap=0.0), ValueError, ["softcap", "positive"]),
+    ("softcap type", lambda: decode_attention(Q0, (K0, V0), softcap="50"), TypeError, ["softcap"]),
     ("ragged lengths", lambda: decode_attention_ragged(Q0, K0[0, 0], V0[0, 0], torch.tensor([0, 4, 8]),
                                                       torch.tensor([1, 2]), 2, 4), ValueError, ["lengths", "int32"]),
 ]
@@ -287,14 +296,15 @@ def test_bad_input(what, call, exc, words):
 def test_decode_kernels_compile_ahead_of_time():
     mod = "tritonkv.kernels.decode_attention"
     names = ["q_ptr", "k_ptr", "v_ptr", "start_ptr", "len_ptr", "po_ptr", "plse_ptr", "H", "G", "D", "S", "SPLIT",
-             "sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "qk_scale"]
-    consts = ["BLOCK_N", "BLOCK_D", "GP", "HAS_START", "NATIVE_DOT"]
+             "sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "qk_scale", "cap_scale"]
+    consts = ["BLOCK_N", "BLOCK_D", "GP", "HAS_START", "NATIVE_DOT", "SOFTCAP"]
 
-    def split(dt, has_start, native, scalar="fp32"):
-        types = ["*" + dt] * 3 + ["*i64", "*i32", "*fp32", "*fp32"] + ["i32"] * 5 + ["i64"] * 8 + [scalar]
+    def split(dt, has_start, native, scalar="fp32", softcap=False):
+        types = ["*" + dt] * 3 + ["*i64", "*i32", "*fp32", "*fp32"] + ["i32"] * 5 + ["i64"] * 8 + [scalar] * 2
         sig = dict(zip(names, types)) | {c: "constexpr" for c in consts}
         return {"module": mod, "kernel": "_decode_split_kernel", "signature": sig,
-                "constexprs": {"BLOCK_N": 64, "BLOCK_D": 128, "GP": 16, "HAS_START": has_start, "NATIVE_DOT": native}}
+                "constexprs": {"BLOCK_N": 64, "BLOCK_D": 128, "GP": 16, "HAS_START": has_start, "NATIVE_DOT": native,
+                               "SOFTCAP": softcap}}
 
     def merge(dt, block_s, block_d, hb):
         return {"module": mod, "kernel": "_decode_merge_kernel",
@@ -305,6 +315,7 @@ def test_decode_kernels_compile_ahead_of_time():
     # torch.compile (Inductor) types a Python float argument fp64: the fp64 builds are what a compiled model runs
     assert_compiles(split("bf16", True, True), split("fp16", False, True), split("fp32", True, False),
                     split("fp32", False, False, "fp64"), split("bf16", True, True, "fp64"),
+                    split("bf16", True, True, softcap=True), split("bf16", False, True, "fp64", softcap=True),
                     merge("bf16", 64, 32, 1), merge("fp32", 16, 128, 4))
 
 
@@ -327,7 +338,7 @@ def test_merge_of_many_splits_matches_oracle(config, data):
     R = B * H
     lengths = [data.draw(st.sampled_from([0, 1, 5, 64, 257, 320])) for _ in range(R)]
     lengths[data.draw(st.integers(0, R - 1))] = 320  # 80 splits of 4 tokens
-    case = (B, H, G, D, lengths, [0] * R, 4, None, data.draw(st.integers(0, 2 ** 31 - 1)))
+    case = (B, H, G, D, lengths, [0] * R, 4, None, None, data.draw(st.integers(0, 2 ** 31 - 1)))
     q, keys, values, row_start, ln, max_cap = _ragged_inputs(dtype, case)
     with on_backend("triton"), pytest.MonkeyPatch.context() as mp:
         if _MERGE_CONFIGS[config] is not None:

@@ -17,7 +17,8 @@
 * Models a TritonKVCache cannot hold or compress (``UNSERVED``: attention outside transformers' AttentionInterface,
   a latent cache expanded per head, linear-attention layers) are a clear error too, never a cache that silently
   stays uncompressed; so is a cache used without the "tritonkv" attention function. Gemma 3's multimodal model
-  serves text prompts (its decoder's config).
+  serves text prompts (its decoder's config); an image in the prompt (bidirectional among its tokens) is a clear
+  error, its vision tower exact under ``use_tritonkv``.
 """
 import importlib
 import warnings
@@ -278,6 +279,57 @@ def test_unserved_model_is_a_clear_error(case, ids):
         msg = str(exc.value).lower()
         assert all(w in msg for w in words), msg
     assert model.config._attn_implementation != "tritonkv"  # use_tritonkv restored (or never switched) it
+
+
+def test_multimodal_prompt_is_a_clear_error_and_its_vision_tower_exact(ids):
+    """Gemma 3's multimodal model: an image in the prompt makes its tokens attend to each other both ways, which the
+    causal attention function cannot serve — a NotImplementedError (the mask's overlay is checked), and block-wise
+    prefill cannot split ``pixel_values`` with the blocks — a ValueError naming them; before, the image tokens
+    silently attended causally. The vision tower (an encoder, no cache) attends both ways under ``use_tritonkv``
+    exactly as the stock one, and a text prompt with the processor's all-zero ``token_type_ids`` stays exact."""
+    model = _build(FAMILIES["gemma3-multimodal"])
+    image = torch.tensor([[297] + [299] * 4 + [298]])  # begin, the 4 tokens of one image, end
+    prompt = torch.cat([ids[:1, :10], image, ids[:1, 10:40]], dim=1)
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    kw = dict(pixel_values=pixels, token_type_ids=(prompt == 299).long(), max_new_tokens=2, do_sample=False)
+    for mode in ("after_prefill", "decoding"):
+        with pytest.raises(NotImplementedError, match="later tokens"):
+            tt.generate(model, prompt, policy="keydiff", budget=10_000, mode=mode, **kw)
+    with pytest.raises(ValueError, match=r"\['pixel_values', 'token_type_ids'\]"):
+        tt.generate(model, prompt, policy="keydiff", budget=10_000, mode="blockwise", block_size=16, **kw)
+    tower = model.model.vision_tower
+    with torch.no_grad():
+        ref = tower(pixel_values=pixels).last_hidden_state
+        with tt.use_tritonkv(model):
+            out = tower(pixel_values=pixels).last_hidden_state
+    assert float((out - ref).abs().max()) <= ATOL
+    text = dict(token_type_ids=torch.zeros_like(ids[:1]), attention_mask=torch.ones_like(ids[:1]), max_new_tokens=4,
+                do_sample=False, output_logits=True, return_dict_in_generate=True)  # (token 0 is the pad id)
+    ref = model.generate(ids[:1], **text)
+    for mode in ("after_prefill", "decoding"):
+        out = tt.generate(model, ids[:1], policy="keydiff", budget=10_000, mode=mode, **text)
+        assert torch.equal(out.sequences, ref.sequences)
+        assert max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits)) <= ATOL
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2-softcap"])
+@pytest.mark.parametrize("allocation", [None, "adakv"])
+def test_sinks_and_softcapping_through_the_decode_kernel(ids, family, allocation):
+    """gpt-oss's attention sinks and Gemma 2's softcapping in decode steps through the split-K kernel
+    (``decode_kernel=True``, the GPU's default; the cap in the kernel, sinks applied by its log-sum-exp) over dense
+    and per-head rows: the logits of the PyTorch paths at every step, compressed (budget 24, re-compressed while
+    decoding) and at full budget (the stock model's)."""
+    model = _build(WINDOWED[family])
+    kw = dict(attention_mask=_padded_mask(ids), mode="decoding", decode_every=4, block_size=16, max_new_tokens=8,
+              do_sample=False, output_logits=True, return_dict_in_generate=True, allocation=allocation)
+    for budget in (24, 10_000):
+        runs = [tt.generate(model, ids, policy="keydiff", budget=budget, cache_kwargs=dict(decode_kernel=k), **kw)
+                for k in (True, False)]
+        assert torch.equal(runs[0].sequences, runs[1].sequences)
+        assert max(float((a - b).abs().max()) for a, b in zip(runs[0].logits, runs[1].logits)) <= ATOL
+    kw.pop("allocation")
+    ref = model.generate(ids, **{k: v for k, v in kw.items() if k not in ("mode", "decode_every", "block_size")})
+    assert max(float((a - b).abs().max()) for a, b in zip(runs[0].logits, ref.logits)) <= ATOL
 
 
 def test_check_model_refuses_kv_sharing_and_bidirectional_attention():

@@ -403,7 +403,8 @@ def test_every_attention_path_serves_softcapping_and_sinks(monkeypatch, mask_ele
     gives attention as defined, written out here per query head: causal over a first block, a later block over a
     kept prefix (with and without a sliding window), ordered slots with empty ones (``held_attention``), per-head
     rows (``suffix_attention``), slots by position with pads (``masked_attention``), a decode step over dense and
-    per-head rows; grouped queries (G = 4), two batch rows, chunks of rows (``mask_elements`` small)."""
+    per-head rows (PyTorch and the split-K kernel, an empty row included); grouped queries (G = 4), two batch
+    rows, chunks of rows (``mask_elements`` small)."""
     from tritonkv.cache import RaggedKV
     from tritonkv.integrations.transformers.storage import left_padded
 
@@ -446,10 +447,32 @@ def test_every_attention_path_serves_softcapping_and_sinks(monkeypatch, mask_ele
     q1 = q[:, :, -1:]
     want = _written_out(q1, k, v, torch.ones(B, H, 1, S, dtype=torch.bool), scale, softcap, sink)
     assert close(at.decode_sdpa(q1, k, v, scale, lg), want)
+    assert close(at.kernel_decode(q1, (k, v), scale, lg), want)  # the split-K kernel: cap inside, sinks by its LSE
     kv = RaggedKV.from_selection(torch.randn(B, H, S, generator=g), torch.tensor([5, 0, S, 3]), k, v)
     K, V, _, held = left_padded(kv)
     want = _written_out(q1, K, V, held[:, :, None], scale, softcap, sink)
     assert close(at.ragged_decode_sdpa(q1, kv, scale, lg), want)
+    assert close(at.kernel_decode(q1, kv, scale, lg), want)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_an_encoder_without_a_cache_attends_both_ways(sinks):
+    """An encoder's attention under ``use_tritonkv`` (a multimodal model's vision tower: ``is_causal`` False, no
+    cache): every query sees every key but the pads of a 2D mask, or every key with no mask (written out)."""
+    at = importlib.import_module("tritonkv.integrations.transformers.attention")
+    g = torch.Generator().manual_seed(4)
+    B, H, G, T, Dh = 2, 2, 4, 7, 16
+    q = torch.randn(B, H * G, T, Dh, generator=g)
+    k, v = (torch.randn(B, H, T, Dh, generator=g) for _ in range(2))
+    lg = at.Logits(None, torch.randn(H * G, generator=g)) if sinks else None
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, :3] = 0  # the second row's first 3 tokens are pads
+    encoder = type("Encoder", (), {"is_causal": False})()
+    for m in (None, mask):
+        visible = (torch.ones(B, T, dtype=torch.bool) if m is None else m.bool())[:, None, None, :].expand(B, H, T, T)
+        want = _written_out(q, k, v, visible, 0.25, None, None if lg is None else lg.sinks)
+        got, _ = at.attention(encoder, q, k, v, m, scaling=0.25, **({"s_aux": lg.sinks} if sinks else {}))
+        assert torch.allclose(got.double(), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("allocation", ["adakv", "pyramid"])

@@ -9,6 +9,9 @@ is either
   ``lengths`` — the equal-capacity special case, served by the same kernel with row start 0 and
   the row's base pointer from the batch/head strides.
 
+With ``softcap`` (Gemma 2's logit softcapping) each scaled logit s becomes ``softcap · tanh(s / softcap)``
+before the softmax: a ``SOFTCAP`` variant of the split kernel (the merge is unchanged).
+
 Two launches (``docs/architecture.md``, "Kernels"):
 
 1. grid ``(S, R)``: program ``(s, r)`` takes the FIXED token range ``[s·SPLIT, (s+1)·SPLIT)`` of row
@@ -52,11 +55,14 @@ LOG2E = 1.4426950408889634
 # divisibility variant), so a new length bucket reuses the compiled kernels; block sizes stay constexpr
 @triton.jit(do_not_specialize=["S", "SPLIT"])
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_ptr,
-                         H, G, D, S, SPLIT, sqb, sqh, skb, skh, skn, svb, svh, svn, qk_scale,
+                         H, G, D, S, SPLIT, sqb, sqh, skb, skh, skn, svb, svh, svn, qk_scale, cap_scale,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         GP: tl.constexpr, HAS_START: tl.constexpr, NATIVE_DOT: tl.constexpr):
-    """Stage 1: one (split, row) -> partial O [G, D] and LSE (base 2) [G]."""
+                         GP: tl.constexpr, HAS_START: tl.constexpr, NATIVE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Stage 1: one (split, row) -> partial O [G, D] and LSE (base 2) [G]. ``SOFTCAP``: the logits are
+    ``cap_scale · tanh(qk_scale · q·k)`` (``qk_scale = scale / softcap``, ``cap_scale = softcap · log2 e``), else
+    ``qk_scale · q·k`` (``qk_scale = scale · log2 e``)."""
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
+    cap_scale = tl.cast(cap_scale, tl.float32)
     s = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1).to(tl.int64)
     length = tl.load(len_ptr + r).to(tl.int64)
@@ -95,7 +101,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_p
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
                 qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            qk = tl.where(tmask[None, :], qk * qk_scale, float("-inf"))
+            qk = qk * qk_scale
+            if SOFTCAP:  # tanh(x) = 2 / (1 + e^(-2x)) - 1: saturates to +-1, never NaN
+                qk = (2.0 / (1.0 + tl.exp2(qk * (-2.0 * 1.4426950408889634))) - 1.0) * cap_scale
+            qk = tl.where(tmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has a valid token
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
@@ -194,15 +203,17 @@ def plan(max_capacity: int, total_tokens: int, split_tokens: Optional[int] = Non
 @triton_op("tritonkv::decode_attention", mutates_args={})
 def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, row_start: torch.Tensor,
                         lengths: torch.Tensor, scale: float, num_kv_heads: int, max_splits: int,
-                        split_tokens: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        split_tokens: int, block_n: int, softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The raw op. ``q [B, H_q, 1, D]``; ragged ``keys/values [T, D]`` with ``row_start`` int64 [>= R],
     or dense ``[B, H_kv, cap, D]`` with an empty ``row_start``; ``lengths`` int32 [R].
 
     Returns ``(out [B, H_q, 1, D] in q's dtype, lse fp32 [B, H_q])`` (natural-log LSE, -inf for
-    empty rows). CPU tensors run ``_decode_torch`` (outside the Triton interpreter).
+    empty rows). ``softcap`` > 0: logits ``softcap · tanh(scale · q·k / softcap)`` (0: none). CPU tensors run
+    ``_decode_torch`` (outside the Triton interpreter).
     """
     if not use_triton(q):
-        return _decode_torch(q, keys, values, row_start, lengths, scale, num_kv_heads, max_splits * split_tokens)
+        return _decode_torch(q, keys, values, row_start, lengths, scale, num_kv_heads, max_splits * split_tokens,
+                             softcap)
     B, Hq, _, D = q.shape
     H = num_kv_heads
     G = Hq // H
@@ -227,8 +238,9 @@ def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         # 2 stages: one K/V tile in flight while the current one is used (3 stages take 70 KB of
         # shared memory at D = 128: 3 CTAs/SM on an H100; 2 stages: 38 KB, 5 CTAs/SM)
         launch(_decode_split_kernel, (S, R), q, keys, values, row_start, lengths, part_o, part_lse,
-               H, G, D, S, split_tokens, q.stride(0), q.stride(1), *kstr, *vstr, scale * LOG2E,
-               BLOCK_N=block_n, BLOCK_D=BLOCK_D, GP=GP, HAS_START=has_start, NATIVE_DOT=native,
+               H, G, D, S, split_tokens, q.stride(0), q.stride(1), *kstr, *vstr,
+               scale / softcap if softcap else scale * LOG2E, softcap * LOG2E,
+               BLOCK_N=block_n, BLOCK_D=BLOCK_D, GP=GP, HAS_START=has_start, NATIVE_DOT=native, SOFTCAP=softcap > 0,
                num_warps=4, num_stages=2)
         BLOCK_S, BLOCK_DM, HB, warps = merge_blocks(S, G, D)
         NH = R * G
@@ -249,7 +261,7 @@ def _zero_invalid(v, valid, fresh: bool):
     return v
 
 
-def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, limit: int):
+def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, limit: int, softcap: float = 0.0):
     """``decode_attention_op`` in PyTorch: every row padded to the static ``L = min(limit, cap)``
     tokens (``limit`` = splits x split tokens, the most the kernels read; ``cap`` the dense capacity or
     the ragged storage size), ragged rows gathered through the static ``[R, L]`` index
@@ -272,6 +284,8 @@ def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, lim
     else:
         k, v = keys[:, :, :L], values[:, :, :L]
     logits = torch.matmul(q.reshape(B, H, G, D).float(), k.float().transpose(-1, -2)) * scale  # [B, H, G, L]
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     logits = torch.where(valid, logits, float("-inf"))
     m = logits.amax(-1, keepdim=True)
     p = torch.exp(logits - torch.where(m == float("-inf"), 0.0, m))
@@ -317,7 +331,7 @@ def _lengths_tensor(lengths, B: int, H: int, cap: int, device) -> torch.Tensor:
 
 
 def decode_attention(q: torch.Tensor, kv, lengths: Optional[torch.Tensor] = None, *, scale: Optional[float] = None,
-                     split_tokens: Optional[int] = None, return_lse: bool = False):
+                     split_tokens: Optional[int] = None, return_lse: bool = False, softcap: Optional[float] = None):
     """Attention of one decode token per head over a compressed cache.
 
     Args:
@@ -329,12 +343,14 @@ def decode_attention(q: torch.Tensor, kv, lengths: Optional[torch.Tensor] = None
         split_tokens: tokens per split (default from the cache's static size).
         return_lse: also return the natural-log LSE ``fp32 [B, H_q]`` (-inf for empty rows), to
             merge with attention over other tokens.
+        softcap: logit softcapping (Gemma 2's ``attn_logit_softcapping``): each scaled logit s becomes
+            ``softcap · tanh(s / softcap)`` before the softmax (default: none).
 
     Returns ``out [B, H_q, 1, D]`` in q's dtype (zeros for rows of length 0), and the LSE if asked.
     """
     if hasattr(kv, "row_start"):  # RaggedKV: it keeps its layout invariants (RaggedKV.check) itself
         return _ragged(q, kv.keys, kv.values, kv.row_start, kv.length, kv.num_heads, kv.max_capacity, scale,
-                       split_tokens, return_lse, clamp=False)
+                       split_tokens, return_lse, clamp=False, softcap=softcap)
     if not isinstance(kv, (tuple, list)) or len(kv) != 2:
         raise TypeError("kv must be a RaggedKV or a (keys, values) pair of [B, H_kv, cap, D] tensors")
     keys, values = kv
@@ -349,13 +365,13 @@ def decode_attention(q: torch.Tensor, kv, lengths: Optional[torch.Tensor] = None
     split, block_n, S = plan(cap, B * H * cap, split_tokens, D)
     keys, values = _unit_stride(keys), _unit_stride(values)
     out, lse = decode_attention_op(_unit_stride(q), keys, values, _empty_start(q.device), lens,
-                                   _scale(scale, D), H, S, split, block_n)
+                                   _scale(scale, D), H, S, split, block_n, _softcap(softcap))
     return (out, lse) if return_lse else out
 
 
 def decode_attention_ragged(q, keys, values, row_start, lengths, num_kv_heads: int, max_capacity: int, *,
                             scale: Optional[float] = None, split_tokens: Optional[int] = None,
-                            return_lse: bool = False):
+                            return_lse: bool = False, softcap: Optional[float] = None):
     """Decode attention over flat ragged rows: ``keys/values [T, D]``, row ``r = b·H_kv + h`` at
     ``[row_start[r], row_start[r] + lengths[r])``. ``max_capacity`` (static int) must bound every
     row's length: it fixes the split count without reading ``lengths``.
@@ -365,11 +381,11 @@ def decode_attention_ragged(q, keys, values, row_start, lengths, num_kv_heads: i
     start in ``[0, T]``, lengths in ``[0, min(max_capacity, T - start)]``), so no value makes the
     kernel read outside ``keys``/``values``."""
     return _ragged(q, keys, values, row_start, lengths, num_kv_heads, max_capacity, scale, split_tokens, return_lse,
-                   clamp=True)
+                   clamp=True, softcap=softcap)
 
 
 def _ragged(q, keys, values, row_start, lengths, num_kv_heads, max_capacity, scale, split_tokens, return_lse, *,
-            clamp: bool):
+            clamp: bool, softcap: Optional[float] = None):
     num_kv_heads = check_int("num_kv_heads", num_kv_heads, 1)
     max_capacity = check_int("max_capacity", max_capacity)
     check_kv_tensor("keys", keys, ndim=2)
@@ -401,7 +417,8 @@ def _ragged(q, keys, values, row_start, lengths, num_kv_heads, max_capacity, sca
         lengths = torch.minimum(lengths.to(torch.int64).clamp(0, max_capacity), T - start).to(torch.int32)
     split, block_n, S = plan(max_capacity, T, split_tokens, D)
     out, lse = decode_attention_op(_unit_stride(q), _unit_stride(keys), _unit_stride(values), start.contiguous(),
-                                   lengths.contiguous(), _scale(scale, D), num_kv_heads, S, split, block_n)
+                                   lengths.contiguous(), _scale(scale, D), num_kv_heads, S, split, block_n,
+                                   _softcap(softcap))
     return (out, lse) if return_lse else out
 
 
@@ -420,6 +437,17 @@ def _scale(scale, D: int) -> float:
     if not 0 < scale < math.inf:
         raise ValueError(f"scale must be a positive finite float (the softmax scale), got {scale!r}")
     return float(scale)
+
+
+def _softcap(softcap) -> float:
+    """The op's ``softcap`` argument (0.0: none) from the wrappers' (None: none; else a positive finite float)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    if not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive finite float (logit softcapping), got {softcap!r}")
+    return float(softcap)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:

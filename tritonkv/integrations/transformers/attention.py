@@ -41,6 +41,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ...kernels._common import on_host
+from ...kernels.decode_attention import decode_attention
 from .storage import SENTINEL
 
 ATTN_IMPLEMENTATION = "tritonkv"
@@ -354,6 +355,20 @@ def ragged_decode_sdpa(query, kv, scaling, logits: Optional[Logits] = None):
     return torch.cat(outs).view(B, 1, Hq, -1)
 
 
+def kernel_decode(query, kv, scaling, logits: Optional[Logits] = None, lengths=None):
+    """One decode query per head through the split-K kernel (``decode_attention`` over a ``RaggedKV`` or a dense
+    ``(K, V)`` pair with optional ``lengths``): ``[B, 1, H_q, D]``. Softcapping is the kernel's own (``softcap``);
+    attention sinks are applied to its output by its log-sum-exp: a sink logit s joins each softmax's denominator,
+    so the output scales by ``1 / (1 + exp(s - lse)) = sigmoid(lse - s)`` (0 for an empty row)."""
+    softcap = None if logits is None else logits.softcap
+    if logits is None or logits.sinks is None:
+        out = decode_attention(query, kv, lengths, scale=scaling, softcap=softcap)
+    else:
+        out, lse = decode_attention(query, kv, lengths, scale=scaling, return_lse=True, softcap=softcap)
+        out = (out.float() * torch.sigmoid(lse - logits.sinks.float())[..., None, None]).to(out.dtype)
+    return out.transpose(1, 2).contiguous()
+
+
 def attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
     """``AttentionInterface`` entry ``"tritonkv"``. With a ``TritonKVCache`` it attends over the compressed
     layer and then compresses it when due; with any other cache it is plain causal attention."""
@@ -374,6 +389,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout: 
     else:
         seen = key.shape[2]
     window, logits = kwargs.get("sliding_window"), _logits(kwargs)
+    if not ours and getattr(module, "is_causal", True) is False:  # no cache: an encoder (a vision tower, ...)
+        return _bidirectional_attention(query, key, value, attention_mask, scaling, logits), None
     check_supported(module, kwargs, seen, sliding=not ours or layer.slides)
     if not ours:
         return _plain_attention(query, key, value, attention_mask, scaling, window, logits), None
@@ -407,8 +424,8 @@ def check_supported(module, kwargs, seen: int, sliding: bool = True) -> None:
     sliding window shorter than the tokens seen (a window or a chunk that still covers every token is plain causal
     attention). Logit softcapping and attention sinks are served (``Logits``)."""
     window, chunk = kwargs.get("sliding_window"), _attention_chunk(module)
-    if getattr(module, "is_causal", True) is False:  # an encoder's attention (e.g. without is_decoder=True)
-        what = "bidirectional (not causal) attention"
+    if getattr(module, "is_causal", True) is False:  # a cache under an encoder's attention (no is_decoder=True)
+        what = "bidirectional (not causal) attention over its cache"
     elif chunk is not None and seen > chunk:
         what = f"chunked attention (attention_chunk_size={chunk}: a token sees its own chunk only) over {seen} tokens"
     elif window is not None and seen > window and not sliding:  # transformers masks kv_idx <= q_idx - window
@@ -485,10 +502,51 @@ def _plain_attention(query, key, value, attention_mask, scaling, window: Optiona
                             logits=logits)
 
 
+def _bidirectional_attention(query, key, value, attention_mask, scaling, logits: Optional[Logits] = None):
+    """An encoder's attention with no cache (a multimodal model's vision tower, which ``use_tritonkv`` switches
+    too): every query sees every key but the pads of the 2D ``attention_mask`` (or None). ``[B, T, H_q, D]``."""
+    mask = None
+    if attention_mask is not None and attention_mask.dim() == 2:
+        mask = attention_mask[:, None, None, -key.shape[2]:].bool()
+    elif attention_mask is not None:  # a mask built by the model itself: as it is
+        mask = attention_mask
+    out = _sdpa(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+                logits=logits, sinks=_head_sinks(logits))
+    return out.transpose(1, 2).contiguous()
+
+
 def _padding_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
     """``AttentionMaskInterface`` entry: hand the 2D padding mask (or None) to the attention function, which
-    builds its own (chunked) mask from the cache's token positions."""
+    builds its own (chunked) mask from the cache's token positions. A mask transformers marks as more than causal
+    (``allow_is_causal_skip`` False: a model's own overlay, e.g. Gemma 3's bidirectional image tokens) is checked
+    first (``_check_no_future``)."""
+    fn = kwargs.get("mask_function")
+    if fn is not None and kwargs.get("allow_is_causal_skip") is False and not torch.compiler.is_compiling():
+        positions = kwargs.get("cache_position")  # transformers before 5.24 passes the queries' positions
+        T = q_length if q_length is not None else (positions.shape[0] if positions is not None else None)
+        if T is not None and T > 1 and kv_length is not None:
+            device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
+            _check_no_future(fn, batch_size or 1, T, kv_length, device, kwargs.get("config"))
     return attention_mask
+
+
+def _check_no_future(fn, B: int, T: int, S: int, device, config) -> None:
+    """A NotImplementedError if the mask function ``fn`` (transformers' ``(batch, head, q_idx, kv_idx) -> bool``,
+    padding aside) lets a query of this forward see a later token of it (bidirectional attention among an image's
+    tokens, a prefix-LM prompt): the attention function attends causally. The forward's T tokens are the mask's
+    last T columns; rows in chunks of at most ~``MASK_ELEMENTS`` pairs."""
+    idx = torch.arange(S - T, S, device=device)
+    b, h = torch.arange(B, device=device)[:, None, None, None], torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    rows = max(1, MASK_ELEMENTS // max(1, B * T))
+    for r0 in range(0, T - 1, rows):
+        q = idx[r0:r0 + rows]
+        kv = idx[r0 + 1:]  # only later tokens can be a future a query must not see
+        sees = torch.as_tensor(fn(b, h, q[None, None, :, None], kv[None, None, None, :]), device=device)
+        if bool((sees & (kv[None, :] > q[:, None])).any()):
+            raise NotImplementedError(
+                f"the attention mask of model_type {getattr(config, 'model_type', None)!r} lets a token see later "
+                f"tokens of the prompt (bidirectional attention, e.g. among an image's tokens), which the 'tritonkv' "
+                f"attention function does not support: it attends causally; use a text-only prompt")
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, attention)

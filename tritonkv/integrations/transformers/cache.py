@@ -23,11 +23,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...api import Compressed, check_input_names, compress, compress_kept, resolve_budget
-from ...kernels.decode_attention import decode_attention
 from ...policies import Policy, get_policy
 from ...kernels._common import on_host, use_triton
 from .attention import (block_attention, causal_attention, decode_sdpa, hand_over, held_attention, held_suffix,
-                        masked_attention, ragged_decode_sdpa, suffix_attention)
+                        kernel_decode, masked_attention, ragged_decode_sdpa, suffix_attention)
 from .storage import SENTINEL, DenseStore, RaggedStore, kept_padded, left_padded, padded_width, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
@@ -403,20 +402,20 @@ class TritonKVLayer(CacheLayerMixin):
 
     def attend(self, query, key, value, scaling, logits=None):
         """Attention of ``query`` ``[B, H_q, T, D]`` over this layer (see ``attention.py``): ``[B, T, H_q, D]``.
-        ``logits``: the model's softcapping and sinks (``attention.Logits``), or None; with them a decode step
-        runs the PyTorch paths, not the split-K kernel."""
+        ``logits``: the model's softcapping and sinks (``attention.Logits``), or None (the decode kernel serves
+        both: ``kernel_decode``)."""
         B, Hq, T, D = query.shape
         st = self.store
-        kernel = logits is None and self.cache._use_kernel(query)
+        kernel = self.cache._use_kernel(query)
         if st.ragged:  # T == 1: the split-K decode kernel over the per-head rows (on the CPU: SDPA per row)
-            if logits is None and (kernel or not on_host(query)):
-                return decode_attention(query, st.kv, scale=scaling).transpose(1, 2).contiguous()
+            if kernel or not on_host(query):
+                return kernel_decode(query, st.kv, scaling, logits)
             return ragged_decode_sdpa(query, st.kv, scaling, logits)
         if _compiling():  # the whole static capacity, by position
             qpos = self.seen_dev - T + torch.arange(T, device=query.device)
             if T == 1 and kernel and self.window is None:
                 lengths = self.fill.to(torch.int32).expand(B, key.shape[1])
-                return decode_attention(query, (key, value), lengths, scale=scaling).transpose(1, 2).contiguous()
+                return kernel_decode(query, (key, value), scaling, logits, lengths)
             return masked_attention(query, key, value, st.pos, qpos, scaling, ordered=False, window=self.window,
                                     logits=logits)
         S = key.shape[2]
@@ -431,7 +430,7 @@ class TritonKVLayer(CacheLayerMixin):
                 return causal_attention(query, key, value, scaling, logits)
             if T == 1:
                 if kernel:
-                    return decode_attention(query, (key, value), scale=scaling).transpose(1, 2).contiguous()
+                    return kernel_decode(query, (key, value), scaling, logits)
                 return decode_sdpa(query, key, value, scaling, logits)
             return block_attention(query, key, value, scaling, self.cache._masks, logits=logits)
         pos = st.view()[2]

@@ -171,10 +171,21 @@ def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", a
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if mode == "blockwise":
+        _prompt_tensors_only_in_ids(generate_kwargs)
         _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size, forward_tokens)
     with use_tritonkv(model):
         out = model.generate(input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}, **generate_kwargs)
     return (out, cache) if return_cache else out
+
+
+def _prompt_tensors_only_in_ids(kwargs: dict) -> None:
+    """Block-wise prefill feeds the prompt's token ids block by block; a tensor input of the prompt beside them
+    (``pixel_values``, ``token_type_ids``, audio features, ...) would reach only the last block: a ValueError."""
+    extra = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k != "attention_mask")
+    if extra:
+        raise ValueError(f"mode='blockwise' feeds the prompt's input_ids block by block and cannot split {extra} "
+                         f"with them (images, token types, audio: inputs of a multimodal prompt); a text prompt "
+                         f"needs only input_ids and attention_mask; else use mode='after_prefill' or 'decoding'")
 
 
 def _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size: int, forward_tokens: int) -> None:
@@ -243,6 +254,7 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
                 model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                 decode_every=decode_every, prompt_length=input_ids.shape[1], **cache_kwargs)
             if mode == "blockwise":
+                _prompt_tensors_only_in_ids(kwargs)
                 if kwargs.get("attention_mask") is None:
                     kwargs["attention_mask"] = torch.ones_like(input_ids)
                 _blocks_but_the_last(model, input_ids, cache, kwargs["attention_mask"], block_size, forward_tokens)
