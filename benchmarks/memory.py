@@ -3,6 +3,7 @@
     python -m benchmarks.memory                     # random Llama, 3 modes x 4 policies + stock, N = 4K..32K
     python -m benchmarks.memory --smoke --out DIR   # N = 512, 1024, one policy per mode (the test's check)
     python -m benchmarks.memory --model gemma3 --out DIR   # a random Gemma 3: five sliding-window layers, one full
+    python -m benchmarks.memory --model gpt-oss --out DIR  # a random gpt-oss: attention sinks, sliding and full layers
 
 Each measurement runs in a fresh process forked from a forkserver: the peak RSS (on a GPU the CUDA allocator's
 peak) during ``generate`` over what the process held before it, and the cache's resident bytes against the K/V it
@@ -33,12 +34,19 @@ TARGET_PEAK, TARGET_RESIDENT = 1.2, 1.1
 MMAP_THRESHOLD = 128 * 1024  # glibc: a fixed threshold (no dynamic raise), so freed tensors leave the RSS
 # the models: name -> (description, config). One is measured per run (``--model``; ``use_model``)
 GEMMA3_WINDOW = 1024  # Gemma 3's sliding window
+GPT_OSS_WINDOW = 128  # gpt-oss's sliding window
 MODELS = {
     "tiny": ("random Llama (2 layers, 8/2 heads, head_dim 32, fp32)", dict(LLAMA_256)),
     "gemma3": (f"random Gemma 3 (6 layers: 5 sliding-window ({GEMMA3_WINDOW}), then 1 full; 8/2 heads, head_dim 32, "
                f"fp32)", dict(LLAMA_256, num_hidden_layers=6, sliding_window=GEMMA3_WINDOW,
                               layer_types=["sliding_attention"] * 5 + ["full_attention"])),
+    # attention sinks (random, one per query head): stock runs the eager attention, the one that computes them
+    "gpt-oss": (f"random gpt-oss (4 layers: sliding-window ({GPT_OSS_WINDOW}) and full in turn, random attention "
+                f"sinks; 8/2 heads, head_dim 32, 2 experts, fp32)",
+                dict(LLAMA_256, num_hidden_layers=4, sliding_window=GPT_OSS_WINDOW, num_local_experts=2,
+                     num_experts_per_tok=1, layer_types=["sliding_attention", "full_attention"] * 2)),
 }
+STOCK_ATTENTION = {"gpt-oss": "eager"}  # the stock model's attention implementation (default: sdpa)
 MODEL, MODEL_NAME = "tiny", MODELS["tiny"][0]
 
 
@@ -62,14 +70,20 @@ def use_model(name: str) -> None:
 
 
 def build_model(name: str):
-    """A seeded random model of ``MODELS[name]`` with SDPA attention (on the CPU)."""
+    """A seeded random model of ``MODELS[name]`` with its stock attention (``STOCK_ATTENTION``; on the CPU)."""
     config = MODELS[name][1]
     if name == "tiny":
         return random_llama(**config, attn_implementation="sdpa")
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM
 
     torch.manual_seed(0)
+    if name == "gpt-oss":
+        model = GptOssForCausalLM(GptOssConfig(**config, attn_implementation="eager")).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()
+        return model
     return Gemma3ForCausalLM(Gemma3TextConfig(**config, attn_implementation="sdpa")).eval()
 
 
@@ -380,7 +394,7 @@ def _grid(rows):
 
 def _name(key):
     _, mode, pol = key.split("/")
-    return "stock (DynamicCache, sdpa)" if mode == "stock" else f"{mode} · {pol}"
+    return f"stock (DynamicCache, {STOCK_ATTENTION.get(MODEL, 'sdpa')})" if mode == "stock" else f"{mode} · {pol}"
 
 
 def grid_table(rows, cell, last=None, stock_name=None) -> str:
@@ -590,7 +604,8 @@ def readme_section(data, results_dir=RESULTS, rel="") -> str:
     out = [f"Memory inside a model on the CPU ({m['cpu']}), commit{'s' if len(commits) > 1 else ''} "
            f"{', '.join(f'`{c}`' for c in commits)} (memory.md says which rows come from which), "
            f"{m['date'][:10]}: peak RSS increase during `generate` as a multiple of the stock `model.generate` "
-           f"(DynamicCache, sdpa) at the same prompt length, budget {BUDGET}, {NEW_TOKENS} new tokens, each in its "
+           f"(DynamicCache, {STOCK_ATTENTION.get(MODEL, 'sdpa')}) at the same prompt length, budget {BUDGET}, "
+           f"{NEW_TOKENS} new tokens, each in its "
            f"own process; resident = the larger of `cache.nbytes` and the bytes of the storages it holds, over the "
            f"kept K/V + positions (worst over N, after the prompt and after {NEW_TOKENS} tokens). Full tables, method "
            f"and plot: [memory.md]({os.path.join(rel, 'memory.md')}).", ""]

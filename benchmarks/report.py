@@ -35,6 +35,8 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
                                        "forward (`memory.py --block-size --forward-tokens`)"),
     ("memory-gemma3/memory.md", "memory inside a random Gemma 3 (five sliding-window layers to one full) at "
                                 "N = 8K-32K (`memory.py --model gemma3`)"),
+    ("memory-gpt-oss/memory.md", "memory inside a random gpt-oss (attention sinks; sliding-window and full layers) "
+                                 "against its stock eager attention (`memory.py --model gpt-oss`)"),
     ("generate_cpu-forwards/README.md", "block-wise `generate` on the CPU with one block per forward against 512 "
                                         "tokens per forward (`generate_cpu.py --forward-tokens`)"),
     ("cache_release.md", "a returned cache is freed with its last reference (`cache_release.py`)"),
