@@ -141,11 +141,12 @@ def _sdpa(q, k, v, attn_mask=None, scale=None, is_causal=False, enable_gqa=False
     rows = max(1, MASK_ELEMENTS // max(1, B * H * S))
     for r0 in range(0, T, rows):
         r = min(rows, T - r0)
-        s = (q[:, :, r0:r0 + r].reshape(B, Hk, G * r, D).float() @ kf).view(B, H, r, S) * scale
+        n = min(S, r0 + r) if is_causal else S  # causal, top-left aligned (SDPA's): query i sees keys j <= i
+        s = (q[:, :, r0:r0 + r].reshape(B, Hk, G * r, D).float() @ kf[..., :n]).view(B, H, r, n) * scale
         if logits.softcap is not None:
             s = torch.tanh(s / logits.softcap) * logits.softcap
-        if is_causal:  # top-left aligned, as SDPA's: query i sees keys j <= i
-            s = s.masked_fill(~torch.ones(r, S, dtype=torch.bool, device=q.device).tril(r0), float("-inf"))
+        if is_causal:
+            s = s.masked_fill(~torch.ones(r, n, dtype=torch.bool, device=q.device).tril(r0), float("-inf"))
         if attn_mask is not None:
             m = attn_mask if attn_mask.shape[-2] == 1 else attn_mask[..., r0:r0 + r, :]
             s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m
@@ -154,8 +155,8 @@ def _sdpa(q, k, v, attn_mask=None, scale=None, is_causal=False, enable_gqa=False
             s = torch.cat([s, sk.float().expand(B, H, r, 1)], dim=-1)
         p = torch.softmax(s, dim=-1)
         if sinks is not None:
-            p = p[..., :S]
-        outs.append((p.reshape(B, Hk, G * r, S) @ vf).view(B, H, r, Dv))
+            p = p[..., :n]
+        outs.append((p.reshape(B, Hk, G * r, n) @ vf[:, :, :n]).view(B, H, r, Dv))
     return (torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]).to(q.dtype)
 
 
