@@ -11,11 +11,14 @@ the largest logit difference from the row alone over every step, and its kept to
 
     python -m benchmarks.batch_invariance --cases 240 --out benchmarks/results/batch_invariance.json
     python -m benchmarks.batch_invariance --model gemma3-sliding --cases 96 --out <out>.json
+    python -m benchmarks.batch_invariance --model gpt-oss --cases 264 --out <out>.json   # attention sinks
+    python -m benchmarks.batch_invariance --model gemma2-softcap --cases 264 --out <out>.json   # logit softcapping
 
 ``--model gemma3-sliding``: a random Gemma 3 of the same size whose first layer is a sliding-window one (window 24,
 shorter than most rows) beside a full one; the cases whose policy is KNorm are left out there: Gemma 3 normalises its
 keys (``k_norm``, whose weights a random model leaves at one), so their norms are near-ties that the ~1e-6
-differences between a padded row's attention and the row alone's may reorder.
+differences between a padded row's attention and the row alone's may reorder. ``--model gpt-oss`` (random attention
+sinks) and ``--model gemma2-softcap`` (logit softcapping): the same shape and windows, attention written out.
 
 (tests/test_transformers_padding.py runs the first cases of the same sweep.) Recursive LagKV (``"lagkv"`` in
 ``"decoding"`` mode) refuses padded batches by design; that combination runs ``"blockwise"`` instead.
@@ -54,7 +57,36 @@ def gemma3_sliding():
         layer_types=["sliding_attention", "full_attention"])).eval()
 
 
-MODELS = {"llama": random_llama, "gemma3-sliding": gemma3_sliding}
+def gpt_oss_sinks():
+    """A seeded random gpt-oss of the same shape: random attention sinks, a sliding-window layer (window 24), then a
+    full one."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=H_Q,
+        num_key_value_heads=H_KV, head_dim=16, pad_token_id=0, max_position_embeddings=1024, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"], num_local_experts=2, num_experts_per_tok=1)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
+def gemma2_softcap():
+    """A seeded random Gemma 2 of the same shape with attention logit softcapping (a cap of 0.02, below the random
+    logits), a sliding-window layer (window 24), then a full one."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=H_Q,
+        num_key_value_heads=H_KV, head_dim=16, pad_token_id=0, max_position_embeddings=1024, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=0.02)).eval()
+
+
+MODELS = {"llama": random_llama, "gemma3-sliding": gemma3_sliding, "gpt-oss": gpt_oss_sinks,
+          "gemma2-softcap": gemma2_softcap}
 SKIP = {"gemma3-sliding": {"knorm"}}  # policies left out per model (see the module docstring)
 
 

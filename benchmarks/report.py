@@ -44,6 +44,10 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
     ("batch_invariance.json", "each row of a left-padded batch against the row alone (`batch_invariance.py`)"),
     ("batch_invariance-gemma3-sliding.json", "the same on a random Gemma 3 with a sliding-window layer "
      "(`batch_invariance.py --model gemma3-sliding`)"),
+    ("batch_invariance-gpt-oss.json", "the same on a random gpt-oss with attention sinks "
+     "(`batch_invariance.py --model gpt-oss`)"),
+    ("batch_invariance-gemma2-softcap.json", "the same on a random Gemma 2 with logit softcapping "
+     "(`batch_invariance.py --model gemma2-softcap`)"),
     ("compiled_decode.json", "a decode loop under `torch.compile(fullgraph=True)` against the eager loop "
                              "(`compiled_decode.py`)"),
     ("quality/profiles/README.md", "the SurfaceLogicKV INF profiles of the quality runs"),

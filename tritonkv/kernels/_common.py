@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import math
 import numbers
 import operator
 import os
@@ -440,6 +441,16 @@ def check_int(name: str, v, lo: int = 0) -> int:
     if v < lo:
         raise ValueError(f"{name} must be an int >= {lo}, got {v}")
     return int(v)
+
+
+def check_positive_float(name: str, v, what: str) -> float:
+    """``v`` as a float: a TypeError naming ``name`` unless it is a real number (bools are not), a ValueError unless it
+    is positive and finite (``what`` says what it is)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    if not 0 < v < math.inf:
+        raise ValueError(f"{name} must be a positive finite float ({what}), got {v!r}")
+    return float(v)
 
 
 def check_device(name: str, t: torch.Tensor, device, of: str, *, cpu_ok: bool = False) -> None:

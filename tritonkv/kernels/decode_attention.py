@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, check_device, check_int, check_kv_tensor, launch, next_pow2, on_host, triton_op,
-                      use_triton)
+from ._common import (INTERPRET, check_device, check_int, check_kv_tensor, check_positive_float, launch, next_pow2,
+                      on_host, triton_op, use_triton)
 
 LOG2E = 1.4426950408889634
 
@@ -430,24 +430,12 @@ def _check_dtypes(q, keys, values):
 
 
 def _scale(scale, D: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-    if not 0 < scale < math.inf:
-        raise ValueError(f"scale must be a positive finite float (the softmax scale), got {scale!r}")
-    return float(scale)
+    return 1.0 / math.sqrt(D) if scale is None else check_positive_float("scale", scale, "the softmax scale")
 
 
 def _softcap(softcap) -> float:
     """The op's ``softcap`` argument (0.0: none) from the wrappers' (None: none; else a positive finite float)."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    if not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be a positive finite float (logit softcapping), got {softcap!r}")
-    return float(softcap)
+    return 0.0 if softcap is None else check_positive_float("softcap", softcap, "logit softcapping")
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:

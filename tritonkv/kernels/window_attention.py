@@ -54,8 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, check_kv_tensor, finite_rows, launch, next_pow2, on_host, row_major, triton_op,
-                      use_triton)
+from ._common import (INTERPRET, cdiv, check_kv_tensor, check_positive_float, finite_rows, launch, next_pow2, on_host,
+                      row_major, triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 POOLS = ("max", "avg")
@@ -677,10 +677,7 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
         if attn_lse.device != keys.device:
             raise ValueError(f"attn_lse must be on the device of keys ({keys.device}), got {attn_lse.device}")
         attn_lse = attn_lse.to(torch.float32)
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
-        raise ValueError(f"scale must be a positive finite float (the attention scale), got {scale!r}")
+    scale = 1.0 / math.sqrt(D) if scale is None else check_positive_float("scale", scale, "the attention scale")
     if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1:
         raise ValueError(f"kernel_size must be a positive int, got {kernel_size!r}")
     head_reduce = _choice("head_reduce", head_reduce, HEAD_REDUCE)
