@@ -354,12 +354,17 @@ def test_check_model_refuses_kv_sharing_and_bidirectional_attention():
 
 def test_cache_without_the_tritonkv_attention_is_a_clear_error(model, ids):
     """A TritonKVCache handed to ``model.generate`` outside ``use_tritonkv``: the model attends with its own
-    function, which never compresses; the second write of a layer is a RuntimeError that says what to do. Under
-    ``use_tritonkv`` the same call runs and compresses."""
+    function, which never compresses; the second write of a layer is a RuntimeError that says what to do, and
+    leaves no hand-over behind for a later call (before transformers 5.24 a stale one looked like a latent cache).
+    Under ``use_tritonkv`` the same call runs and compresses."""
     kw = dict(max_new_tokens=3, do_sample=False)
     cache = tt.make_cache(model, "keydiff", 24, mode="blockwise", block_size=16)
     with pytest.raises(RuntimeError, match=r"use_tritonkv\(model\)"):
         model.generate(ids[:1], **{tt.cache_kwarg(model): cache}, **kw)
+    with torch.no_grad():  # nothing left behind: a plain forward under use_tritonkv (a stock cache) is exact
+        ref = model(ids[:1]).logits
+        with tt.use_tritonkv(model):
+            assert float((model(ids[:1]).logits - ref).abs().max()) <= ATOL
     cache = tt.make_cache(model, "keydiff", 24, mode="blockwise", block_size=16)
     with tt.use_tritonkv(model):
         model.generate(ids[:1], **{tt.cache_kwarg(model): cache}, prefill_chunk_size=16, **kw)

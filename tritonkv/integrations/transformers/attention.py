@@ -77,6 +77,12 @@ def hand_over(layer, keys, update_kwargs: dict) -> None:
         _LAYER_UPDATED_LAST.set((layer, keys))
 
 
+def drop_hand_over() -> None:
+    """Forget an eager hand-over that no attention call took (an update followed by the model's own attention, or
+    an error in between): a later attention call must not mistake it for its own."""
+    _LAYER_UPDATED_LAST.set(None)
+
+
 def _take_layer(kwargs: dict):
     """The (layer, keys) handed over by ``hand_over`` for this attention call, or None."""
     active = kwargs.pop(LAYER_KWARG, None)
@@ -560,6 +566,7 @@ def use_tritonkv(model):
     attention does not go through transformers' ``AttentionInterface`` (transformers then keeps its own attention
     and only logs a warning) is a NotImplementedError: its cache would never be compressed."""
     old = model.config._attn_implementation
+    drop_hand_over()
     if old != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:

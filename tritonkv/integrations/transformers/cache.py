@@ -25,8 +25,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ...api import Compressed, check_input_names, compress, compress_kept, resolve_budget
 from ...policies import Policy, get_policy
 from ...kernels._common import on_host, use_triton
-from .attention import (block_attention, causal_attention, decode_sdpa, hand_over, held_attention, held_suffix,
-                        kernel_decode, masked_attention, ragged_decode_sdpa, suffix_attention)
+from .attention import (block_attention, causal_attention, decode_sdpa, drop_hand_over, hand_over, held_attention,
+                        held_suffix, kernel_decode, masked_attention, ragged_decode_sdpa, suffix_attention)
 from .storage import SENTINEL, DenseStore, RaggedStore, kept_padded, left_padded, padded_width, slack_for
 
 MODES = ("after_prefill", "blockwise", "decoding")
@@ -239,6 +239,7 @@ class TritonKVLayer(CacheLayerMixin):
         ``use_tritonkv``, or its attention does not go through transformers' ``AttentionInterface`` — and the cache
         would grow without ever compressing: a RuntimeError, not a silently unbounded cache."""
         if self._unattended:
+            drop_hand_over()
             raise RuntimeError(
                 f"layer {self.layer_idx} of this TritonKVCache was written twice with no 'tritonkv' attention call in "
                 f"between: the model attends with its own attention function, so the cache would never compress. Run "
