@@ -9,6 +9,9 @@ Scenarios:
 * ``stock``: the same requests with plugins disabled (``VLLM_PLUGINS=""``): vLLM without tritonkv;
 * ``tp2``: the ``compressed`` settings at tensor parallel 2 (two CPU workers over gloo, one KV head each), the
   sequential requests one at a time;
+* ``hybrid``: the ``compressed`` settings and the sequential requests on a model whose sliding-window layers
+  alternate with full ones (Gemma 2 with a logit soft cap, gpt-oss with learned sinks): only the full layers
+  compress;
 * ``bad``: engines with bad settings, each expected to fail at start, and one whose layers get a backend the plugin
   does not wrap (vLLM's FlexAttention registered over ``CPU_ATTN``).
 """
@@ -64,6 +67,16 @@ def compressed(model: str) -> dict:
     return dict(prompts=rec.prompts, tokens=rec.tokens, schedule={r: rec.schedule(r) for r in rec.prompts},
                 blocks=rec.blocks, running=rec.running, cached=rec.cached, free_blocks_after_prefill=free_blocks, pool=POOL,
                 budget=BUDGET)
+
+
+def hybrid(model: str) -> dict:
+    llm = _llm(model, POLICY, num_gpu_blocks_override=2 * POOL, max_num_batched_tokens=H.BLOCK)
+    rec = H.Recorder(llm)
+    for rid, n, seed, t in SEQUENTIAL:
+        rec.add(rid, H.prompt(n, seed), t)
+        rec.run()
+    return dict(prompts=rec.prompts, tokens=rec.tokens, schedule={r: rec.schedule(r) for r in rec.prompts},
+                blocks=rec.blocks, groups=[type(m).__name__ for m in rec.managers])
 
 
 def tp2(model: str) -> dict:
@@ -142,6 +155,8 @@ def main(argv) -> None:
         res = generate(model, {**POLICY, "budget": 100_000})
     elif scenario == "stock":
         res = generate(model, None)
+    elif scenario == "hybrid":
+        res = hybrid(model)
     elif scenario == "tp2":
         res = tp2(model)
     elif scenario == "bad":

@@ -317,10 +317,8 @@ class TritonKVImplMixin:
         if cfg is None:
             return
         self.tkv_policy = cfg.make_policy()
-        if (getattr(self, "alibi_slopes", None) is not None or getattr(self, "sinks", None) is not None
-                or getattr(self, "logits_soft_cap", None)):
-            raise TritonKVConfigError(f"{_WHERE}: attention with ALiBi, learned sinks or a logits soft cap is not "
-                                      f"supported")
+        if getattr(self, "alibi_slopes", None) is not None:
+            raise TritonKVConfigError(f"{_WHERE}: attention with ALiBi is not supported")
         if getattr(self, "kv_sharing_target_layer_name", None) is not None:
             raise TritonKVConfigError(f"{_WHERE}: layers that share another layer's KV cache are not supported (the "
                                       f"owner compacts the cache the sharer still reads)")
