@@ -19,7 +19,8 @@ def test_arguments():
     assert serving.budget_for(a, 4) == {"policy": "keydiff", "budget": 1536}
     s = serving.parse(["--smoke"])
     assert s.rates == [1, 4] and s.max_len <= 400 and s.kv_blocks == 24
-    for bad in (["--rates", "0.5"], ["--min-len", "100", "--max-len", "50"], ["--num-prompts", "0"]):
+    for bad in (["--rates", "0.5"], ["--min-len", "100", "--max-len", "50"], ["--num-prompts", "0"],
+                ["--transformers"]):  # --transformers needs --task needle
         with pytest.raises(SystemExit):
             serving.parse(bad)
     r = subprocess.run([sys.executable, "-m", "benchmarks.serving", "--help"], capture_output=True, text=True,
@@ -41,3 +42,24 @@ def test_smoke(tmp_path):
         assert row["peak_blocks"] <= row["pool_blocks"]
     assert rows[4]["peak_running"] > rows[1]["peak_running"]
     assert "| rate |" in r.stdout
+
+
+def test_needle_rows():
+    """Per rate: passes and their exact interval; against rate 1 on the same cases, the paired difference and
+    whether the interval shows a loss (12 cases with 1 gained and 4 lost: inconclusive; 20 of 40 lost: a loss)."""
+    base = [1] * 10 + [0] * 2
+    r4 = [1] * 6 + [0] * 4 + [1, 0]
+    rows = serving.needle_rows([dict(rate=1, passed=base), dict(rate=4, passed=r4)])
+    assert [(r["rate"], r["passed"], r["cases"]) for r in rows] == [(1, 10, 12), (4, 7, 12)]
+    assert "diff" not in rows[0] and rows[1]["diff"] == (1 - 4) / 12
+    assert rows[1]["diff_lo"] < 0 < rows[1]["diff_hi"] and rows[1]["loss"] == "inconclusive"
+    assert 0 < rows[1]["lo"] < 7 / 12 < rows[1]["hi"] < 1
+    lost = serving.needle_rows([dict(rate=1, passed=[1] * 40), dict(rate=8, passed=[1] * 20 + [0] * 20)])[1]
+    assert lost["diff"] == -0.5 and lost["diff_hi"] < 0 and lost["loss"] == "reproduced"
+    md = serving.markdown([dict(rate=1, settings=None, output_tok_s=1.0, total_tok_s=2.0, peak_running=1,
+                                peak_blocks=3, pool_blocks=4, passed=base),
+                           dict(rate=4, settings={"budget": 8}, output_tok_s=1.0, total_tok_s=2.0, peak_running=2,
+                                peak_blocks=3, pool_blocks=4, passed=r4)])
+    assert "| 4 | 7/12 |" in md and "inconclusive" in md
+    both = serving.needle_rows([dict(rate=1, passed=base), dict(rate=4, passed=r4, passed_transformers=[1] * 12)])
+    assert "transformers" not in both[0] and (both[1]["transformers"], both[1]["agree"]) == (12, 7)
