@@ -30,6 +30,7 @@ under piecewise CUDA graphs, while the r = 1 row keeps vLLM's default (full and 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -102,15 +103,21 @@ def prompts(args) -> tuple[list[list[int]], list[str]]:
     if args.task == "random":
         vocab = 500 if args.smoke else 30000
         return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths], []
-    from transformers import AutoTokenizer
-
     from tritonkv.integrations.needle import SUBJECTS, build_case
 
-    tok = AutoTokenizer.from_pretrained(args.model)
+    tok = tokenizer(args.model)
     depths = [(i + 0.5) / args.num_prompts for i in range(args.num_prompts)]
     cases = [build_case(tok, n, d, seed=args.seed + i, subject=SUBJECTS[i % len(SUBJECTS)])
              for i, (n, d) in enumerate(zip(lengths, depths))]
     return [c.input_ids[0].tolist() for c in cases], [c.key for c in cases]
+
+
+@functools.lru_cache(maxsize=None)
+def tokenizer(model: str):
+    """The model's tokenizer (loaded once per process)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
 
 
 def needle_rows(rows: list[dict]) -> list[dict]:
@@ -176,9 +183,7 @@ def run_one(args, rate: float) -> dict:
                output_tok_s=out_tokens / wall, total_tok_s=(out_tokens + in_tokens) / wall,
                peak_running=peak_running, peak_blocks=peak_blocks, pool_blocks=total_blocks)
     if keys:  # vLLM may append a suffix to the caller's request id
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.model)
+        tok = tokenizer(args.model)
         by_id = {rid.split("-", 1)[0]: ids for rid, ids in outputs.items()}
         answers = [tok.decode(by_id[str(i)]) for i in range(len(keys))]
         res.update(answers=answers, passed=[int(k in a) for k, a in zip(keys, answers)])

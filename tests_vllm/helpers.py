@@ -151,14 +151,14 @@ class Recorder:
 
 def reference_tokens(model_path: str, ids: list[int], generated: list[int], bounds: list[int], policy,
                      budget: int, g: int = BLOCK, margins: list | None = None, kept_log: list | None = None,
-                     softcap: bool = True, sinks: bool = True) -> list[int]:
+                     extras: bool = True) -> list[int]:
     """Greedy tokens of the Hugging Face model at ``model_path`` fed ``ids + generated`` in the chunks ``bounds``
     (teacher forcing), where after each chunk ``[c, e)`` every full-attention layer keeps, per KV head, the
     ``e - start(e)`` tokens that ``tritonkv.compress(policy)`` picks among its kept tokens and the chunk whenever
     ``start(e) > start(c)``, and a query attends only to kept tokens and to the chunk (causally). A sliding-window
     layer keeps everything and a query at ``i`` sees the keys ``j`` with ``i - W < j <= i``. Logits are
     soft-capped (``cap * tanh(s / cap)``) and a learned sink logit per query head joins the softmax when the model
-    has them (``softcap`` / ``sinks`` False leave them out: the tests' check that they matter)."""
+    has them (``extras=False`` leaves both out: the tests' check that they matter)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.cache_utils import DynamicCache
 
@@ -194,10 +194,10 @@ def reference_tokens(model_path: str, ids: list[int], generated: list[int], boun
             for j in range(group):
                 qh = query[0, h * group + j]
                 s = (qh @ k.T) * scaling
-                if softcap and use["softcap"]:
+                if softcap and extras:
                     s = softcap * torch.tanh(s / softcap)
                 s = s.masked_fill(~vis, float("-inf"))
-                if s_aux is not None and use["sinks"]:  # a column that takes probability mass and no value
+                if s_aux is not None and extras:  # a column that takes probability mass and no value
                     s = torch.cat([s, s_aux[h * group + j].expand(q, 1).float()], dim=1)
                 out[0, h * group + j] = torch.softmax(s, dim=-1)[:, : len(cols)] @ v
             new_alive.append(cols)
@@ -212,7 +212,6 @@ def reference_tokens(model_path: str, ids: list[int], generated: list[int], boun
         alive[layer] = [x.tolist() for x in new_alive]
         return out.transpose(1, 2).contiguous(), None
 
-    use = dict(softcap=softcap, sinks=sinks)
     AttentionInterface.register("tritonkv_masked_reference", attend)
     model.set_attn_implementation("tritonkv_masked_reference")
     seq = list(ids) + list(generated)

@@ -47,6 +47,6 @@ def test_greedy_tokens_equal_the_masked_reference(hybrid):
         matched += sum(a == b for a, b in zip(ref, run["tokens"][rid]))
         total += t
         without_eviction += _reference(run, model, rid, budget=10 ** 6) != run["tokens"][rid]
-        without_extra += _reference(run, model, rid, softcap=False, sinks=False) != run["tokens"][rid]
+        without_extra += _reference(run, model, rid, extras=False) != run["tokens"][rid]
     assert (matched, total) == (48, 48), kind
     assert without_eviction >= 1 and without_extra >= 1, (kind, without_eviction, without_extra)
