@@ -13,7 +13,8 @@
 #   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
 #   tuning   at 4K/32K/128K (8 rows, and one row of 64K and 256K; keep 25 %, CUDA graphs): the shared select for
 #            each chunk size, LagKV for each tiling of kernels.lagkv.TILINGS at half, once and twice its automatic
-#            partitions per program (defaults: the H100 run of 2026-11-26)
+#            partitions per program (defaults: the H100 run of 2026-11-26); Knorm, KeyDiff and StreamingLLM compress
+#            at 4K/32K/128K for each pair of software-pipelined stages (key streams, compaction)
 #   host     python -m benchmarks.host_time --gpu: speed.py's calls at 4K eager, host and device-done µs per call,
 #            the share repeated from a plan and why a call was not recorded (~1 min, mostly compiling)
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
@@ -254,6 +255,28 @@ for N in (4096, 32768, 131072) if cuda else (1024,):
             row.append(f"{parts}{'*' if parts == auto else ''}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
         print(" ".join(row), flush=True)
 print("(* the automatic partitions per program)")
+import tritonkv
+from tritonkv.kernels import _plan, knorm as kn, select as ks
+# software-pipelined stages: kernels.knorm.STREAM_STAGES (Knorm's and KeyDiff's anchor key streams) and
+# kernels.select.COMPACT_STAGES (the compaction's batches); 1 = not pipelined (the kernels of the 2026-11-26 run)
+defaults = kn.STREAM_STAGES, ks.COMPACT_STAGES
+for N in (4096, 32768, 131072) if cuda else (1024,):
+    keys, values = (torch.randn(1, 8, N, 128, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
+    for policy in ("knorm", "keydiff", "streaming_llm"):
+        ref, row = None, [f"stages {policy} N={N} (stream, compact; default {defaults}):"]
+        for stages in ((1, 1), (2, 1), (3, 1), (4, 1), (1, 2), (3, 2), (3, 3)):
+            kn.STREAM_STAGES, ks.COMPACT_STAGES = stages
+            kn.token_blocks.cache_clear()
+            _plan._PLANS.clear()  # plans replay the launches they recorded
+            fn = lambda: tritonkv.compress((keys, values), policy, N // 4)  # noqa: E731
+            out = fn()
+            ref = out if ref is None else ref
+            assert all(map(torch.equal, out, ref)), stages  # the same kept tokens and K/V rows whatever the stages
+            row.append(f"{stages[0]},{stages[1]}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
+        print(" ".join(row), flush=True)
+kn.STREAM_STAGES, ks.COMPACT_STAGES = defaults
+kn.token_blocks.cache_clear()
+_plan._PLANS.clear()
 EOF
         cat "$OUT/tuning.txt" ;;
     host)

@@ -14,6 +14,7 @@ from reference import keydiff as ref
 from reference.select import select as ref_select
 from tritonkv.kernels import keydiff as kkd
 from tritonkv.kernels.keydiff import keydiff_scores
+from tritonkv.kernels.knorm import STREAM_STAGES
 from tritonkv.policies import KeyDiff
 from helpers import DTYPES, assert_kept_matches, assert_raises_naming, assert_same_scores, both_backends, on_backend  # noqa: E402
 
@@ -347,8 +348,8 @@ def test_aot_compiles():
     assert_compiles(
         {"module": "tritonkv.kernels.keydiff", "kernel": "_keydiff_anchor_kernel",
          "signature": {"k_ptr": "*bf16", "part_ptr": "*fp32", **common, "skb": "i64",
-                       "TILE": "constexpr", "BLOCK_D": "constexpr", "NORMALIZE": "constexpr"},
-         "constexprs": {"TILE": 64, "BLOCK_D": 128, "NORMALIZE": True}},
+                       "TILE": "constexpr", "BLOCK_D": "constexpr", "STAGES": "constexpr", "NORMALIZE": "constexpr"},
+         "constexprs": {"TILE": 64, "BLOCK_D": 128, "STAGES": STREAM_STAGES, "NORMALIZE": True}},
         {"module": "tritonkv.kernels.keydiff", "kernel": "_keydiff_score_kernel",
          "signature": {"k_ptr": "*fp16", "part_ptr": "*fp32", "out_ptr": "*fp32", "h0_ptr": "*i32", **common,
                        "sink": "i32", "window": "i32", "TILE": "constexpr", "BLOCK_D": "constexpr",

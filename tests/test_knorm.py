@@ -12,7 +12,7 @@ from aot import assert_compiles
 from reference import knorm as ref
 from reference.select import select as ref_select
 from helpers import DTYPES, assert_kept_matches
-from tritonkv.kernels.knorm import knorm_scores
+from tritonkv.kernels.knorm import STREAM_STAGES, knorm_scores
 from tritonkv.kernels.select import select_indices
 from tritonkv.policies import Knorm
 from helpers import assert_raises_naming, assert_same_scores, both_backends, on_backend  # noqa: E402
@@ -193,8 +193,10 @@ def test_aot_compiles():
                      "signature": {"k_ptr": "*bf16", "out_ptr": "*fp32", "h0_ptr": "*i32", "H": "i32", "skb": "i64",
                                    "skh": "i32", "skn": "i32", "N": "i32", "D": "i32", "CHUNK": "i32", "C0": "i32",
                                    "sink": "i32", "window": "i32", "TILE": "constexpr", "BLOCK_D": "constexpr",
-                                   "HIST": "constexpr", "NB": "constexpr", "HIST_TILE": "constexpr"},
-                     "constexprs": {"TILE": 64, "BLOCK_D": 128, "HIST": True, "NB": 256, "HIST_TILE": 1024}})
+                                   "STAGES": "constexpr", "HIST": "constexpr", "NB": "constexpr",
+                                   "HIST_TILE": "constexpr"},
+                     "constexprs": {"TILE": 64, "BLOCK_D": 128, "STAGES": STREAM_STAGES, "HIST": True, "NB": 256,
+                                    "HIST_TILE": 1024}})
 
 
 def test_first_pass_from_the_score_kernel_feeds_the_select():

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from aot import assert_compiles
 from reference.select import select as ref_select, select_rows
 from tritonkv.kernels._common import use_triton
-from tritonkv.kernels.select import Out, select_indices, select_kv, select_mask
+from tritonkv.kernels.select import COMPACT_STAGES, Out, select_indices, select_kv, select_mask
 from helpers import both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -283,8 +283,8 @@ def test_budget_tensor_errors():
 def test_select_kernels_compile_ahead_of_time():
     mod = "tritonkv.kernels.select"
     flags = {"HAS_FORCED": True, "UNIFORM": False}
-    const = {n: "constexpr" for n in ("TILE", "CT", "NB", "SB", "CB", "BATCH", "BLOCK_D", "HAS_FORCED", "UNIFORM",
-                                      "HAS_KV", "WRITE_MASK", "HAS_START", "PROTECTED_ONLY")}
+    const = {n: "constexpr" for n in ("TILE", "CT", "NB", "SB", "CB", "BATCH", "STAGES", "BLOCK_D", "HAS_FORCED",
+                                      "UNIFORM", "HAS_KV", "WRITE_MASK", "HAS_START", "PROTECTED_ONLY")}
     row = {"N": "i32", "sink": "i32", "window": "i32"}
     hist0 = {"module": mod, "kernel": "_select_hist0_kernel",
              "signature": {"s_ptr": "*fp32", "f_ptr": "*u8", "h0_ptr": "*i32", **row, "CHUNK": "i32", "C0": "i32",
@@ -306,9 +306,10 @@ def test_select_kernels_compile_ahead_of_time():
                              "idx_ptr": "*i64", "len_ptr": "*i32", "mask_ptr": "*i8", "k_ptr": "*bf16",
                              "v_ptr": "*bf16", "ko_ptr": "*bf16", "vo_ptr": "*bf16", "H": "i32", "skb": "i64",
                              "skh": "i64", "skn": "i64", "svb": "i64", "svh": "i64", "svn": "i64", "D": "i32",
-                             **{n: const[n] for n in ("TILE", "BATCH", "BLOCK_D", "HAS_FORCED", "HAS_KV", "WRITE_MASK",
-                                                      "UNIFORM", "HAS_START", "PROTECTED_ONLY")}},
-               "constexprs": {"TILE": 256, "BATCH": 128, "BLOCK_D": 128, "HAS_KV": True, "WRITE_MASK": True,
+                             **{n: const[n] for n in ("TILE", "BATCH", "STAGES", "BLOCK_D", "HAS_FORCED", "HAS_KV",
+                                                      "WRITE_MASK", "UNIFORM", "HAS_START", "PROTECTED_ONLY")}},
+               "constexprs": {"TILE": 256, "BATCH": 128, "STAGES": COMPACT_STAGES, "BLOCK_D": 128, "HAS_KV": True,
+                              "WRITE_MASK": True,
                               "HAS_START": True, "PROTECTED_ONLY": False, **flags}}
     direct = {**compact, "constexprs": {**compact["constexprs"], "HAS_FORCED": False, "UNIFORM": True,
                                         "WRITE_MASK": False, "HAS_START": False, "PROTECTED_ONLY": True}}

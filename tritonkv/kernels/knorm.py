@@ -51,17 +51,24 @@ def nonfinite(k):
 
 @triton.jit(do_not_specialize=["CHUNK", "C0", "sink", "window"])
 def _knorm_kernel(k_ptr, out_ptr, h0_ptr, H, skb, skh, skn, N, D, CHUNK, C0, sink, window,
-                  TILE: tl.constexpr, BLOCK_D: tl.constexpr, HIST: tl.constexpr, NB: tl.constexpr,
-                  HIST_TILE: tl.constexpr):
+                  TILE: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr, HIST: tl.constexpr,
+                  NB: tl.constexpr, HIST_TILE: tl.constexpr):
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
-    for t0 in range(0, CHUNK, TILE):
+    for t0 in tl.range(0, CHUNK, TILE, num_stages=STAGES):
         k, offs, mask = _load_keys(k_ptr, r, H, skb, skh, skn, N, D, c, t0, CHUNK, TILE, BLOCK_D)
         s = 0.0 - tl.sqrt_rn(tl.sum(k * k, 1)) + nonfinite(k)
         tl.store(out_ptr + r * N + offs, s, mask=mask)
     if HIST:  # the select's pass 0 over the scores just stored, on a 1-D layout
         tl.debug_barrier()
         hist0_of_chunk(out_ptr + r * N, out_ptr, h0_ptr, r, c, C0, N, CHUNK, sink, window, HIST_TILE, NB, False)
+
+
+# Software-pipelined stages of the key-streaming loops (``tl.range(num_stages=)``): the loads of the next
+# STREAM_STAGES - 1 tiles are in flight (cp.async into shared memory) while a tile is reduced. Without it (1) a
+# program has one 16 KB tile in flight, issued at the top of each step, and two programs per SM keep too few bytes
+# in flight to stream HBM (the H100 run of 2026-11-26: Knorm's kernel at ~1.9 TB/s of ~3).
+STREAM_STAGES = 3
 
 
 @functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
@@ -83,7 +90,7 @@ def token_blocks(n: int, rows: int, d: int, chunk: int = 0) -> dict:
             want = max(1, -(-264 // max(rows, 1)))
             chunk = min(max(next_pow2(-(-n // want)), tile), 16384)
     chunk = next_pow2(chunk)
-    return dict(CHUNK=chunk, TILE=min(tile, chunk), BLOCK_D=block_d,
+    return dict(CHUNK=chunk, TILE=min(tile, chunk), BLOCK_D=block_d, STAGES=STREAM_STAGES,
                 num_warps=4 if min(tile, chunk) * block_d <= 4096 else 8)
 
 

@@ -33,7 +33,7 @@ cheap on every Triton, see ``docs/architecture.md``, "Kernels"). Four launches o
 4. **compact** (``_select_compact_kernel``): each program recomputes its chunk's keep flags in
    ``TILE`` steps (a local cumsum from its first slot), writes the kept int64 indices, then copies
    the kept K/V rows in dense batches of ``BATCH`` rows (their indices read back; K and V loaded
-   before either is stored), so the gather moves only kept rows.
+   before either is stored; ``COMPACT_STAGES`` batches in flight), so the gather moves only kept rows.
 
 When every kept token is protected (StreamingLLM) one launch copies them with nothing ranked.
 ``CHUNK``, ``C`` and the budget-dependent scalars are runtime arguments that Triton does not
@@ -276,22 +276,30 @@ def _select_tail_kernel(s_ptr, f_ptr, h0_ptr, C0, p2_ptr, cnt_ptr, cand_ptr, N, 
 @triton.jit
 def _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, keep, D,
                   BLOCK_D: tl.constexpr):
-    """``ko[dst] = k[src]`` and ``vo[dst] = v[src]`` for the rows where ``keep`` (int64 ``src``
-    token and ``dst`` slot per row); both tiles are loaded before either is stored."""
+    """``ko[dst] = k[src]`` and ``vo[dst] = v[src]`` for the rows where ``keep``, every head dim."""
     for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        m2 = keep[:, None] & (d < D)[None, :]
-        kv = tl.load(k_ptr + bh_k + src[:, None] * skn + d[None, :], mask=m2)
-        vv = tl.load(v_ptr + bh_v + src[:, None] * svn + d[None, :], mask=m2)
-        tl.store(ko_ptr + dst[:, None] * D + d[None, :], kv, mask=m2)
-        tl.store(vo_ptr + dst[:, None] * D + d[None, :], vv, mask=m2)
+        _copy_kv_cols(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, keep, D, d0, BLOCK_D)
+
+
+@triton.jit
+def _copy_kv_cols(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, keep, D, d0,
+                  BLOCK_D: tl.constexpr):
+    """``ko[dst, d] = k[src, d]`` and ``vo[dst, d] = v[src, d]`` for the rows where ``keep`` (int64 ``src``
+    token and ``dst`` slot per row) and the head dims ``d`` in ``[d0, d0 + BLOCK_D)``; both tiles are loaded
+    before either is stored."""
+    d = d0 + tl.arange(0, BLOCK_D)
+    m2 = keep[:, None] & (d < D)[None, :]
+    kv = tl.load(k_ptr + bh_k + src[:, None] * skn + d[None, :], mask=m2)
+    vv = tl.load(v_ptr + bh_v + src[:, None] * svn + d[None, :], mask=m2)
+    tl.store(ko_ptr + dst[:, None] * D + d[None, :], kv, mask=m2)
+    tl.store(vo_ptr + dst[:, None] * D + d[None, :], vv, mask=m2)
 
 
 @triton.jit(do_not_specialize=_RUNTIME[:6])
 def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, cnt_ptr, N, sink, window, k_max, C, CHUNK,
                            start_ptr, stride, idx_ptr, len_ptr, mask_ptr,
                            k_ptr, v_ptr, ko_ptr, vo_ptr, H, skb, skh, skn, svb, svh, svn, D,
-                           TILE: tl.constexpr, BATCH: tl.constexpr,
+                           TILE: tl.constexpr, BATCH: tl.constexpr, STAGES: tl.constexpr,
                            BLOCK_D: tl.constexpr, HAS_FORCED: tl.constexpr, HAS_KV: tl.constexpr,
                            WRITE_MASK: tl.constexpr, UNIFORM: tl.constexpr, HAS_START: tl.constexpr,
                            PROTECTED_ONLY: tl.constexpr):
@@ -342,12 +350,13 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, cnt_ptr, N, sink, window, k
             eq_seen += tl.sum(eq, 0)
         if HAS_KV:  # the kept rows, dense: their indices were just written by this program
             tl.debug_barrier()
-            for j0 in range(first, slot, BATCH):
-                j = j0 + tl.arange(0, BATCH)
-                m = j < slot
-                dst = base + j.to(tl.int64)
-                src = tl.load(idx_ptr + dst, mask=m, other=0)
-                _copy_kv_rows(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, m, D, BLOCK_D)
+            for d0 in range(0, D, BLOCK_D):  # once but for head dims over 128: the batch loop is the inner one
+                for j0 in tl.range(first, slot, BATCH, num_stages=STAGES):  # software-pipelined: batches in flight
+                    j = j0 + tl.arange(0, BATCH)
+                    m = j < slot
+                    dst = base + j.to(tl.int64)
+                    src = tl.load(idx_ptr + dst, mask=m, other=0)
+                    _copy_kv_cols(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, m, D, d0, BLOCK_D)
 
 
 @functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
@@ -391,6 +400,7 @@ MIN_CHUNK = 256
 MAX_CHUNKS = 64
 BATCH = 64  # kept K/V rows copied per step of the compaction (64 x 128 K and V tiles: 32 KB in flight)
 COMPACT_WARPS = 8
+COMPACT_STAGES = 2  # software-pipelined stages of the compaction's batch loop (1: a batch in flight at a time)
 PASS_TILE = 1024  # keys per histogram step of pass 0, finish and tail (a 256-bin histogram costs the same
 # shared atomics per call whatever the keys per thread on Triton 3.6: few large steps)
 CAND_TILE = 512  # candidates per step of the tail's last program (2 per thread; 1024 spills on Triton 3.6)
@@ -504,7 +514,7 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     # absent tensors are passed as ``scores`` (never read: the constexpr flags switch them off)
     f, b = _or(forced, scores), _or(budgets, scores)
     flags = dict(HAS_FORCED=forced is not None, UNIFORM=uniform)
-    compact = dict(BATCH=BATCH, BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv,
+    compact = dict(BATCH=BATCH, STAGES=COMPACT_STAGES, BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv,
                    WRITE_MASK=write_mask, HAS_START=out_start is not None, num_warps=COMPACT_WARPS, **flags)
     tail = (_or(out_start, scores), k_max, out_idx, out_lengths, _or(out_mask, scores), _or(keys, scores),
             _or(values, scores), _or(out_keys, scores), _or(out_values, scores), H, *kstr, *vstr, D)
