@@ -13,7 +13,8 @@
 #   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
 #   tuning   at 4K/32K/128K (8 rows, and one row of 64K and 256K; keep 25 %, CUDA graphs): the shared select for
 #            each chunk size, LagKV for each tiling of kernels.lagkv.TILINGS at half, once and twice its automatic
-#            partitions per program (defaults: the H100 run of 2026-11-26); Knorm, KeyDiff and StreamingLLM compress
+#            partitions per program (defaults: the H100 run of 2026-11-26), the default tiling also with its
+#            partitions software-pipelined (kernels.lagkv.STAGES = 2); Knorm, KeyDiff and StreamingLLM compress
 #            at 4K/32K/128K for each pair of software-pipelined stages (key streams, compaction)
 #   host     python -m benchmarks.host_time --gpu: speed.py's calls at 4K eager, host and device-done µs per call,
 #            the share repeated from a plan and why a call was not recorded (~1 min, mostly compiling)
@@ -245,15 +246,18 @@ for N in (4096, 32768, 131072) if cuda else (1024,):
     p = kl.num_partitions(N, pol.sink, pol.lag)
     quota, rem = divmod(k - sink - window, p - 1)
     ref = kl.lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota, rem=rem, window=window)
-    for tile, warps in kl.TILINGS if cuda else kl.TILINGS[:2]:
+    # each tiling as it is, and the default tiling software-pipelined over its partitions (kernels.lagkv.STAGES)
+    for (tile, warps), stages in [(t, 1) for t in (kl.TILINGS if cuda else kl.TILINGS[:2])] + [((0, 0), 2)]:
+        kl.STAGES = stages
         auto = kl._blocks(pol.lag, 128, 2, p - 1, 8, 0, tile, warps)[0]
-        row = [f"LagKV N={N} ({p - 1} scored partitions a row) tile={tile} warps={warps}, parts:"]
+        row = [f"LagKV N={N} ({p - 1} scored partitions a row) tile={tile} warps={warps} stages={stages}, parts:"]
         for parts in sorted({max(1, auto // 2), auto, min(32, 2 * auto)}):
             fn = lambda: kl.lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota,  # noqa: E731
                                            rem=rem, window=window, parts=parts, tile=tile, warps=warps)
             assert all(map(torch.equal, fn(), ref)), (tile, warps, parts)  # the same tokens, K/V rows bit for bit
             row.append(f"{parts}{'*' if parts == auto else ''}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
         print(" ".join(row), flush=True)
+    kl.STAGES = 1
 print("(* the automatic partitions per program)")
 import tritonkv
 from tritonkv.kernels import _plan, knorm as kn, select as ks

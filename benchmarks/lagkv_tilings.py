@@ -71,7 +71,8 @@ def layouts() -> None:
                 sig = {a: "i32" for a in names}
                 sig.update({a: "*" + dt for a in ("k_ptr", "v_ptr", "ko_ptr", "vo_ptr")}, out_ptr="*i64",
                            tmp_ptr="*fp32", eps="fp32", **{a: "i64" for a in ("skb", "skh", "skn", "svb", "svh", "svn")})
-                const = dict(D=128, lag=128, BLOCK_L=bl, BLOCK_T=bt, BLOCK_D=bd, BLOCK_J=bj, MODE=2)
+                const = dict(D=128, lag=128, BLOCK_L=bl, BLOCK_T=bt, BLOCK_D=bd, BLOCK_J=bj, MODE=2,
+                             STAGES=kl.STAGES)
                 sig.update(dict.fromkeys(const, "constexpr"))
                 attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if aligned and
                          a in ("k_ptr", "v_ptr", "skb", "skh", "skn", "svb", "svh", "svn")}

@@ -558,27 +558,28 @@ def test_compress_is_one_launch(what):
 
 def test_lagkv_kernel_compiles_ahead_of_time():
     """Every mode (select, rank, raw), whole-partition and chunked tiles, and every tiling of ``TILINGS`` at the
-    shipped shape and its warps, for sm_80 and sm_90; eps also as fp64, how torch.compile (Inductor) passes a
-    Python float."""
+    shipped shape and its warps, for sm_80 and sm_90, and the partition walk software-pipelined (``STAGES`` 2);
+    eps also as fp64, how torch.compile (Inductor) passes a Python float."""
     sig = {"k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*i64", "ko_ptr": "*bf16", "vo_ptr": "*bf16",
            "tmp_ptr": "*fp32", "H": "i32", "skb": "i64", "skh": "i64", "skn": "i64", "svb": "i64", "svh": "i64",
            "svn": "i64", "N": "i32", "D": "constexpr", "sink": "i32", "lag": "constexpr", "n_scored": "i32",
            "parts": "i32",
            "n_runs": "i32", "quota": "i32", "rem": "i32", "n_out": "i32", "window": "i32", "eps": "fp32",
            "BLOCK_L": "constexpr", "BLOCK_T": "constexpr", "BLOCK_D": "constexpr", "BLOCK_J": "constexpr",
-           "MODE": "constexpr"}
+           "MODE": "constexpr", "STAGES": "constexpr"}
     # (tests/aot.py compiles at its default 4 warps: small tiles, so that ptxas stays quick; the shipped
     # 128 x 128 whole-partition tile runs 16 warps)
     # (D = BLOCK_D and lag = BLOCK_L: the tile masks fold away; smaller: they stay)
     whole = {"D": 64, "lag": 32, "BLOCK_L": 32, "BLOCK_T": 32, "BLOCK_D": 64, "BLOCK_J": 32}
     chunked = {"D": 48, "lag": 200, "BLOCK_L": 256, "BLOCK_T": 16, "BLOCK_D": 64, "BLOCK_J": 64}
     specs = [(whole, 2, "fp64", "*i64", 4), (chunked, 2, "fp32", "*i64", 4), (whole, 1, "fp32", "*fp32", 4),
-             (chunked, 0, "fp64", "*fp32", 4)]
+             (chunked, 0, "fp64", "*fp32", 4), ({**whole, "STAGES": 2}, 2, "fp32", "*i64", 4)]  # pipelined walk
     # the GPU session's tilings at the shipped shape (lag 128, D 128), select mode, at their warps
     for tile, warps in klag.TILINGS[1:]:
         bl, bt, bd, bj, w = klag._tiling(128, 128, 2, tile, warps)
         specs.append(({"D": 128, "lag": 128, "BLOCK_L": bl, "BLOCK_T": bt, "BLOCK_D": bd, "BLOCK_J": bj}, 2, "fp32",
                       "*i64", w))
     assert_compiles(*({"module": "tritonkv.kernels.lagkv", "kernel": "_lagkv_kernel",
-                       "signature": {**sig, "eps": eps, "out_ptr": out}, "constexprs": {**blocks, "MODE": mode},
+                       "signature": {**sig, "eps": eps, "out_ptr": out},
+                       "constexprs": {"STAGES": klag.STAGES, **blocks, "MODE": mode},
                        "options": {"num_warps": warps}} for blocks, mode, eps, out, warps in specs))

@@ -182,7 +182,7 @@ def _emit(nb, pos, tm, quota_j, dst0, out_ptr, orow, lag, krow, vrow, skn, svn, 
 def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, skn, svb, svh, svn, N,
                   D: tl.constexpr, sink, lag: tl.constexpr, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
                   BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
-                  MODE: tl.constexpr):
+                  MODE: tl.constexpr, STAGES: tl.constexpr):
     # MODE RAW/RANK: out_ptr fp32 scores [R, N]. MODE SELECT: out_ptr int64 indices [R, n_out], ko/vo [R, n_out, D].
     # D and lag are compile-time: with D = BLOCK_D and lag = BLOCK_L the masks of the tiles fold away.
     # window: the protected tokens after the sinks ([N - window, N)); n_out = sink + window + the quotas.
@@ -227,7 +227,7 @@ def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, s
         lo_k, hi_k, lo_v, hi_v = _minmax_kv(kp, vp, ok, dmask, lo_k, hi_k, lo_v, hi_v)
 
     trow = tmp_ptr + r * (2 * N)  # scratch (chunked partitions only): sd_K at [0, N), sd_V at [N, 2N)
-    for q in range(j_lo, j_hi):
+    for q in tl.range(j_lo, j_hi, num_stages=STAGES):
         j = j_hi - 1 - (q - j_lo)  # the run is walked from its last partition down
         start = sink + j * lag
         nlo_k, inv_k = _norm(lo_k, hi_k, eps)
@@ -343,6 +343,11 @@ def _tiling(lag: int, d: int, itemsize: int, tile: int = 0, warps: int = 0, alig
 # (benchmarks/results/lagkv_tilings.md) — to hide each partition's chain of dependent loads and barriers (module
 # docstring). (0, 0) is the default.
 TILINGS = ((0, 0), (16, 4), (8, 2), (8, 1), (4, 1))
+# Software-pipelined stages of a program's walk over its partitions (``tl.range(num_stages=)``): with 2 the next
+# partition's K/V tiles are read (cp.async into shared memory) while this one is ranked. Timed by the same tuning
+# part; 1 (not pipelined) until a GPU run says otherwise. The default tiling at 2 takes ~213 KB of shared memory:
+# it fits an H100's 227 KB, not an A100's 163 KB.
+STAGES = 1
 
 
 def _blocks(lag: int, d: int, itemsize: int, n_scored: int, rows: int, parts: int, tile: int = 0, warps: int = 0,
@@ -383,7 +388,8 @@ def _run(keys, values, out, ko, vo, mode: int, sink: int, lag: int, eps: float, 
     launch(_lagkv_kernel, (n_runs + max(1, cdiv(sink + window, BLOCK_T)), R), keys, values, out, ko, vo, tmp, H,
            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
            N, D, sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
-           BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, MODE=mode, num_warps=warps)
+           BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, MODE=mode, STAGES=STAGES,
+           num_warps=warps)
 
 
 # ------------------------------------------------------------------------------------------------
