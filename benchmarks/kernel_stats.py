@@ -270,19 +270,22 @@ def workloads(N: int, only=None) -> list[dict]:
 
 def lagkv_tilings(keys, values, k: int, only=None) -> list[dict]:
     """LagKV's compress (budget mode, the policy's defaults) with each tiling of ``kernels.lagkv.TILINGS`` but the
-    default, named ``lagkv[tile=T,warps=W]``: the same tokens, other programs (docs/architecture.md). Compiled only
-    when named in ``--only``: they are tuning candidates, not what a compress runs, so the checks leave them out."""
-    from tritonkv.kernels.lagkv import TILINGS, lagkv_compress, num_partitions
+    default, named ``lagkv[tile=T,warps=W]``, and the default with its partitions software-pipelined,
+    ``lagkv[stages=2]`` (``kernels.lagkv.STAGES``): the same tokens, other programs (docs/architecture.md). Compiled
+    only when named in ``--only``: they are tuning candidates, not what a compress runs, so the checks leave them
+    out."""
+    from tritonkv.kernels import lagkv as kl
 
     pol, N = tritonkv.POLICIES["lagkv"](), keys.shape[2]
     sink, window = pol.protected(N, k)
-    quota, rem = divmod(k - sink - window, num_partitions(N, pol.sink, pol.lag) - 1)
+    quota, rem = divmod(k - sink - window, kl.num_partitions(N, pol.sink, pol.lag) - 1)
     out = []
-    for tile, warps in TILINGS[1:]:
-        name = f"lagkv[tile={tile},warps={warps}]"
+    for tile, warps, stages in [(t, w, 1) for t, w in kl.TILINGS[1:]] + [(0, 0, 2)]:
+        name = f"lagkv[tile={tile},warps={warps}]" if stages == 1 else f"lagkv[stages={stages}]"
         if name in only:
-            log, ops, err = dry(lambda: lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota, rem=rem,
-                                                       window=window, tile=tile, warps=warps))
+            with mock.patch.object(kl, "STAGES", stages):
+                log, ops, err = dry(lambda: kl.lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota,
+                                                              rem=rem, window=window, tile=tile, warps=warps))
             out.append(dict(name=name, kind="compress", launches=log, ops=ops, error=err, inputs=[], readback=None))
     return out
 

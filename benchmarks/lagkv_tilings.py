@@ -7,8 +7,9 @@ no GPU): per tiling, Triton version and arch, the resources and what one partiti
 
 Per partition: the SASS instructions of the partition loop's body (its own, plus the loops inside it × their
 iterations per partition), per warp and × the warps (warp-instructions: the SM's issue work), and the barriers,
-global loads and shuffles one program runs through in a row; "issue µs" = warp-instructions / (4 per clock ×
-1.98 GHz), the least SM time a partition takes when nothing else limits it.
+global loads (LDG; LDGSTS: cp.async into shared memory, the software-pipelined loads) and shuffles one program
+runs through in a row; "issue µs" = warp-instructions / (4 per clock × 1.98 GHz), the least SM time a partition
+takes when nothing else limits it.
 """
 import json
 import os
@@ -34,11 +35,13 @@ def rows(res: dict) -> list[list]:
             inner = [(L, x["loops"][i]["iterations"] / x["loops"][part]["iterations"])
                      for i, L in enumerate(loops) if L["parent"] == part or (L["parent"] is not None and
                                                                               loops[L["parent"]]["parent"] == part)]
-            per = {op: loops[part]["own"][op] + sum(L["own"][op] * n for L, n in inner) for op in ("BAR", "LDG", "SHFL")}
+            per = {op: loops[part]["own"][op] + sum(L["own"][op] * n for L, n in inner)
+                   for op in ("BAR", "LDG", "LDGSTS", "SHFL")}
             n = loops[part]["own_n"] + sum(L["own_n"] * n for L, n in inner)
             out.append([w["name"], res["triton"], arch, st["regs"], f"{st['spill_stores']}/{st['spill_loads']}",
                         st["smem"], st["num_warps"], st["ctas_per_sm"], f"{st['occupancy']:.1%}", round(n),
-                        round(n * st["num_warps"]), round(per["BAR"]), round(per["LDG"]), round(per["SHFL"]),
+                        round(n * st["num_warps"]), round(per["BAR"]), round(per["LDG"]), round(per["LDGSTS"]),
+                        round(per["SHFL"]),
                         f"{n * st['num_warps'] / ISSUE_PER_US:.1f}", w["model_us"]["H100"] if arch == "sm_90" else ""])
     return out
 
@@ -99,7 +102,7 @@ def main(paths) -> None:
     print("\n".join(table([r for x in res for r in rows(x)], None, [
         "workload", "Triton", "arch", "regs", "spill st/ld B", "smem B", "warps", "CTAs/SM (partitions in flight)",
         "occupancy", "instr./partition (a warp)", "warp-instr./partition", "BAR/partition", "LDG/partition",
-        "SHFL/partition", "issue µs/partition", "model H100 µs"], right=True)))
+        "LDGSTS/partition", "SHFL/partition", "issue µs/partition", "model H100 µs"], right=True)))
 
 
 if __name__ == "__main__":
