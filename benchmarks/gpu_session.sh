@@ -251,11 +251,14 @@ for N in (4096, 32768, 131072) if cuda else (1024,):
         kl.STAGES = stages
         auto = kl._blocks(pol.lag, 128, 2, p - 1, 8, 0, tile, warps)[0]
         row = [f"LagKV N={N} ({p - 1} scored partitions a row) tile={tile} warps={warps} stages={stages}, parts:"]
-        for parts in sorted({max(1, auto // 2), auto, min(32, 2 * auto)}):
-            fn = lambda: kl.lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota,  # noqa: E731
-                                           rem=rem, window=window, parts=parts, tile=tile, warps=warps)
-            assert all(map(torch.equal, fn(), ref)), (tile, warps, parts)  # the same tokens, K/V rows bit for bit
-            row.append(f"{parts}{'*' if parts == auto else ''}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
+        try:  # (stages 2 needs ~213 KB of shared memory a program: an H100/H200, not an A100)
+            for parts in sorted({max(1, auto // 2), auto, min(32, 2 * auto)}):
+                fn = lambda: kl.lagkv_compress(keys, values, k, sink=sink, lag=pol.lag, quota=quota,  # noqa: E731
+                                               rem=rem, window=window, parts=parts, tile=tile, warps=warps)
+                assert all(map(torch.equal, fn(), ref)), (tile, warps, parts)  # the same tokens, K/V rows bit for bit
+                row.append(f"{parts}{'*' if parts == auto else ''}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
+        except Exception as e:  # an assertion or a launch that does not fit: said, and the part goes on
+            row.append(f"failed: {type(e).__name__}: {str(e)[:200]}")
         print(" ".join(row), flush=True)
     kl.STAGES = 1
 print("(* the automatic partitions per program)")
