@@ -90,7 +90,7 @@ def token_blocks(n: int, rows: int, d: int, chunk: int = 0) -> dict:
             want = max(1, -(-264 // max(rows, 1)))
             chunk = min(max(next_pow2(-(-n // want)), tile), 16384)
     chunk = next_pow2(chunk)
-    return dict(CHUNK=chunk, TILE=min(tile, chunk), BLOCK_D=block_d, STAGES=STREAM_STAGES,
+    return dict(CHUNK=chunk, TILE=min(tile, chunk), BLOCK_D=block_d,
                 num_warps=4 if min(tile, chunk) * block_d <= 4096 else 8)
 
 
@@ -140,7 +140,7 @@ def knorm_score_op(keys: torch.Tensor, chunk: int, hist0: Optional[torch.Tensor]
         C = cdiv(N, cfg["CHUNK"])
         launch(_knorm_kernel, (C, B * H), keys, out, out if hist0 is None else hist0, H,
                keys.stride(0), keys.stride(1), keys.stride(2), N, D, C0=C, sink=sink, window=window,
-               HIST=hist0 is not None, NB=NB, HIST_TILE=hist_tile(cfg["num_warps"]), **cfg)
+               HIST=hist0 is not None, NB=NB, HIST_TILE=hist_tile(cfg["num_warps"]), STAGES=STREAM_STAGES, **cfg)
     return out
 
 
