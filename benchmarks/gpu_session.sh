@@ -10,7 +10,8 @@
 #            (SmolLM2-135M's shape, or Llama-3-8B's with
 #            PREFILL_SHAPE=llama8b; random weights, bf16, SDPA)
 #   lagkv    Nsight Compute's warp-stall and scheduler sections of LagKV's kernel at N = 32K
-#   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time
+#   kernels  each policy's device time per kernel at N = 32K (torch.profiler), where a compress spends its time (and
+#            SnapKV's without attn_lse, as inside generate)
 #   tuning   at 4K/32K/128K (8 rows, and one row of 64K and 256K; keep 25 %, CUDA graphs): the shared select for
 #            each chunk size, LagKV for each tiling of kernels.lagkv.TILINGS at half, once and twice its automatic
 #            partitions per program (defaults: the H100 run of 2026-11-26), the default tiling also with its
@@ -192,9 +193,11 @@ from benchmarks.common import policy_inputs, random_case
 from benchmarks.speed import window_lse
 keys, values, pool = random_case(32768, 1, 8, 4, 128, 32, torch.bfloat16, "cuda", seed=0)
 pool["attn_lse"] = window_lse(keys, pool["queries"])
-for name in sorted(tritonkv.POLICIES):
-    pol = tritonkv.POLICIES[name]()
-    fn = lambda: tritonkv.compress((keys, values), pol, 0.25, **policy_inputs(pol, pool))  # noqa: E731
+# and SnapKV scored from its window queries alone, as inside generate (the LSE pass over K runs too)
+for name in sorted(tritonkv.POLICIES) + ["snapkv[no lse]"]:
+    pol = tritonkv.POLICIES[name.split("[")[0]]()
+    inputs = {n: v for n, v in policy_inputs(pol, pool).items() if n != "attn_lse" or "[no lse]" not in name}
+    fn = lambda: tritonkv.compress((keys, values), pol, 0.25, **inputs)  # noqa: E731
     try:
         for _ in range(3):
             fn()

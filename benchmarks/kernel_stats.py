@@ -54,6 +54,8 @@ KEY_ONLY = ("keydiff", "knorm", "streaming_llm")
 MAX_LAUNCHES = 6
 MIN_OCCUPANCY = 0.25
 ALLOCATED = {"snapkv+adakv": ("snapkv", "adakv")}  # workload: (policy, allocator), as benchmarks/speed.py
+# workload: a window policy scored from its window queries alone, as inside generate (the LSE pass over K runs too)
+NO_LSE = {"snapkv[no lse]": "snapkv"}
 LAYER, NUM_LAYERS = 15, 30
 
 # Per-SM limits (CUDA occupancy calculator; H100 SXM and A100).
@@ -224,8 +226,8 @@ def make_inputs(N: int) -> dict:
 
 
 def workloads(N: int, only=None) -> list[dict]:
-    """Every policy's compress at the target shape, SnapKV + AdaKV, then a decode step over the ragged cache
-    (``only``: the names of the workloads to run; default all)."""
+    """Every policy's compress at the target shape, SnapKV + AdaKV, SnapKV without attn_lse (``NO_LSE``), then a
+    decode step over the ragged cache (``only``: the names of the workloads to run; default all)."""
     from tritonkv.cache import RaggedKV
     from tritonkv.kernels.decode_attention import decode_attention
 
@@ -237,9 +239,10 @@ def workloads(N: int, only=None) -> list[dict]:
     cases.append(("criticalkv_l2", tritonkv.POLICIES["criticalkv"](norm="l2"), {}))  # its own norm kernel
     cases += [(name, tritonkv.POLICIES[p](), dict(allocation=a, layer=LAYER, num_layers=NUM_LAYERS))
               for name, (p, a) in ALLOCATED.items()]
+    cases += [(name, tritonkv.POLICIES[p](), {}) for name, p in NO_LSE.items()]
     out = []
     for name, pol, alloc in [c for c in cases if not only or c[0] in only]:
-        inputs = policy_inputs(pol, pool)
+        inputs = {n: v for n, v in policy_inputs(pol, pool).items() if n != "attn_lse" or name not in NO_LSE}
         rb = (B * H * k, k) if alloc else None  # an allocator's total and, standing in for its longest row, k
         log, ops, err = dry(lambda: tritonkv.compress((keys, values), pol, KEEP, **alloc, **inputs), readback=rb,
                             inputs=_tensors(inputs))

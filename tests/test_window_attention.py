@@ -127,31 +127,36 @@ def test_torch_body_matches_kernel(case, kw, lse, block):
 
 
 NONFINITE_PLANTS = [("keys", (0, 1, 2, 3)), ("keys", (0, 0, -1, 0)), ("queries", (0, 2, -1, 1)),
-                    ("queries", (0, 5, 0, 2)), ("attn_lse", (0, 3, -1))]
+                    ("queries", (0, -1, 0, 2)), ("attn_lse", (0, 3, -1))]
 
 
 @pytest.mark.parametrize("N, W", [(40, 8), (6, 8), (70, 1)])
 @pytest.mark.parametrize("which, where", NONFINITE_PLANTS)
 @pytest.mark.parametrize("val", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_inputs_score_alike_on_both_backends(val, which, where, N, W):
+@pytest.mark.parametrize("Hq", [6, 4])
+def test_non_finite_inputs_score_alike_on_both_backends(Hq, val, which, where, N, W):
     """A NaN/±inf key, query or given LSE (W > N included: rows that see nothing): NaN and ±inf at the
-    same places on the kernel and the PyTorch body (one chunk and many), for every reduction and
-    pooling, the finite scores within the oracle tests' tolerance."""
+    same places on the kernel (one key tile, causally masked, or tiles of 16 keys: the first unmasked; one row
+    block or blocks of one head) and the PyTorch body (one chunk and many), for every reduction and pooling, the
+    finite scores within the oracle tests' tolerance. G = 3 pads the row block with a head (a zeroed query), G = 2
+    at W = 8 fills it (16 rows)."""
     g = torch.Generator().manual_seed(8)
-    t = {"keys": torch.randn(1, 2, N, 16, generator=g), "queries": torch.randn(1, 6, W, 16, generator=g),
-         "attn_lse": torch.rand(1, 6, W, generator=g) + 3 if which == "attn_lse" else None}
+    t = {"keys": torch.randn(1, 2, N, 16, generator=g), "queries": torch.randn(1, Hq, W, 16, generator=g),
+         "attn_lse": torch.rand(1, Hq, W, generator=g) + 3 if which == "attn_lse" else None}
     t[which][where] = val
     for kw in (dict(), dict(kernel_size=5), dict(head_reduce="max", row_reduce="sum"),
                dict(head_reduce="layer", pool="avg", kernel_size=4)):
         with on_backend("triton"):
             want = window_attention_scores(t["keys"], t["queries"], attn_lse=t["attn_lse"], **kw)
-            orig = kwa._config  # row blocks of one head: the row weights come from row_weights, not the kernel
-            kwa._config = lambda *a: {**orig(*a), "GB": 1, "BW": 16}
-            try:
-                blocked = window_attention_scores(t["keys"], t["queries"], attn_lse=t["attn_lse"], **kw)
-            finally:
-                kwa._config = orig
-        assert_same_scores(blocked, want, rtol=2e-5, atol=1e-9)
+            # row blocks of one head (the row weights come from row_weights, not the kernel); tiles of 16 keys
+            for blocks in (dict(GB=1, BW=16), dict(BLOCK_N=16), dict(GB=1, BW=16, BLOCK_N=16)):
+                orig = kwa._config
+                kwa._config = lambda *a: {**orig(*a), **blocks}
+                try:
+                    blocked = window_attention_scores(t["keys"], t["queries"], attn_lse=t["attn_lse"], **kw)
+                finally:
+                    kwa._config = orig
+                assert_same_scores(blocked, want, rtol=2e-5, atol=1e-9)
         for block in (kwa.TORCH_BLOCK, 50):
             orig, kwa.TORCH_BLOCK = kwa.TORCH_BLOCK, block
             try:
@@ -174,16 +179,18 @@ def test_lse_given_equals_lse_computed(backend, case, kw):
 
 
 @settings(max_examples=15)
-@given(case=wa_case(max_n=100), kw=SETTINGS, chunk=st.sampled_from([16, 32]), lse=st.booleans())
-def test_small_blocks_and_many_chunks(case, kw, chunk, lse):
-    """Several key chunks per row (partial LSEs combined), key tiles smaller than a chunk, and query
-    rows split into blocks of one head × 16 rows (no hoisting) give the oracle's scores."""
+@given(case=wa_case(max_n=100), kw=SETTINGS, chunk=st.sampled_from([16, 32]), lse=st.booleans(),
+       hoist=st.booleans())
+def test_small_blocks_and_many_chunks(case, kw, chunk, lse, hoist):
+    """Several key chunks per row (partial LSEs combined), key tiles smaller than a chunk (tiles every window row
+    sees, unmasked, then the causally masked ones), and query rows either in one block (hoisted) or split into blocks
+    of one head × 16 rows (no hoisting) give the oracle's scores."""
     keys, queries = case
     orig = kwa._config
 
     def small(N, G, W, D, ch):
         cfg = orig(N, G, W, D, ch)
-        return {**cfg, "GB": 1, "BW": 16, "BLOCK_N": 16}
+        return {**cfg, "BLOCK_N": 16} if hoist else {**cfg, "GB": 1, "BW": 16, "BLOCK_N": 16}
 
     attn_lse = oracle_lse(keys, queries) if lse else None
     try:
@@ -193,6 +200,32 @@ def test_small_blocks_and_many_chunks(case, kw, chunk, lse):
         kwa._config = orig
     want = oracle(keys, queries, **oracle_kw(kw))
     assert_scores_close(got, want)
+
+
+@pytest.mark.parametrize("W", [1, 8, 17])
+@pytest.mark.parametrize("hoist", [True, False])
+def test_every_window_alignment_with_the_key_tiles(W, hoist):
+    """Tiles of 16 keys: the tiles every window row sees run unmasked, the rest with the causal mask. For every N
+    from W to W + 33, so that the window starts at each offset of a tile (and a tile ends right before the first
+    key a window row does not see), the scores, with the LSE computed and given, match the oracle's."""
+    orig = kwa._config
+
+    def small(*a):
+        return {**orig(*a), "BLOCK_N": 16} if hoist else {**orig(*a), "GB": 1, "BW": 16, "BLOCK_N": 16}
+
+    g = torch.Generator().manual_seed(W)
+    for N in range(W, W + 34):
+        keys, queries = torch.randn(1, 2, N, 16, generator=g), torch.randn(1, 4, W, 16, generator=g)
+        want = oracle(keys, queries)
+        with on_backend("triton"):
+            kwa._config = small
+            try:
+                got = [window_attention_scores(keys, queries, attn_lse=lse)
+                       for lse in (None, oracle_lse(keys, queries))]
+            finally:
+                kwa._config = orig
+        for x in got:
+            assert_scores_close(x, want)
 
 
 @both_backends

@@ -26,6 +26,13 @@ The row weights, with the means folded in, come from the query block in register
 holds a head's rows (else ``row_weights``, ``[B, H_q, W]``: small torch ops), and
 P·w = exp(τ·q·k − (lse − ln w)), so the reductions cost nothing per key.
 
+Per (key, row) entry the kernels do as little as they can: they work in base 2 (``tl.exp2`` is one MUFU
+``ex2.approx.ftz``; ``tl.exp`` is a multiply and ``ex2.approx`` with a four-instruction denormal fix-up),
+with τ·log2 e applied in the FFMA that subtracts the LSE; a row left out is a zeroed query with an LSE of
++inf (its entries are 0, or NaN at a non-finite key, whose u is NaN anyway) instead of a select per entry;
+and the causal mask is applied to the key tiles reaching past N − W only (every window row sees the keys
+before), a uniform branch in the score kernel and a second loop in the LSE kernel.
+
 Kernels, each on a grid (key chunks, B·H_kv) so a long row splits over many programs; one program
 holds all G·W query rows of its KV head (in blocks of GB heads × BW rows when there are many):
 
@@ -168,13 +175,38 @@ def _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid):
     return mx + tl.log(tl.where(valid, tot, 1.0))
 
 
+@triton.jit
+def _visible_tiles(c, CHUNK, N, W, n_chunk, BLOCK_N: tl.constexpr):
+    """Keys of chunk c in whole tiles that every window row sees (all before N − W + 1): the tiles after them
+    need the causal mask (all of them when W > N: rows at negative positions see nothing)."""
+    return tl.minimum(tl.maximum(N - W + 1 - c * CHUNK, 0) // BLOCK_N * BLOCK_N, n_chunk)
+
+
+@triton.jit
+def _lse_tile(mx, tot, q, j, pos, c2, k_ptr, kbase, skn, N, d, D, v_ptr, vbase, svn, DV, CAUSAL: tl.constexpr,
+              CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr):
+    """The online max (base 2, of τ·log2 e·q·k) and sum of the rows of ``q`` over the keys j."""
+    kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
+    vz = _value_nan(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
+    s = tl.dot(q, kt, input_precision=DOT_PREC)  # raw logits: τ·log2 e is applied in the FFMA below
+    # a non-finite key makes s non-finite in every row whose query is finite: masked out (a token with a non-finite
+    # value too, when the values are read); rows at positions < 0 see no key (the causal mask), padded ones are not
+    # stored
+    s = tl.where(tl.abs(s + vz[None, :] if HAS_V else s) < float("inf"), s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+    new = tl.maximum(mx, tl.max(s, 1) * c2)  # rounding is monotone: max(s)·c = max(s·c)
+    safe = tl.where(new == float("-inf"), 0.0, new)
+    return new, tot * tl.exp2(mx - safe) + tl.sum(tl.exp2(s * c2 - safe[:, None]), 1)
+
+
 @triton.jit(do_not_specialize=["C", "CHUNK"])
 def _window_lse_kernel(k_ptr, q_ptr, v_ptr, part_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw,
                        DV, svb, svh, svn, C, scale,
                        CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                        BLOCK_D: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
                        BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr):
-    scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
+    c2 = tl.cast(scale, tl.float32) * 1.4426950408889634  # τ·log2 e (fp32: torch.compile passes fp64 floats)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     kbase = (r // H) * skb + (r % H) * skh
@@ -182,43 +214,46 @@ def _window_lse_kernel(k_ptr, q_ptr, v_ptr, part_ptr, H, G, N, W, D, skb, skh, s
     qbase = (r // H) * sqb + (r % H) * G * sqh
     d = tl.arange(0, BLOCK_D)
     n_chunk = tl.minimum(CHUNK, N - c * CHUNK)  # keys of this chunk
+    n_seen = _visible_tiles(c, CHUNK, N, W, n_chunk, BLOCK_N)
     for g0 in range(0, G, GB):
         for w0 in range(0, W, BW):
             g, i, pos, valid = _rows(g0, w0, G, W, N, GB, BW)
             q = _load_q(q_ptr, qbase, sqh, sqw, g, i, valid, d, D, CAST_FP32)
             mx = tl.full([GB * BW], float("-inf"), tl.float32)
             tot = tl.zeros([GB * BW], tl.float32)
-            for t0 in range(0, n_chunk, BLOCK_N):
-                j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
-                kt = _load_kt(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
-                vz = _value_nan(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
-                s = tl.dot(q, kt, input_precision=DOT_PREC) * scale
-                # a non-finite key makes s non-finite in every row whose query is finite: masked out
-                # (a token with a non-finite value too, when the values are read)
-                vis = valid[:, None] & (j[None, :] <= pos[:, None]) & (_nan_term(s, vz, HAS_V, 1) == 0.0)
-                s = tl.where(vis, s, float("-inf"))
-                new = tl.maximum(mx, tl.max(s, 1))
-                safe = tl.where(new == float("-inf"), 0.0, new)
-                tot = tot * tl.exp(mx - safe) + tl.sum(tl.exp(s - safe[:, None]), 1)
-                mx = new
-            # no visible key: -inf; a NaN logit (or +inf, giving inf - inf) makes tot and the LSE NaN
-            part = tl.where(tot > 0, mx + tl.log(tl.where(tot > 0, tot, 1.0)),
+            for t0 in range(0, n_seen, BLOCK_N):
+                mx, tot = _lse_tile(mx, tot, q, c * CHUNK + t0 + tl.arange(0, BLOCK_N), pos, c2, k_ptr, kbase, skn, N,
+                                    d, D, v_ptr, vbase, svn, DV, False, CAST_FP32, DOT_PREC, BLOCK_DV, HAS_V)
+            for t0 in range(n_seen, n_chunk, BLOCK_N):
+                mx, tot = _lse_tile(mx, tot, q, c * CHUNK + t0 + tl.arange(0, BLOCK_N), pos, c2, k_ptr, kbase, skn, N,
+                                    d, D, v_ptr, vbase, svn, DV, True, CAST_FP32, DOT_PREC, BLOCK_DV, HAS_V)
+            # no visible key: -inf; a NaN total (an overflowing τ·q·k: inf − inf) makes the LSE NaN
+            part = tl.where(tot > 0, (mx + tl.log2(tl.where(tot > 0, tot, 1.0))) * 0.6931471805599453,
                             tl.where(tot == tot, float("-inf"), tot))
             tl.store(part_ptr + ((r * C + c) * G + g) * W + i, part, mask=(g < G) & (i < W))
 
 
 @triton.jit
-def _probs(k, q_t, scale, lse, pos, valid, j, vz, DOT_PREC: tl.constexpr, HAS_V: tl.constexpr):
+def _probs(k, q_t, c, l2, pos, j, vz, causal, DOT_PREC: tl.constexpr, HAS_V: tl.constexpr):
     """exp(τ·k·q − lse), [BLOCK_N, rows], of the keys j of the tile ``k`` [BLOCK_N, BLOCK_D] and the rows of a row
-    block, from its transposed queries ``q_t`` [BLOCK_D, rows]: 0 for a row left out (``valid`` False) and a key its
-    row does not see, NaN in the rows left in for a non-finite key (``HAS_V``: ``vz`` is NaN for a token with a
-    non-finite value, else ±0). Keys first: on Hopper the queries are the dot's shared-memory operand (no registers
+    block, as 2^(c·k·q − l2) with c = τ·log2 e and ``l2`` = lse·log2 e (``_log2_lse``: +inf for a row left out, whose
+    query in ``q_t`` [BLOCK_D, rows] is zeroed, so its entries are 0): one FFMA and one MUFU an entry. 0 where a row
+    does not see the key (only a tile reaching past N − W holds such keys: ``causal``, the mask is applied to it
+    alone), NaN for a non-finite key (its raw logit is not finite; a zeroed query gives 0·±inf = NaN too) or,
+    ``HAS_V``, value (``vz`` NaN). Keys first: on Hopper the queries are the dot's shared-memory operand (no registers
     held across the key loop) and a key's sum over rows adds up mostly a thread's own registers."""
-    s = tl.dot(k, q_t, input_precision=DOT_PREC) * scale
-    p = tl.exp(tl.where(j[:, None] <= pos[None, :], s - lse[None, :], float("-inf")))
-    # + ±0, or NaN for a non-finite key or value (its u is NaN: no column reduction); s itself is left as it is
-    # (its rounding into s − lse does not depend on HAS_V)
-    return tl.where(valid[None, :], p + _nan_term(s, vz, HAS_V, 0), 0.0)
+    s = tl.dot(k, q_t, input_precision=DOT_PREC)
+    p = tl.exp2(s * c - l2[None, :])  # exp2 lowers to ex2.approx.ftz: no denormal fix-up around the MUFU
+    if causal:  # keys the window's causal mask hides from its first rows
+        p = tl.where(j[:, None] <= pos[None, :], p, 0.0)
+    # + ±0, or NaN for a non-finite key or value (its u is NaN: no column reduction)
+    return p + _nan_term(s, vz, HAS_V, 0)
+
+
+@triton.jit
+def _log2_lse(lse, valid):
+    """The rows' ln-normalisers (row weights folded in) in base 2 for ``_probs``: +inf for a row left out."""
+    return tl.where(valid, lse * 1.4426950408889634, float("inf"))
 
 
 @triton.jit
@@ -240,7 +275,7 @@ def _window_score_kernel(k_ptr, q_ptr, v_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb
                          CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr, HAS_LSE: tl.constexpr,
                          ROW_MEAN: tl.constexpr, HEAD_MEAN: tl.constexpr, BLOCK_DV: tl.constexpr,
                          HAS_V: tl.constexpr):
-    scale = tl.cast(scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
+    c2 = tl.cast(scale, tl.float32) * 1.4426950408889634  # τ·log2 e (fp32: torch.compile passes fp64 floats)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     kbase = (r // H) * skb + (r % H) * skh
@@ -256,14 +291,16 @@ def _window_score_kernel(k_ptr, q_ptr, v_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb
         lse_h = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g_h, i_h, valid_h)
         w_h, lw_h = _hoisted_w(q_h, lse_h, g_h, i_h, pos_h, G, W, GB, BW, HAS_LSE, ROW_MEAN, HEAD_MEAN)
         valid_h = valid_h & (w_h > 0)
-        lse_h = lse_h - lw_h
-        q_t = tl.trans(q_h)
-    for t0 in range(0, n_chunk, BLOCK_N):
+        l2_h = _log2_lse(lse_h - lw_h, valid_h)
+        q_t = tl.trans(tl.where(valid_h[:, None], q_h, 0.0))
+    n_seen = _visible_tiles(c, CHUNK, N, W, n_chunk, BLOCK_N)
+    for t0 in range(0, n_chunk, BLOCK_N):  # one loop (two, as in the LSE kernel, took more registers on sm_80)
         j = c * CHUNK + t0 + tl.arange(0, BLOCK_N)
+        causal = t0 >= n_seen  # a uniform branch: only the last tiles of a row need the causal mask
         k = _load_k(k_ptr, kbase, skn, j, N, d, D, CAST_FP32)
         vz = _value_nan(v_ptr, vbase, svn, j, N, DV, BLOCK_DV, HAS_V)
         if HOIST:  # straight-line code: a loop over the one row block kept its loop-invariant masks in registers
-            p = _probs(k, q_t, scale, lse_h, pos_h, valid_h, j, vz, DOT_PREC, HAS_V)
+            p = _probs(k, q_t, c2, l2_h, pos_h, j, vz, causal, DOT_PREC, HAS_V)
             if GROUP_MAX:
                 acc = _group_reduce(tl.zeros([BLOCK_N], tl.float32), tl.sum(tl.reshape(p, [BLOCK_N, GB, BW]), 2),
                                     GROUP_MAX)
@@ -278,8 +315,9 @@ def _window_score_kernel(k_ptr, q_ptr, v_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb
                     q = _load_q(q_ptr, qbase, sqh, sqw, g, i, valid, d, D, CAST_FP32)
                     w, lw = _load_w(w_ptr, wbase, W, g, i, valid)
                     valid = valid & (w > 0)
-                    lse = _load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid) - lw
-                    p = _probs(k, tl.trans(q), scale, lse, pos, valid, j, vz, DOT_PREC, HAS_V)
+                    l2 = _log2_lse(_load_lse(lse_ptr, lbase, slc, slg, slw, NC, g, i, valid) - lw, valid)
+                    p = _probs(k, tl.trans(tl.where(valid[:, None], q, 0.0)), c2, l2, pos, j, vz, causal, DOT_PREC,
+                               HAS_V)
                     hs += tl.sum(tl.reshape(p, [BLOCK_N, GB, BW]), 2)
                 acc = _group_reduce(acc, hs, GROUP_MAX)
         tl.store(u_ptr + r * N + j, acc, mask=j < N)
