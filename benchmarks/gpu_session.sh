@@ -16,7 +16,8 @@
 #            each chunk size, LagKV for each tiling of kernels.lagkv.TILINGS at half, once and twice its automatic
 #            partitions per program (defaults: the H100 run of 2026-11-26), the default tiling also with its
 #            partitions software-pipelined (kernels.lagkv.STAGES = 2); Knorm, KeyDiff and StreamingLLM compress
-#            at 4K/32K/128K for each pair of software-pipelined stages (key streams, compaction)
+#            at 4K/32K/128K for each pair of software-pipelined stages (key streams, compaction); SnapKV, TOVA, H2O
+#            (and SnapKV without attn_lse) for each count of key tiles in flight in the window score kernel
 #   host     python -m benchmarks.host_time --gpu: speed.py's calls at 4K eager, host and device-done µs per call,
 #            the share repeated from a plan and why a call was not recorded (~1 min, mostly compiling)
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
@@ -284,6 +285,30 @@ for N in (4096, 32768, 131072) if cuda else (1024,):
             row.append(f"{stages[0]},{stages[1]}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
         print(" ".join(row), flush=True)
 kn.STREAM_STAGES, ks.COMPACT_STAGES = defaults
+_plan._PLANS.clear()
+# the window score kernel's key tiles in flight (kernels.window_attention.SCORE_STAGES; 2 = the 2026-11-26 run's),
+# with the prefill's LSE given and, for SnapKV, without it (as inside generate: the LSE kernel runs too)
+from benchmarks.common import policy_inputs, random_case
+from benchmarks.speed import window_lse
+from tritonkv.kernels import window_attention as wa
+default = wa.SCORE_STAGES
+for N in (4096, 32768, 131072) if cuda else (1024,):
+    keys, values, pool = random_case(N, 1, 8, 4, 128, 32, torch.bfloat16, dev, seed=0)
+    pool["attn_lse"] = window_lse(keys, pool["queries"])
+    for name in ("snapkv", "tova", "h2o", "snapkv[no lse]"):
+        pol = tritonkv.POLICIES[name.split("[")[0]]()
+        inputs = {n: v for n, v in policy_inputs(pol, pool).items() if n != "attn_lse" or "[no lse]" not in name}
+        ref, row = None, [f"window stages {name} N={N} (default {default}):"]
+        for stages in (2, 3, 4):
+            wa.SCORE_STAGES = stages
+            _plan._PLANS.clear()
+            fn = lambda: tritonkv.compress((keys, values), pol, N // 4, **inputs)  # noqa: E731
+            out = fn()
+            ref = out if ref is None else ref
+            assert all(map(torch.equal, out, ref)), stages  # the same kept tokens and K/V rows whatever the stages
+            row.append(f"{stages}: {gpu_time(fn, cuda, graph=cuda)['us']:.1f} us")
+        print(" ".join(row), flush=True)
+wa.SCORE_STAGES = default
 _plan._PLANS.clear()
 EOF
         cat "$OUT/tuning.txt" ;;

@@ -464,10 +464,13 @@ def test_kernels_compile_ahead_of_time():
         lse_c = {**blocks, **tail, **vals}
         score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail,  # hoisted: weights from the block
                    "HAS_LSE": hoist, "ROW_MEAN": hoist, "HEAD_MEAN": not gmax, **vals}
+        warps = 8 if gb * bw * 64 >= 8192 else 4  # as _config sets them; the stages as the launches do
         specs.append({"module": mod, "kernel": "_window_lse_kernel", "constexprs": lse_c,
-                      "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}}})
+                      "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}},
+                      "options": {"num_warps": warps, "num_stages": 2}})
         specs.append({"module": mod, "kernel": "_window_score_kernel", "constexprs": score_c,
-                      "signature": {**score_sig, **{c: "constexpr" for c in score_c}}})
+                      "signature": {**score_sig, **{c: "constexpr" for c in score_c}},
+                      "options": {"num_warps": warps, "num_stages": 2 if has_v else kwa.SCORE_STAGES}})
     pool_sig = {"u_ptr": "*fp32", "out_ptr": "*fp32", "h0_ptr": "*i32",
                 **i32("H", "N", "n_pool", "C0", "sink", "window")}
     for ks, mx, layer, hist in ((7, True, False, True), (5, False, True, False)):  # with the select's first pass

@@ -65,6 +65,12 @@ from ._common import (INTERPRET, cdiv, check_kv_tensor, check_positive_float, fi
                       row_major, triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
+#: key tiles the score kernel keeps in flight when it reads no values (a launch argument, read at each launch): at
+#: B·H_kv = 8 rows its grid places at most two programs on an SM, so the loads one program has in flight are what
+#: the SM has; a third stage costs no registers there (sm_90) and 16 KB of shared memory a program. With values
+#: read, and in the LSE kernel, a third stage takes a CTA per SM (registers): 2
+SCORE_STAGES = 3
+
 POOLS = ("max", "avg")
 ROW_REDUCE = ("mean", "sum")
 HEAD_REDUCE = ("mean", "max", "layer")
@@ -392,8 +398,8 @@ def _config(N: int, G: int, W: int, D: int, chunk: int) -> dict:
         warps = 8 if gb * bw * block_n >= 8192 else 4
     chunk = next_pow2(chunk)
     # key tiles double-buffered (cp.async): at 128 rows × 64 keys × D 128 the hoisted queries and two bf16 key
-    # tiles take 66 KB of shared memory; a third stage costs CTAs per SM (Triton 3.6 with values: 148 registers;
-    # small row blocks: shared memory)
+    # tiles take 66 KB of shared memory; a third stage costs CTAs per SM in the LSE kernel and with values (Triton
+    # 3.6: 184 and 136 registers), so only the score kernel without values takes one (``SCORE_STAGES``)
     return dict(CHUNK=chunk, BLOCK_N=min(block_n, chunk), GB=gb, BW=bw, BLOCK_D=block_d, num_warps=warps,
                 num_stages=2)
 
@@ -641,7 +647,8 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Opt
     w = out if hoist else row_weights(queries, attn_lse, N, H, row_reduce, head_reduce)
     launch(_window_score_kernel, (C, R), keys, queries, vt, lse, u, *kq, *lstr, NC, w, scale,
            GROUP_MAX=head_reduce == "max", HOIST=hoist, HAS_LSE=given,
-           ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max", **common)
+           ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max",
+           **dict(common, num_stages=cfg["num_stages"] if has_v else SCORE_STAGES))
     if pooled:
         block = _pool_block(N)
         launch(_window_pool_kernel, (cdiv(N, block), R), u, out, out if hist0 is None else hist0, H, N, max(N - W, 0),
