@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 import tritonkv
 from aot import assert_compiles
 from reference import window_attention as ref
-from reference.select import select as ref_select
+from reference.select import first_pass_histogram, select as ref_select
 from tritonkv.kernels import window_attention as kwa
 from tritonkv.kernels.window_attention import window_attention_scores
 from tritonkv.policies import H2O, TOVA, SnapKV, SurfaceLogicKV
@@ -228,6 +228,36 @@ def test_every_window_alignment_with_the_key_tiles(W, hoist):
             assert_scores_close(x, want)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(head_reduce="max", row_reduce="sum"), dict(kernel_size=5),
+                                dict(head_reduce="layer")], ids=["score", "score-max", "pool", "layer"])
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_first_pass_from_the_kernel_writing_the_scores(kw, chunk):
+    """``protect=``: the kernel that writes the final scores (the score kernel without pooling, else the pooling
+    kernel) also returns the select's first radix pass, in one chunk a row or several: its slots sum to the NumPy
+    first pass over those scores with sink and window protected, and ``select_kv(..., hist0=)`` then launches no
+    pass-0 kernel and keeps what a select counting its own first pass keeps (twice: the ticket is reset)."""
+    from tritonkv.kernels._common import record_launches
+    from tritonkv.kernels.select import select_indices, select_kv
+
+    g = torch.Generator().manual_seed(5)
+    B, H, N, D, W, sink, window = 2, 2, 90, 16, 8, 3, 6
+    keys = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
+    queries = torch.randn(B, 3 * H, W, D, generator=g).to(torch.bfloat16)
+    with on_backend("triton"):
+        s, h0 = window_attention_scores(keys, queries, chunk=chunk, protect=(sink, window), **kw)
+        assert h0 is not None and (h0.sink, h0.window) == (sink, window)
+        torch.testing.assert_close(s, window_attention_scores(keys, queries, chunk=chunk, **kw), rtol=0, atol=0)
+        want = first_pass_histogram(s.view(B * H, N).numpy(), sink, window)
+        np.testing.assert_array_equal(h0.hist[:, 1:].sum(1).numpy(), want)
+        plain = select_indices(s, 30, 30, sink=sink, window=window)[0]
+        for _ in range(2):
+            with record_launches() as log:
+                idx = select_kv(s, 30, keys, keys, 30, sink=sink, window=window, hist0=h0)[2]
+            assert torch.equal(idx, plain) and "_select_hist0_kernel" not in [x.name for x in log]
+    with on_backend("torch"):
+        assert window_attention_scores(keys, queries, protect=(sink, window), **kw)[1] is None
+
+
 @both_backends
 @given(case=wa_case(min_n=20), data=st.data())
 def test_policies_select_oracle_indices(backend, case, data):
@@ -441,8 +471,8 @@ def test_bad_inputs(what, call, exc, words):
 
 def test_kernels_compile_ahead_of_time():
     """Every kernel for sm_80 and sm_90: bf16 operands straight into tl.dot (one hoisted row block, values read),
-    fp32 inputs (IEEE dot, several row blocks, group max) and fp16 (one hoisted row block, group max); pooling
-    max and avg + layer mean."""
+    fp32 inputs (IEEE dot, several row blocks, group max) and fp16 (one hoisted row block, group max), the last two
+    with the select's first pass; pooling max and avg + layer mean."""
     mod = "tritonkv.kernels.window_attention"
     i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
     kq = i32("H", "G", "N", "W", "D", "skb", "skh", "skn", "sqb", "sqh", "sqw", "DV", "svb", "svh", "svn")
@@ -460,10 +490,11 @@ def test_kernels_compile_ahead_of_time():
         score_sig = {"k_ptr": f"*{dt}", "q_ptr": f"*{dt}", "v_ptr": f"*{dt}", "lse_ptr": "*fp32", "u_ptr": "*fp32",
                      **kq,
                      **i32("slb", "slh", "slc", "slg", "slw", "NC"), "w_ptr": "*fp32", "scale": f,
-                     "CHUNK": "i32"}
+                     "h0_ptr": "*i32", **i32("sink", "window"), "CHUNK": "i32"}
         lse_c = {**blocks, **tail, **vals}
         score_c = {**blocks, "GROUP_MAX": gmax, "HOIST": hoist, **tail,  # hoisted: weights from the block
-                   "HAS_LSE": hoist, "ROW_MEAN": hoist, "HEAD_MEAN": not gmax, **vals}
+                   "HAS_LSE": hoist, "ROW_MEAN": hoist, "HEAD_MEAN": not gmax, **vals,
+                   "HIST": not has_v, "NB": 256, "HIST_TILE": 512}  # the select's first pass (no pooling)
         warps = 8 if gb * bw * 64 >= 8192 else 4  # as _config sets them; the stages as the launches do
         specs.append({"module": mod, "kernel": "_window_lse_kernel", "constexprs": lse_c,
                       "signature": {**lse_sig, **{c: "constexpr" for c in lse_c}},

@@ -41,8 +41,10 @@ holds all G·W query rows of its KV head (in blocks of GB heads × BW rows when 
 2. ``_window_score_kernel``: combines the partial LSEs (or reads ``attn_lse``, natural log, from
    the prefill attention: then K is read once), and writes u[h, j] reduced over rows and heads;
 3. ``_window_pool_kernel`` (only for κ > 1 or ``head_reduce="layer"``): the layer mean and the
-   pooling, which needs neighbours across chunk borders, over the reduced ``[B, H_kv, N]`` rows;
-   asked (``protect``), also the select's first radix pass over the scores it writes.
+   pooling, which needs neighbours across chunk borders, over the reduced ``[B, H_kv, N]`` rows.
+
+Asked (``protect``), the kernel that writes the final scores (the pooling kernel, else the score kernel) also
+counts the select's first radix pass over them: no launch of its own.
 
 ``tl.dot`` takes the native fp16/bf16 operands on the GPU (fp32 accumulation) and fp32 operands
 under the interpreter, whose bf16 arithmetic is wrong, or for fp32 inputs
@@ -70,6 +72,8 @@ from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 #: the SM has; a third stage costs no registers there (sm_90) and 16 KB of shared memory a program. With values
 #: read, and in the LSE kernel, a third stage takes a CTA per SM (registers): 2
 SCORE_STAGES = 3
+#: keys per step of the select's first pass in the pooling or score kernel (a step over a smaller chunk is masked)
+HIST_TILE = 4096 if INTERPRET else 512
 
 POOLS = ("max", "avg")
 ROW_REDUCE = ("mean", "sum")
@@ -273,14 +277,16 @@ def _group_reduce(acc, hs, GROUP_MAX: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=["slb", "slh", "slc", "NC", "CHUNK"])
+@triton.jit(do_not_specialize=["slb", "slh", "slc", "NC", "CHUNK", "sink", "window"])
 def _window_score_kernel(k_ptr, q_ptr, v_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb, skh, skn, sqb, sqh, sqw,
-                         DV, svb, svh, svn, slb, slh, slc, slg, slw, NC, w_ptr, scale,
+                         DV, svb, svh, svn, slb, slh, slc, slg, slw, NC, w_ptr, scale, h0_ptr, sink, window,
                          CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                          BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
                          CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr, HAS_LSE: tl.constexpr,
                          ROW_MEAN: tl.constexpr, HEAD_MEAN: tl.constexpr, BLOCK_DV: tl.constexpr,
-                         HAS_V: tl.constexpr):
+                         HAS_V: tl.constexpr, HIST: tl.constexpr, NB: tl.constexpr, HIST_TILE: tl.constexpr):
+    """u[r, j] for the keys of chunk c; ``HIST`` (the scores are final: no pooling kernel follows), then the
+    select's first radix pass over them (``select.hist0_of_chunk``, ``sink``/``window`` protected)."""
     c2 = tl.cast(scale, tl.float32) * 1.4426950408889634  # τ·log2 e (fp32: torch.compile passes fp64 floats)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
@@ -327,6 +333,10 @@ def _window_score_kernel(k_ptr, q_ptr, v_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb
                     hs += tl.sum(tl.reshape(p, [BLOCK_N, GB, BW]), 2)
                 acc = _group_reduce(acc, hs, GROUP_MAX)
         tl.store(u_ptr + r * N + j, acc, mask=j < N)
+    if HIST:  # re-read from L1/L2 on a 1-D layout of at least one key per thread
+        tl.debug_barrier()
+        hist0_of_chunk(u_ptr + r * N, u_ptr, h0_ptr, r, c, tl.num_programs(0), N, CHUNK, sink, window, HIST_TILE,
+                       NB, False)
 
 
 @triton.jit
@@ -611,8 +621,9 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Opt
     ``attn_lse`` ``[B, G·H, W]``, or None or empty (computed here), ``values`` ``[B, H, N, D_v]`` (last dim
     unit-stride) or empty (not read) -> fp32 ``[B, H, N]``. ``chunk``: keys per program (0 =
     automatic); it changes the grid, not the result beyond rounding. ``hist0``: None, or the int32
-    ``[B·H, 1 + pool_chunks(N), NB]`` that the pooling kernel fills with the select's first radix
-    pass (``sink``/``window`` protected); only with pooling, and left alone by the PyTorch body."""
+    ``[B·H, 1 + chunks, NB]`` that the kernel writing the scores fills with the select's first radix
+    pass (``sink``/``window`` protected): the pooling kernel (its chunks), or without pooling the score
+    kernel (its chunks); left alone by the PyTorch body."""
     if not use_triton(keys):
         lse = attn_lse if attn_lse is not None else torch.empty(0, dtype=torch.float32, device=keys.device)
         return _window_attention_torch(keys, queries, lse, values, scale, kernel_size, pool, row_reduce, head_reduce)
@@ -645,15 +656,16 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Opt
     u = torch.empty_like(out) if pooled else out
     hoist = G <= cfg["GB"] and W <= cfg["BW"]  # one row block: the kernel derives the row weights itself
     w = out if hoist else row_weights(queries, attn_lse, N, H, row_reduce, head_reduce)
+    hist = hist0 is not None and not pooled  # the score kernel's scores are final: it counts the first pass
     launch(_window_score_kernel, (C, R), keys, queries, vt, lse, u, *kq, *lstr, NC, w, scale,
-           GROUP_MAX=head_reduce == "max", HOIST=hoist, HAS_LSE=given,
-           ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max",
+           hist0 if hist else out, sink, window, GROUP_MAX=head_reduce == "max", HOIST=hoist, HAS_LSE=given,
+           ROW_MEAN=row_reduce == "mean", HEAD_MEAN=head_reduce != "max", HIST=hist, NB=NB, HIST_TILE=HIST_TILE,
            **dict(common, num_stages=cfg["num_stages"] if has_v else SCORE_STAGES))
     if pooled:
         block = _pool_block(N)
         launch(_window_pool_kernel, (cdiv(N, block), R), u, out, out if hist0 is None else hist0, H, N, max(N - W, 0),
                cdiv(N, block), sink, window, KSIZE=kernel_size, POOL_MAX=pool == "max", LAYER=head_reduce == "layer",
-               BLOCK=block, HIST=hist0 is not None, NB=NB, HIST_TILE=min(block, 4096 if INTERPRET else 512))
+               BLOCK=block, HIST=hist0 is not None, NB=NB, HIST_TILE=min(block, HIST_TILE))
     return out
 
 
@@ -692,9 +704,9 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
             (masked out of every softmax, NaN score). The kernels read them with the keys.
         protect: ``(sink, window)``: returns ``(scores, hist0)``, ``hist0`` the shared select's first
             radix pass over these scores with those tokens protected (a ``select.Hist0`` for
-            ``select_kv(..., hist0=)``) counted by the pooling kernel, or None where no pooling
-            kernel runs (``kernel_size`` 1 without ``head_reduce="layer"``), the PyTorch body runs
-            or the call is traced.
+            ``select_kv(..., hist0=)``) counted by the kernel that writes the scores (the pooling
+            kernel, or the score kernel where none runs: ``kernel_size`` 1 without
+            ``head_reduce="layer"``), or None where the PyTorch body runs or the call is traced.
     """
     check_kv_tensor("keys", keys)
     check_kv_tensor("queries", queries)
@@ -727,9 +739,13 @@ def window_attention_scores(keys: torch.Tensor, queries: torch.Tensor, *, attn_l
         raise ValueError(f"kernel_size must be a positive int, got {kernel_size!r}")
     head_reduce = _choice("head_reduce", head_reduce, HEAD_REDUCE)
     h0 = None
-    if protect is not None and (kernel_size > 1 or head_reduce == "layer") and use_triton(keys) \
-            and not torch.compiler.is_compiling() and type(keys) is torch.Tensor and keys.numel() > 0:
-        h0 = Hist0(hist0_buffer(B * H, cdiv(N, _pool_block(N)), keys.device), *protect)
+    if protect is not None and use_triton(keys) and not torch.compiler.is_compiling() \
+            and type(keys) is torch.Tensor and keys.numel() > 0:
+        # slots per row: the chunks of the pooling kernel, or (no pooling) of the score kernel
+        pooled = kernel_size > 1 or head_reduce == "layer"
+        chunks = cdiv(N, _pool_block(N) if pooled else _config(N, queries.shape[1] // H, queries.shape[2], D,
+                                                                   int(chunk))["CHUNK"])
+        h0 = Hist0(hist0_buffer(B * H, chunks, keys.device), *protect)
     out = window_attention_op(row_major(keys), row_major(queries), attn_lse, values, float(scale), kernel_size,
                               _choice("pool", pool, POOLS), _choice("row_reduce", row_reduce, ROW_REDUCE),
                               head_reduce, int(chunk), None if h0 is None else h0.hist,
