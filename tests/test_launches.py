@@ -29,7 +29,7 @@ def _inputs():
 
 
 SELECT = ["_select_hist0_kernel", "_select_finish_kernel", "_select_tail_kernel", "_select_compact_kernel"]
-LIMITS = {"knorm": 4, "streaming_llm": 4, "keydiff": 5, "snapkv": 5, "tova": 5, "h2o": 5, "surfacelogic": 5,
+LIMITS = {"knorm": 4, "streaming_llm": 4, "keydiff": 5, "snapkv": 5, "tova": 4, "h2o": 4, "surfacelogic": 4,
           "score": 9, "criticalkv": 9}
 
 
