@@ -105,10 +105,14 @@ def test_adakv_global_select_with_forced_tokens(seed, kind, data):
     _check(s, k, 16, forced=forced)
 
 
-@pytest.mark.parametrize("head_reduce,kernel_size", [("mean", 7), ("layer", 1), ("max", 3)])
-def test_pooling_kernel_counts_the_first_pass(head_reduce, kernel_size):
-    """The pooling kernel's ``hist0`` is the first radix pass of the scores it returns (its slots sum to the
-    NumPy histogram), and a select fed with it keeps what a select counting its own pass keeps."""
+@pytest.mark.parametrize("head_reduce,kernel_size", [("mean", 7), ("layer", 1), ("max", 3), ("mean", 1), ("max", 1)])
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_kernel_writing_the_scores_counts_the_first_pass(head_reduce, kernel_size, chunk):
+    """The ``hist0`` of the kernel that writes the scores (the pooling kernel, or without pooling, κ = 1 and a
+    per-KV-head reduction, the score kernel), in one chunk a row or several, is the first radix pass of the scores
+    it returns (its slots sum to the NumPy histogram), and a select fed with it launches no pass-0 kernel and keeps
+    what a select counting its own pass keeps."""
+    from tritonkv.kernels._common import record_launches
     from tritonkv.kernels.window_attention import window_attention_scores
 
     g = torch.Generator().manual_seed(7)
@@ -117,32 +121,20 @@ def test_pooling_kernel_counts_the_first_pass(head_reduce, kernel_size):
     values = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
     queries = torch.randn(B, H * G, W, D, generator=g).to(torch.bfloat16)
     sink, window = 2, W
+    kw = dict(kernel_size=kernel_size, head_reduce=head_reduce, chunk=chunk)
     with on_backend("triton"):
-        s, h0 = window_attention_scores(keys, queries, kernel_size=kernel_size, head_reduce=head_reduce,
-                                        protect=(sink, window))
-        assert torch.equal(s, window_attention_scores(keys, queries, kernel_size=kernel_size,
-                                                      head_reduce=head_reduce))
+        s, h0 = window_attention_scores(keys, queries, protect=(sink, window), **kw)
+        assert torch.equal(s, window_attention_scores(keys, queries, **kw))
         want = first_pass_histogram(s.view(B * H, N).numpy(), sink, window, bins=NB)
         np.testing.assert_array_equal(h0.hist[:, 1:].sum(1).numpy(), want)
         plain = select_kv(s, 40, keys, values, 40, sink=sink, window=window)
         for _ in range(2):  # the control block is reset: the same pass serves another select
-            got = select_kv(s, 40, keys, values, 40, sink=sink, window=window, hist0=h0)
+            with record_launches() as log:
+                got = select_kv(s, 40, keys, values, 40, sink=sink, window=window, hist0=h0)
             assert all(torch.equal(a, b) for a, b in zip(got, plain))
+            assert "_select_hist0_kernel" not in [x.name for x in log]
     for r in range(B * H):
         np.testing.assert_array_equal(plain[2].view(B * H, 40)[r].numpy(), ref_select(s.view(B * H, N)[r].numpy(),
                                                                                      40, sink, window))
     with on_backend("torch"):
-        assert window_attention_scores(keys, queries, kernel_size=kernel_size, head_reduce=head_reduce,
-                                       protect=(sink, window))[1] is None
-
-
-def test_no_pooling_kernel_no_first_pass():
-    """κ = 1 with a per-KV-head reduction runs no pooling kernel: no ``hist0`` (the select counts it)."""
-    from tritonkv.kernels.window_attention import window_attention_scores
-
-    g = torch.Generator().manual_seed(8)
-    keys = torch.randn(1, 2, 40, 16, generator=g)
-    queries = torch.randn(1, 2, 4, 16, generator=g)
-    with on_backend("triton"):
-        s, h0 = window_attention_scores(keys, queries, protect=(0, 4))
-    assert h0 is None and s.shape == (1, 2, 40)
+        assert window_attention_scores(keys, queries, protect=(sink, window), **kw)[1] is None

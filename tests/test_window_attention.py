@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 import tritonkv
 from aot import assert_compiles
 from reference import window_attention as ref
-from reference.select import first_pass_histogram, select as ref_select
+from reference.select import select as ref_select
 from tritonkv.kernels import window_attention as kwa
 from tritonkv.kernels.window_attention import window_attention_scores
 from tritonkv.policies import H2O, TOVA, SnapKV, SurfaceLogicKV
@@ -226,36 +226,6 @@ def test_every_window_alignment_with_the_key_tiles(W, hoist):
                 kwa._config = orig
         for x in got:
             assert_scores_close(x, want)
-
-
-@pytest.mark.parametrize("kw", [dict(), dict(head_reduce="max", row_reduce="sum"), dict(kernel_size=5),
-                                dict(head_reduce="layer")], ids=["score", "score-max", "pool", "layer"])
-@pytest.mark.parametrize("chunk", [0, 32])
-def test_first_pass_from_the_kernel_writing_the_scores(kw, chunk):
-    """``protect=``: the kernel that writes the final scores (the score kernel without pooling, else the pooling
-    kernel) also returns the select's first radix pass, in one chunk a row or several: its slots sum to the NumPy
-    first pass over those scores with sink and window protected, and ``select_kv(..., hist0=)`` then launches no
-    pass-0 kernel and keeps what a select counting its own first pass keeps (twice: the ticket is reset)."""
-    from tritonkv.kernels._common import record_launches
-    from tritonkv.kernels.select import select_indices, select_kv
-
-    g = torch.Generator().manual_seed(5)
-    B, H, N, D, W, sink, window = 2, 2, 90, 16, 8, 3, 6
-    keys = torch.randn(B, H, N, D, generator=g).to(torch.bfloat16)
-    queries = torch.randn(B, 3 * H, W, D, generator=g).to(torch.bfloat16)
-    with on_backend("triton"):
-        s, h0 = window_attention_scores(keys, queries, chunk=chunk, protect=(sink, window), **kw)
-        assert h0 is not None and (h0.sink, h0.window) == (sink, window)
-        torch.testing.assert_close(s, window_attention_scores(keys, queries, chunk=chunk, **kw), rtol=0, atol=0)
-        want = first_pass_histogram(s.view(B * H, N).numpy(), sink, window)
-        np.testing.assert_array_equal(h0.hist[:, 1:].sum(1).numpy(), want)
-        plain = select_indices(s, 30, 30, sink=sink, window=window)[0]
-        for _ in range(2):
-            with record_launches() as log:
-                idx = select_kv(s, 30, keys, keys, 30, sink=sink, window=window, hist0=h0)[2]
-            assert torch.equal(idx, plain) and "_select_hist0_kernel" not in [x.name for x in log]
-    with on_backend("torch"):
-        assert window_attention_scores(keys, queries, protect=(sink, window), **kw)[1] is None
 
 
 @both_backends

@@ -135,19 +135,6 @@ def _value_nan(v_ptr, vbase, svn, j, N, DV, BLOCK_DV: tl.constexpr, HAS_V: tl.co
 
 
 @triton.jit
-def _nan_term(s, vz, HAS_V: tl.constexpr, KEY_AXIS: tl.constexpr):
-    """Per logit s (keys along ``KEY_AXIS``): ±0 where s (and, ``HAS_V``, the key's value: ``vz`` from
-    ``_value_nan``) is finite, else NaN. With a finite query, s is finite exactly where the key is."""
-    z = s * 0.0
-    if HAS_V:
-        if KEY_AXIS == 1:
-            z = z + vz[None, :]
-        else:
-            z = z + vz[:, None]
-    return z
-
-
-@triton.jit
 def _load_w(w_ptr, wbase, W, g, i, valid):
     """Per query row: its weight in the reduction (0 for a row left out) and ln of it."""
     w = tl.load(w_ptr + wbase + g.to(tl.int64) * W + i, mask=valid, other=0.0)
@@ -244,20 +231,20 @@ def _window_lse_kernel(k_ptr, q_ptr, v_ptr, part_ptr, H, G, N, W, D, skb, skh, s
 
 
 @triton.jit
-def _probs(k, q_t, c, l2, pos, j, vz, causal, DOT_PREC: tl.constexpr, HAS_V: tl.constexpr):
+def _probs(k, q_t, c2, l2, pos, j, vz, causal, DOT_PREC: tl.constexpr, HAS_V: tl.constexpr):
     """exp(τ·k·q − lse), [BLOCK_N, rows], of the keys j of the tile ``k`` [BLOCK_N, BLOCK_D] and the rows of a row
-    block, as 2^(c·k·q − l2) with c = τ·log2 e and ``l2`` = lse·log2 e (``_log2_lse``: +inf for a row left out, whose
+    block, as 2^(c2·k·q − l2) with c2 = τ·log2 e and ``l2`` = lse·log2 e (``_log2_lse``: +inf for a row left out, whose
     query in ``q_t`` [BLOCK_D, rows] is zeroed, so its entries are 0): one FFMA and one MUFU an entry. 0 where a row
     does not see the key (only a tile reaching past N − W holds such keys: ``causal``, the mask is applied to it
     alone), NaN for a non-finite key (its raw logit is not finite; a zeroed query gives 0·±inf = NaN too) or,
     ``HAS_V``, value (``vz`` NaN). Keys first: on Hopper the queries are the dot's shared-memory operand (no registers
     held across the key loop) and a key's sum over rows adds up mostly a thread's own registers."""
     s = tl.dot(k, q_t, input_precision=DOT_PREC)
-    p = tl.exp2(s * c - l2[None, :])  # exp2 lowers to ex2.approx.ftz: no denormal fix-up around the MUFU
+    p = tl.exp2(s * c2 - l2[None, :])  # exp2 lowers to ex2.approx.ftz: no denormal fix-up around the MUFU
     if causal:  # keys the window's causal mask hides from its first rows
         p = tl.where(j[:, None] <= pos[None, :], p, 0.0)
-    # + ±0, or NaN for a non-finite key or value (its u is NaN: no column reduction)
-    return p + _nan_term(s, vz, HAS_V, 0)
+    # + ±0, or NaN for a non-finite key or value (its u is NaN: no column reduction): x·0 is ±0 for a finite x only
+    return p + (s * 0.0 + vz[:, None] if HAS_V else s * 0.0)
 
 
 @triton.jit
