@@ -130,13 +130,14 @@ def random_case(N, B, H, G, D, W, dtype=None, device="cpu", d_model=None, seed: 
     return keys, values, {"queries": queries, "o_proj": o_proj, "hd": hd}
 
 
-def policy_inputs(pol, pool: dict) -> dict:
+def policy_inputs(pol, pool: dict, attn_lse: bool = True) -> dict:
     """What a model hands ``pol``: its needs found in ``pool``, plus ``attn_lse`` where its scoring takes one (the
-    prefill attention's log-sum-exp, which saves window policies a pass over K)."""
+    prefill attention's log-sum-exp, which saves window policies a pass over K) and ``attn_lse`` is True (False:
+    as inside ``generate``, which has none to give)."""
     import inspect
 
     inputs = {n: pool[n] for n in pol.needs if n in pool}
-    if "attn_lse" in inspect.signature(getattr(pol, "base", pol).score).parameters:
+    if attn_lse and "attn_lse" in inspect.signature(getattr(pol, "base", pol).score).parameters:
         inputs["attn_lse"] = pool["attn_lse"]
     return inputs
 

@@ -197,7 +197,7 @@ pool["attn_lse"] = window_lse(keys, pool["queries"])
 # and SnapKV scored from its window queries alone, as inside generate (the LSE pass over K runs too)
 for name in sorted(tritonkv.POLICIES) + ["snapkv[no lse]"]:
     pol = tritonkv.POLICIES[name.split("[")[0]]()
-    inputs = {n: v for n, v in policy_inputs(pol, pool).items() if n != "attn_lse" or "[no lse]" not in name}
+    inputs = policy_inputs(pol, pool, attn_lse="[no lse]" not in name)
     fn = lambda: tritonkv.compress((keys, values), pol, 0.25, **inputs)  # noqa: E731
     try:
         for _ in range(3):
@@ -297,7 +297,7 @@ for N in (4096, 32768, 131072) if cuda else (1024,):
     pool["attn_lse"] = window_lse(keys, pool["queries"])
     for name in ("snapkv", "tova", "h2o", "snapkv[no lse]"):
         pol = tritonkv.POLICIES[name.split("[")[0]]()
-        inputs = {n: v for n, v in policy_inputs(pol, pool).items() if n != "attn_lse" or "[no lse]" not in name}
+        inputs = policy_inputs(pol, pool, attn_lse="[no lse]" not in name)
         ref, row = None, [f"window stages {name} N={N} (default {default}):"]
         for stages in (2, 3, 4):
             wa.SCORE_STAGES = stages

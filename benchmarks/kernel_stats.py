@@ -242,7 +242,7 @@ def workloads(N: int, only=None) -> list[dict]:
     cases += [(name, tritonkv.POLICIES[p](), {}) for name, p in NO_LSE.items()]
     out = []
     for name, pol, alloc in [c for c in cases if not only or c[0] in only]:
-        inputs = {n: v for n, v in policy_inputs(pol, pool).items() if n != "attn_lse" or name not in NO_LSE}
+        inputs = policy_inputs(pol, pool, attn_lse=name not in NO_LSE)
         rb = (B * H * k, k) if alloc else None  # an allocator's total and, standing in for its longest row, k
         log, ops, err = dry(lambda: tritonkv.compress((keys, values), pol, KEEP, **alloc, **inputs), readback=rb,
                             inputs=_tensors(inputs))
