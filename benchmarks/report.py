@@ -48,6 +48,8 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
      "(`batch_invariance.py --model gpt-oss`)"),
     ("batch_invariance-gemma2-softcap.json", "the same on a random Gemma 2 with logit softcapping "
      "(`batch_invariance.py --model gemma2-softcap`)"),
+    ("batch_invariance-interpret.json", "the first 33 cases with every policy's Triton kernels under "
+     "`TRITON_INTERPRET=1` (`TRITON_INTERPRET=1 python -m benchmarks.batch_invariance --cases 33`)"),
     ("compiled_decode.json", "a decode loop under `torch.compile(fullgraph=True)` against the eager loop "
                              "(`compiled_decode.py`)"),
     ("quality/profiles/README.md", "the SurfaceLogicKV INF profiles of the quality runs"),
