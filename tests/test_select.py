@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from aot import assert_compiles
 from reference.select import select as ref_select, select_rows
 from tritonkv.kernels._common import use_triton
-from tritonkv.kernels.select import COMPACT_STAGES, Out, select_indices, select_kv, select_mask
+from tritonkv.kernels.select import CAND_TILE, COMPACT_STAGES, SB, Out, select_indices, select_kv, select_mask
 from helpers import both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -294,12 +294,12 @@ def test_select_kernels_compile_ahead_of_time():
               "signature": {"s_ptr": "*fp32", "f_ptr": "*u8", "budget_ptr": "*i32", "h0_ptr": "*i32", "C0": "i32",
                             "p1_ptr": "*i32", "cnt_ptr": "*i32", **row, "k_max": "i32", "CHUNK": "i32",
                             **{n: const[n] for n in ("TILE", "NB", "SB", "HAS_FORCED", "UNIFORM")}},
-              "constexprs": {"TILE": 1024, "NB": 256, "SB": 16, **flags}}
+              "constexprs": {"TILE": 1024, "NB": 256, "SB": SB, **flags}}
     tail = {"module": mod, "kernel": "_select_tail_kernel",
             "signature": {"s_ptr": "*fp32", "f_ptr": "*u8", "h0_ptr": "*i32", "C0": "i32", "p2_ptr": "*i32",
-                          "cnt_ptr": "*i32", "cand_ptr": "*i32", **row, "CHUNK": "i32",
+                          "cnt_ptr": "*i32", "cand_ptr": "*i64", **row, "CHUNK": "i32",
                           **{n: const[n] for n in ("TILE", "CT", "NB", "SB", "CB", "HAS_FORCED")}},
-            "constexprs": {"TILE": 1024, "CT": 512, "NB": 256, "SB": 16, "CB": 256, "HAS_FORCED": True}}
+            "constexprs": {"TILE": 1024, "CT": CAND_TILE, "NB": 256, "SB": SB, "CB": 256, "HAS_FORCED": True}}
     compact = {"module": mod, "kernel": "_select_compact_kernel",
                "signature": {"s_ptr": "*fp32", "f_ptr": "*u8", "budget_ptr": "*i32", "cnt_ptr": "*i32", **row,
                              "k_max": "i32", "C": "i32", "CHUNK": "i32", "start_ptr": "*i64", "stride": "i32",

@@ -7,7 +7,7 @@ pass (``hist0=``) against a NumPy histogram of the keys."""
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from helpers import on_backend
 from reference.select import first_pass_histogram, select as ref_select
@@ -103,6 +103,41 @@ def test_adakv_global_select_with_forced_tokens(seed, kind, data):
     f = int(forced.sum())
     k = data.draw(st.integers(f, H * N))
     _check(s, k, 16, forced=forced)
+
+
+@pytest.fixture
+def small_steps(monkeypatch):
+    """Every loop of the finish and tail kernels in several steps under the interpreter (where one step covers
+    a whole row): 16 keys a pass step (the finish's next tile loaded during the current one's histogram), 4 slots
+    summed a step, 8 candidates a step of the tail's last program (the first step loaded before its slots)."""
+    from tritonkv.kernels import select as sel
+
+    monkeypatch.setattr(sel, "_pass_tile", lambda n: 16)
+    monkeypatch.setattr(sel, "SB", 4)
+    monkeypatch.setattr(sel, "_cand_tile", lambda tile: 8)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # a constant patch
+@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["ties", "ulps", "one value", "normal"]),
+       forced=st.booleans(), data=st.data())
+def test_every_loop_in_several_steps(small_steps, seed, kind, forced, data):
+    """Candidate-heavy rows through loops of several steps (``small_steps``): chunks of 64 keys (4 pass steps
+    each), 5-9 chunks a row (2-3 slot steps), tens of candidates (several candidate steps); sink, window and
+    forced tokens; kept indices exactly the oracle's."""
+    rng = np.random.default_rng(seed)
+    n = data.draw(st.integers(300, 560))
+    if kind == "ties":
+        s = rng.integers(0, 3, (2, n)).astype(np.float32)
+    elif kind == "ulps":
+        s = np.stack([_ulps(rng.permutation(n) // 2) for _ in range(2)])
+    elif kind == "one value":
+        s = np.full((2, n), 1.5, np.float32)
+    else:
+        s = rng.standard_normal((2, n)).astype(np.float32)
+    sink, window = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 5))
+    f = rng.random((2, n)) < 0.1 if forced else None
+    low = sink + window + (0 if f is None else int(f.sum(1).max()))
+    _check(s, data.draw(st.integers(min(low, n), n)), 64, sink, window, f)
 
 
 @pytest.mark.parametrize("head_reduce,kernel_size", [("mean", 7), ("layer", 1), ("max", 3), ("mean", 1), ("max", 1)])

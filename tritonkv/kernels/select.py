@@ -72,13 +72,30 @@ def _keys_of(s, offs, N, sink, window):
 
 
 @triton.jit
-def _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED: tl.constexpr):
-    """Order-preserving uint32 keys of one tile of scores; protected tokens get the maximum."""
+def _load_tile(s_ptr, f_ptr, offs, mask, HAS_FORCED: tl.constexpr):
+    """One tile of scores (fp32) and, with ``HAS_FORCED``, of the forced mask (else the scores again: unused)."""
     s = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_FORCED:
+        f = tl.load(f_ptr + offs, mask=mask, other=0)
+    else:
+        f = s
+    return s, f
+
+
+@triton.jit
+def _tile_keys(s, f, offs, N, sink, window, HAS_FORCED: tl.constexpr):
+    """``_keys_of`` a tile loaded by ``_load_tile``, forced tokens at the maximum too."""
     u = _keys_of(s, offs, N, sink, window)
     if HAS_FORCED:
-        u = tl.where(tl.load(f_ptr + offs, mask=mask, other=0) != 0, 0xFFFFFFFF, u)
+        u = tl.where(f != 0, 0xFFFFFFFF, u)
     return u
+
+
+@triton.jit
+def _sortable_keys(s_ptr, f_ptr, offs, mask, N, sink, window, HAS_FORCED: tl.constexpr):
+    """Order-preserving uint32 keys of one tile of scores; protected tokens get the maximum."""
+    s, f = _load_tile(s_ptr, f_ptr, offs, mask, HAS_FORCED)
+    return _tile_keys(s, f, offs, N, sink, window, HAS_FORCED)
 
 
 @triton.jit
@@ -170,15 +187,18 @@ def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr,
     r = tl.program_id(1).to(tl.int64)
     s_row = s_ptr + r * N
     f_row = f_ptr + r * N
+    end = c * CHUNK + tl.minimum(N - c * CHUNK, CHUNK)  # the chunk's end: a TILE over CHUNK is masked to it
+    offs = c * CHUNK + tl.arange(0, TILE)
+    s, f = _load_tile(s_row, f_row, offs, offs < end, HAS_FORCED)  # in flight while the slots are summed
     k = _row_budget(budget_ptr, r, N, k_max, UNIFORM)
     h0_row = h0_ptr + r * (C0 + 1) * NB
     p0, k_rem = _pick(_sum_slots(h0_row + NB, C0, NB, SB), k, NB)
     acc = tl.zeros([NB], dtype=tl.int32)
-    end = c * CHUNK + tl.minimum(N - c * CHUNK, CHUNK)  # the chunk's end: a TILE over CHUNK is masked to it
     for t0 in range(0, CHUNK, TILE):
-        offs = c * CHUNK + t0 + tl.arange(0, TILE)
         mask = offs < end
-        u = _sortable_keys(s_row, f_row, offs, mask, N, sink, window, HAS_FORCED)
+        u = _tile_keys(s, f, offs, N, sink, window, HAS_FORCED)
+        offs += TILE
+        s, f = _load_tile(s_row, f_row, offs, offs < end, HAS_FORCED)  # the next tile, in flight meanwhile
         acc += _digit_hist(u, 16, mask & ((u >> 24) == p0), NB)
     tl.store(p1_ptr + (r * C + c) * NB + tl.arange(0, NB), acc)
     tl.debug_barrier()  # every thread's slot stores precede the release of the ticket
@@ -191,20 +211,31 @@ def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr,
         tl.store(h0_row, 0)  # the ticket is reset: the same hist0 serves the next select too
 
 
+@triton.jit
+def _count_at_t(state, cand, m, t, CHUNK):
+    """Counts the candidates ``cand`` (int64 ``key << 32 | index``, where ``m``) above and equal to ``t`` into
+    their chunks' ``(> t, == t)`` pairs of ``state`` (global atomics)."""
+    u = (cand >> 32).to(tl.uint32)
+    at = state + ((cand & 0xFFFFFFFF) // CHUNK) * 2
+    tl.atomic_add(at, 1, mask=m & (u > t), sem="relaxed")
+    tl.atomic_add(at + 1, 1, mask=m & (u == t), sem="relaxed")
+
+
 @triton.jit(do_not_specialize=_RUNTIME)
 def _select_tail_kernel(s_ptr, f_ptr, h0_ptr, C0, p2_ptr, cnt_ptr, cand_ptr, N, sink, window, CHUNK,
                         TILE: tl.constexpr, CT: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr,
                         HAS_FORCED: tl.constexpr):
     """Passes 2-3 and the chunks' output offsets, proportional to the candidates (the keys whose top
     16 bits are P). Each program re-reads its chunk: it counts the keys above P (``cnt[r, c, 0]``),
-    histograms the third byte of its candidates into its slot of ``p2 [R, C, NB]`` and appends their
-    indices to the row's ``cand [R, N]`` (one atomic reservation per tile, in the control block of
-    ``hist0``). The last program of the row (a ticket) picks the third byte from the slots and the
-    fourth from the candidates alone, counts each chunk's candidates > t and == t (global atomics on
-    ``cnt``), then one ordered scan over the chunks (``CB`` at a time) writes ``cnt[r, c] = (first
-    output slot of chunk c, keys == t in chunks < c)`` and ``cnt[r, C] = (t, keys == t to keep)``:
+    histograms the third byte of its candidates into its slot of ``p2 [R, C, NB]`` and appends them,
+    int64 ``key << 32 | index``, to the row's ``cand [R, N]`` (one atomic reservation per tile, in the
+    control block of ``hist0``). The last program of the row (a ticket) picks the third byte from the
+    slots and the fourth from the candidates alone, counts each chunk's candidates > t and == t (global
+    atomics on ``cnt``), then one ordered scan over the chunks (``CB`` at a time) writes ``cnt[r, c] =
+    (first output slot of chunk c, keys == t in chunks < c)`` and ``cnt[r, C] = (t, keys == t to keep)``:
     ties at t go to the lowest indices. Candidate order in ``cand`` does not matter (integer counts).
-    The last program reads the candidates ``CT`` at a time (its work grows with them, not with N)."""
+    The last program reads the candidates ``CT`` at a time (its work grows with them, not with N), each
+    with its key (no second read of the scores), the first ``CT`` in flight with the slots it sums."""
     c = tl.program_id(0)
     C = tl.num_programs(0)
     r = tl.program_id(1).to(tl.int64)
@@ -229,31 +260,30 @@ def _select_tail_kernel(s_ptr, f_ptr, h0_ptr, C0, p2_ptr, cnt_ptr, cand_ptr, N, 
             acc += _digit_hist(u, 8, is_c, NB)
             at = tl.atomic_add(ctl + 2, n, sem="relaxed")
             c_i = is_c.to(tl.int32)
-            tl.store(cand + at + tl.cumsum(c_i, 0) - c_i, offs.to(tl.int32), mask=is_c)
+            tl.store(cand + at + tl.cumsum(c_i, 0) - c_i, (u.to(tl.int64) << 32) | offs.to(tl.int64), mask=is_c)
     tl.store(p2_ptr + (r * C + c) * NB + tl.arange(0, NB), acc)
     tl.store(state + c * 2, n_gt)
     tl.store(state + c * 2 + 1, 0)
     tl.debug_barrier()  # every thread's stores precede the release of the ticket
     ticket = tl.atomic_add(ctl + 1, 1, sem="acq_rel", scope="gpu")
     if ticket == C - 1:  # the last program of the row: every slot and candidate is written
+        n_cand = tl.atomic_xchg(ctl + 2, 0, sem="relaxed")  # read and reset for the next select
+        j = tl.arange(0, CT)
+        first = tl.load(cand + j, mask=j < n_cand, other=0, cache_modifier=".cg")  # in flight with the slots
         b2, k_rem = _pick(_sum_slots(p2_ptr + r * C * NB, C, NB, SB), k_rem, NB)
         prefix = (prefix << 8) | b2
-        n_cand = tl.atomic_xchg(ctl + 2, 0, sem="relaxed")  # read and reset for the next select
-        acc = tl.zeros([NB], dtype=tl.int32)
-        for i0 in range(0, n_cand, CT):
-            m = i0 + tl.arange(0, CT) < n_cand
-            offs = tl.load(cand + i0 + tl.arange(0, CT), mask=m, other=0, cache_modifier=".cg")
-            u = _sortable_keys(s_row, f_row, offs, m, N, sink, window, HAS_FORCED)
+        u = (first >> 32).to(tl.uint32)
+        acc = _digit_hist(u, 0, (j < n_cand) & ((u >> 8) == prefix), NB)
+        for i0 in range(CT, n_cand, CT):
+            m = i0 + j < n_cand
+            u = (tl.load(cand + i0 + j, mask=m, other=0, cache_modifier=".cg") >> 32).to(tl.uint32)
             acc += _digit_hist(u, 0, m & ((u >> 8) == prefix), NB)
         b3, need_eq = _pick(acc, k_rem, NB)
         t = (prefix << 8) | b3
-        for i0 in range(0, n_cand, CT):
-            m = i0 + tl.arange(0, CT) < n_cand
-            offs = tl.load(cand + i0 + tl.arange(0, CT), mask=m, other=0, cache_modifier=".cg")
-            u = _sortable_keys(s_row, f_row, offs, m, N, sink, window, HAS_FORCED)
-            at = state + (offs // CHUNK) * 2
-            tl.atomic_add(at, 1, mask=m & (u > t), sem="relaxed")
-            tl.atomic_add(at + 1, 1, mask=m & (u == t), sem="relaxed")
+        _count_at_t(state, first, j < n_cand, t, CHUNK)
+        for i0 in range(CT, n_cand, CT):
+            m = i0 + j < n_cand
+            _count_at_t(state, tl.load(cand + i0 + j, mask=m, other=0, cache_modifier=".cg"), m, t, CHUNK)
         tl.debug_barrier()  # the counts are complete before the scan reads them
         slot = 0
         eq_seen = 0
@@ -388,6 +418,12 @@ def _pass_tile(n: int) -> int:
     return min(next_pow2(n), 4096) if INTERPRET else PASS_TILE
 
 
+def _cand_tile(tile: int) -> int:
+    """Candidates per step of the tail's last program: ``CAND_TILE`` on the GPU, the compaction's tile (a whole
+    row up to 4096) under the interpreter."""
+    return tile if INTERPRET else CAND_TILE
+
+
 # Tokens per program at least. An H100 run (Triton 3.6, ``benchmarks/gpu_session.sh tuning``: select_kv
 # alone, 8 rows, keep 25%, CUDA graph), µs by chunk: N = 4K: 256: 27.6, 512: 29.3, 2048: 47.3; 32K: 1024: 63.6,
 # 2048: 65.2; 128K: 2048: 176.6, 4096: 169.4. With 264 / rows programs a row, 256 picks the fastest chunk at all
@@ -406,7 +442,7 @@ PASS_TILE = 1024  # keys per histogram step of pass 0, finish and tail (a 256-bi
 CAND_TILE = 512  # candidates per step of the tail's last program (2 per thread; 1024 spills on Triton 3.6)
 CB = 256  # chunks per step of the tail's ordered offset scan
 FINISH_WARPS = 8
-SB = 16  # pass-0/1/2 slots summed per step
+SB = 32  # pass-0/1/2 slots summed per step: one step (one L2 round trip) for the 8-32 chunks a row of 8-32 rows
 
 
 def _protected_only(n: int, sink: int, window: int, k_max: int, full_rows: bool, has_forced: bool,
@@ -436,25 +472,31 @@ class Hist0(NamedTuple):
 
 def workspace(rows: int, n: int, device, chunk: Optional[int] = None) -> tuple:
     """Scratch of the select's finish and tail passes over ``rows`` x ``n`` scores (``chunk`` as given to the
-    selects): ``(p1 int32 [rows, C, NB], cnt int32 [rows, C + 1, 2], cand int32 [rows, n])``, C its programs a
+    selects): ``(p1 int32 [rows, C, NB], cnt int32 [rows, C + 1, 2], cand int64 [rows, n])``, C its programs a
     row. Any number of such selects may share it (``select_kv(..., work=)``, ``keep_mask``), one after another
     in stream order: each writes what it reads before reading it."""
     C = cdiv(n, _blocks(n, rows, chunk)[0])
     return (torch.empty((rows, C, NB), dtype=torch.int32, device=device),
             torch.empty((rows, C + 1, 2), dtype=torch.int32, device=device),
-            torch.empty((rows, n), dtype=torch.int32, device=device))
+            torch.empty((rows, n), dtype=torch.int64, device=device))
+
+
+_WORK_DTYPES = (torch.int32, torch.int32, torch.int64)  # p1, cnt, cand (``workspace``)
 
 
 def _work_args(work, rows: int, n: int, chunk: int) -> tuple:
-    """``select_into``'s ``(work_p1, work_cnt, work_cand)`` from a ``workspace`` (or None), checked by shape."""
+    """``select_into``'s ``(work_p1, work_cnt, work_cand)`` from a ``workspace`` (or None), checked by shape and
+    dtype."""
     if work is None:
         return None, None, None
     C = cdiv(n, _blocks(n, rows, chunk or None)[0])
     want = ((rows, C, NB), (rows, C + 1, 2), (rows, n))
     if (not isinstance(work, tuple) or len(work) != 3 or any(not isinstance(t, torch.Tensor) for t in work)
-            or tuple(tuple(t.shape) for t in work) != want or any(t.dtype != torch.int32 for t in work)):
-        raise ValueError(f"work must be select.workspace({rows}, {n}, device) (int32 {want}), got "
-                         f"{[tuple(getattr(t, 'shape', ())) for t in work] if isinstance(work, tuple) else work!r}")
+            or tuple(tuple(t.shape) for t in work) != want or tuple(t.dtype for t in work) != _WORK_DTYPES):
+        got = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t for t in work] \
+            if isinstance(work, tuple) else work
+        raise ValueError(f"work must be select.workspace({rows}, {n}, device) (int32, int32, int64 {want}), got "
+                         f"{got!r}")
     return work
 
 
@@ -527,14 +569,15 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
         hist0 = hist0_buffer(R, C, dev)
         launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=pt, NB=NB,
                HAS_FORCED=forced is not None)
-    # pass-1 slots, then the tail's pass-2 slots; the row's state; the tail's candidates (indices), at most N a row
+    # pass-1 slots, then the tail's pass-2 slots; the row's state; the tail's candidates (key, index), at most N a row
     p1, cnt, cand = work_p1, work_cnt, work_cand
-    if p1 is None or p1.shape != (R, C, NB) or cnt.shape != (R, C + 1, 2) or cand.shape != (R, N):
+    if p1 is None or p1.shape != (R, C, NB) or cnt.shape != (R, C + 1, 2) or cand.shape != (R, N) or \
+            cand.dtype != torch.int64:
         p1, cnt, cand = workspace(R, N, dev, CHUNK)
     launch(_select_finish_kernel, (C, R), scores, f, b, hist0, hist0.shape[1] - 1, p1, cnt, N, sink, window, kb,
            CHUNK, TILE=pt, NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
     launch(_select_tail_kernel, (C, R), scores, f, hist0, hist0.shape[1] - 1, p1, cnt, cand, N, sink, window, CHUNK,
-           TILE=pt, CT=TILE if INTERPRET else CAND_TILE, NB=NB, SB=SB, CB=CB, num_warps=FINISH_WARPS,
+           TILE=pt, CT=_cand_tile(TILE), NB=NB, SB=SB, CB=CB, num_warps=FINISH_WARPS,
            HAS_FORCED=forced is not None)
     launch(_select_compact_kernel, (C, R), scores, f, b, cnt, N, sink, window, kb, C, CHUNK, *tail,
            TILE=TILE, PROTECTED_ONLY=False, **compact)
