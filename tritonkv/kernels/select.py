@@ -18,15 +18,17 @@ cheap on every Triton, see ``docs/architecture.md``, "Kernels"). Four launches o
    ``hist0 [R, 1 + C0, 256]`` with plain stores; program 0 of a row zeroes slot 0, the row's
    control block (tickets, a counter).
 2. **finish** (``_select_finish_kernel``): every program sums the row's pass-0 slots (the first
-   byte of t), histograms the second byte of its chunk's keys that match it into its own slot, and
+   byte of t; its chunk's first scores are loaded before, in flight meanwhile), histograms the
+   second byte of its chunk's keys that match it into its own slot, and
    takes a ticket (``atomic_add``). The last program of the row (last-block-done: no program waits
    on another, so it also runs under the interpreter, where programs run one after another) sums
    those slots: the top 16 bits P of t and the keys still to take. It reads no key.
 3. **tail** (``_select_tail_kernel``): every program counts its chunk's keys above P, histograms
-   the third byte of its candidates (keys whose top 16 bits are P) into its slot and appends their
-   indices to a per-row buffer (an atomic reservation per tile). The row's last program picks the
-   third byte from the slots and the fourth from the candidates alone (by then few, except for
-   heavy ties), counts each chunk's candidates above and equal to t, and one ordered scan over the
+   the third byte of its candidates (keys whose top 16 bits are P) into its slot and appends them,
+   each as int64 ``key << 32 | index``, to a per-row buffer (an atomic reservation per tile). The
+   row's last program picks the third byte from the slots and the fourth from the candidates alone
+   (by then few, except for heavy ties; read with their keys, no score read again), counts each
+   chunk's candidates above and equal to t, and one ordered scan over the
    chunks gives every chunk its first output slot and the number of keys equal to t before it
    (ties at t go to the lowest indices). It writes them, t and the ties to keep, and resets the
    control block.
