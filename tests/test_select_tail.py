@@ -117,7 +117,8 @@ def small_steps(monkeypatch):
     monkeypatch.setattr(sel, "_cand_tile", lambda tile: 8)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # a constant patch
+# the fixture is a constant patch: nothing to reset between examples
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["ties", "ulps", "one value", "normal"]),
        forced=st.booleans(), data=st.data())
 def test_every_loop_in_several_steps(small_steps, seed, kind, forced, data):

@@ -233,12 +233,12 @@ def _window_lse_kernel(k_ptr, q_ptr, v_ptr, part_ptr, H, G, N, W, D, skb, skh, s
 @triton.jit
 def _probs(k, q_t, c2, l2, pos, j, vz, causal, DOT_PREC: tl.constexpr, HAS_V: tl.constexpr):
     """exp(τ·k·q − lse), [BLOCK_N, rows], of the keys j of the tile ``k`` [BLOCK_N, BLOCK_D] and the rows of a row
-    block, as 2^(c2·k·q − l2) with c2 = τ·log2 e and ``l2`` = lse·log2 e (``_log2_lse``: +inf for a row left out, whose
-    query in ``q_t`` [BLOCK_D, rows] is zeroed, so its entries are 0): one FFMA and one MUFU an entry. 0 where a row
-    does not see the key (only a tile reaching past N − W holds such keys: ``causal``, the mask is applied to it
-    alone), NaN for a non-finite key (its raw logit is not finite; a zeroed query gives 0·±inf = NaN too) or,
-    ``HAS_V``, value (``vz`` NaN). Keys first: on Hopper the queries are the dot's shared-memory operand (no registers
-    held across the key loop) and a key's sum over rows adds up mostly a thread's own registers."""
+    block, as 2^(c2·k·q − l2) with c2 = τ·log2 e and ``l2`` = lse·log2 e (``_log2_lse``: +inf for a row left out,
+    whose query in ``q_t`` [BLOCK_D, rows] is zeroed, so its entries are 0): one FFMA and one MUFU an entry. 0 where
+    a row does not see the key (only a tile reaching past N − W holds such keys: ``causal``, the mask is applied to
+    it alone), NaN for a non-finite key (its raw logit is not finite; a zeroed query gives 0·±inf = NaN too) or,
+    ``HAS_V``, value (``vz`` NaN). Keys first: on Hopper the queries are the dot's shared-memory operand (no
+    registers held across the key loop) and a key's sum over rows adds up mostly a thread's own registers."""
     s = tl.dot(k, q_t, input_precision=DOT_PREC)
     p = tl.exp2(s * c2 - l2[None, :])  # exp2 lowers to ex2.approx.ftz: no denormal fix-up around the MUFU
     if causal:  # keys the window's causal mask hides from its first rows
