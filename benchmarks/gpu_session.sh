@@ -17,7 +17,8 @@
 #            partitions per program (defaults: the H100 run of 2026-11-26), the default tiling also with its
 #            partitions software-pipelined (kernels.lagkv.STAGES = 2); Knorm, KeyDiff and StreamingLLM compress
 #            at 4K/32K/128K for each pair of software-pipelined stages (key streams, compaction); SnapKV, TOVA, H2O
-#            (and SnapKV without attn_lse) for each count of key tiles in flight in the window score kernel
+#            (and SnapKV without attn_lse) for each count of key tiles in flight in the window score kernel;
+#            programmatic dependent launch on and off (kernels._common.PDL) for compress and decode attention
 #   host     python -m benchmarks.host_time --gpu: speed.py's calls at 4K eager, host and device-done µs per call,
 #            the share repeated from a plan and why a call was not recorded (~1 min, mostly compiling)
 #   pack     everything under $OUT into $OUT/session.tgz (the device tool returns at most 8 files)
@@ -310,6 +311,39 @@ for N in (4096, 32768, 131072) if cuda else (1024,):
         print(" ".join(row), flush=True)
 wa.SCORE_STAGES = default
 _plan._PLANS.clear()
+# programmatic dependent launch (kernels._common.PDL; sm_90+): each kernel of a compress launched while the one
+# before runs, on and off, for the chains of 2-5 kernels (and decode attention's split + merge: 2)
+from tritonkv.kernels import _common
+from tritonkv.kernels.decode_attention import decode_attention
+if cuda and torch.cuda.get_device_capability()[0] >= 9:
+    for N in (4096, 32768, 131072):
+        keys, values, pool = random_case(N, 1, 8, 4, 128, 32, torch.bfloat16, dev, seed=0)
+        pool["attn_lse"] = window_lse(keys, pool["queries"])
+        q = pool["queries"][:, :, -1:]
+        for name in ("knorm", "keydiff", "streaming_llm", "snapkv", "tova", "score", "snapkv+adakv", "decode"):
+            if name == "decode":
+                kv = tritonkv.compress((keys, values), "knorm", N // 4)[:2]
+                fn = lambda: decode_attention(q, kv)  # noqa: E731
+            else:
+                pol = tritonkv.POLICIES[name.split("+")[0]]()
+                inputs = policy_inputs(pol, pool)
+                if "+" in name:
+                    inputs.update(allocation=name.split("+")[1], layer=15, num_layers=30)
+                fn = lambda: tritonkv.compress((keys, values), pol, N // 4, **inputs)  # noqa: E731
+            row, ref = [f"pdl {name} N={N} (default {_common.PDL}):"], None
+            for on in (False, True):
+                _common.PDL = on
+                _plan._PLANS.clear()
+                out = fn()
+                ref = out if ref is None else ref
+                if isinstance(out, tuple):  # the same kept tokens and K/V rows (decode: outputs) either way
+                    assert all(map(torch.equal, out, ref)), name
+                eager = gpu_time(fn, cuda, graph=False)["us"]
+                row.append(f"{'on' if on else 'off'}: {gpu_time(fn, cuda, graph=True)['us']:.1f} us graph, "
+                           f"{eager:.1f} us eager")
+            print(" ".join(row), flush=True)
+    _common.PDL = True
+    _plan._PLANS.clear()
 EOF
         cat "$OUT/tuning.txt" ;;
     host)

@@ -6,7 +6,8 @@ program measures that Python without a GPU:
 
 * CPU tensors take the Triton branch of every op (``tritonkv.kernels._common._cpu = "triton"``, the
   interpreter off), so the launchers pick their GPU configurations;
-* a fake Triton driver answers device 0, stream 0, target ``sm_90``;
+* a fake Triton driver answers device 0, stream 0, target ``sm_90``, and the kernels that take one are launched
+  with programmatic dependent launch, as on an sm_90 GPU;
 * ``JITFunction._do_compile`` is replaced by a stub kernel that Triton caches like a compiled one, whose
   ``run`` (the C launcher and ``cuLaunchKernel``) does nothing.
 
@@ -130,6 +131,7 @@ def gpu_path_on_cpu(make_stub=None, stream: int = 0):
     driver.set_active(FakeDriver())
     JITFunction._do_compile = stub_compile
     _common._cpu[0] = "triton"
+    _common._PDL_DEVICES[-1] = True  # CPU tensors launch as on an sm_90 GPU: with programmatic dependent launch
 
 
 def make_inputs():

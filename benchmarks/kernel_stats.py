@@ -209,6 +209,11 @@ def dry(fn, readback=None, inputs=()):
                 fn()
     except Exception as e:  # reported per workload
         err = f"{type(e).__name__}: {e}"
+    for rec in log:  # the dry run's tensors are on the CPU: launch as on an sm_90 GPU (``specialise`` per arch)
+        if "PDL" in rec.constexprs:
+            rec.constexprs["PDL"] = _common.PDL
+            rec.options.pop("launch_pdl", None)
+            rec.options.update({"launch_pdl": True} if _common.PDL else {})
     return list(log), mode.ops, err
 
 
@@ -305,11 +310,14 @@ def specialise(rec, cap: int):
     """``(target, signature, constexprs, attrs, options)`` of a logged launch, from Triton's own JIT
     binder (what ``kernel[grid](...)`` would compile on a GPU of capability ``cap``)."""
     kern = rec.kernel
-    args = [rec.args[p.name] if p.name in rec.args else rec.constexprs[p.name] for p in kern.params]
+    const = dict(rec.constexprs, **({"PDL": False} if cap < 90 and "PDL" in rec.constexprs else {}))
+    args = [rec.args[p.name] if p.name in rec.args else const[p.name] for p in kern.params]
     target = GPUTarget("cuda", cap, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kern.signature, kern.params, backend)
     kw = dict(rec.options, debug=bool(knobs.runtime.debug))
+    if cap < 90:  # programmatic dependent launch is sm_90+ (``_common.pdl``)
+        kw.pop("launch_pdl", None)
     kw.update({opt: getattr(knobs.compilation, opt) for opt in ("instrumentation_mode", "fpsan_homomorphic_casts")
                if hasattr(knobs.compilation, opt)})  # run() adds these in 3.9
     bound, spec, opts = binder(*args, **kw)
@@ -366,7 +374,7 @@ def compile_stats(rec, cap: int) -> dict:
     loops = sass_loops(ins)
     straight = [x for x in ins if not any(L["lo"] <= x["addr"] <= L["hi"] for L in loops)]
     meta = k.metadata
-    st = dict(arch=f"sm_{cap}", regs=int(r.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)),
+    st = dict(arch=f"sm_{cap}", pdl=pdl_order(ins) if getattr(meta, "launch_pdl", False) else None, regs=int(r.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)),
               stack=int(m.group(1)), smem=int(meta.shared) + (int(s.group(1)) if s else 0),
               num_warps=int(meta.num_warps), num_stages=int(meta.num_stages),
               global_atomics=len(glob), fenced_atomics=len(fenced),
@@ -406,6 +414,20 @@ def parse_sass(sass: str) -> list[dict]:
         if m and labels.get(m.group(1), 1 << 62) < x["addr"]:
             x["back"] = labels[m.group(1)]
     return ins
+
+
+# SASS global memory accesses (loads, stores, atomics, reductions, async and bulk copies; generic LD/ST too)
+GLOBAL_MEMORY = frozenset({"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "LD", "ST", "UTMALDG", "UTMASTG",
+                           "UBLKCP", "UBLKRED", "LDGDEPBAR"})
+
+
+def pdl_order(ins) -> dict:
+    """Where a kernel launched with programmatic dependent launch waits for the kernel before it (``ACQBULK``, the
+    SASS of ``griddepcontrol.wait``) and touches global memory first (instruction indices; None: never), and
+    whether the wait comes first."""
+    wait = next((i for i, x in enumerate(ins) if x["op"] == "ACQBULK"), None)
+    first = next((i for i, x in enumerate(ins) if x["op"] in GLOBAL_MEMORY), None)
+    return dict(wait=wait, first_memory=first, ok=wait is not None and (first is None or wait < first))
 
 
 def _counts(ins) -> dict:
@@ -886,7 +908,10 @@ def check_targets(kernels, rows, archs) -> dict:
                      triton_ok=r["triton_launches"] <= MAX_LAUNCHES, all_ok=r["launches"] <= MAX_LAUNCHES)
                 for r in rows if r["name"] in KEY_ONLY]
     syncs = [dict(workload=r["name"], syncs=r["host_syncs"], where=r["sync_sites"]) for r in rows if r["host_syncs"]]
+    pdl = [(k["label"], arch, st["pdl"]) for k, arch, st in done if st.get("pdl")]
     return dict(
+        pdl_kernels=len(pdl), pdl_ok=all(p["ok"] for _, _, p in pdl),
+        pdl_early=[dict(kernel=lab, arch=arch, **p) for lab, arch, p in pdl if not p["ok"]],
         spills=spills, no_spills=not spills,
         low_occupancy=[x for n, x in low if n not in excused],
         low_occupancy_with_reason=[dict(x, reason=excused[n]) for n, x in low if n in excused],
@@ -948,7 +973,11 @@ def markdown(res: dict) -> str:
            + (f" (tickets: {', '.join(sorted({x['kernel'] for x in t['ticket_atomics']}))})"
               if t.get("ticket_atomics") else ""),
            _check("No host syncs", t["no_host_syncs"], (
-               f"{x['workload']} {x['syncs']} ({', '.join(x['where'])})" for x in t["host_syncs"]))]
+               f"{x['workload']} {x['syncs']} ({', '.join(x['where'])})" for x in t["host_syncs"])),
+           _check(f"Kernels launched with programmatic dependent launch ({t.get('pdl_kernels', 0)} compiled "
+                  "variants) wait for the kernel before them (ACQBULK) before any global memory access",
+                  t.get("pdl_ok", True), (f"`{x['kernel']}` {x['arch']} (wait at instruction {x['wait']}, first "
+                                          f"access at {x['first_memory']})" for x in t.get("pdl_early", [])))]
     checks = [f"{r['name']} ({', '.join(r['input_checks'])})" for r in res["workloads"] if r.get("input_checks")]
     if checks:
         out.append("- Host reads of values computed only from a small input (not counted as syncs: no device read "

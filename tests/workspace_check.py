@@ -25,6 +25,7 @@ def interpreted_kernels():
     from tritonkv.kernels import _common
 
     gpu_path_on_cpu()
+    _common._PDL_DEVICES[-1] = False  # the interpreter has no griddepcontrol: launch without PDL
 
     class Interpreted:  # what a compiled kernel offers the launch path
         function = packed_metadata = None

@@ -21,6 +21,9 @@
   torch.export see one op on either device. ``cpu_kernels("torch"|"triton")`` overrides the choice
   for the CPU (a context manager; ``TRITONKV_CPU_KERNELS`` sets the default).
 * ``TORCH_TO_TL``: the pointer type names used by ahead-of-time compile tests.
+* ``pdl`` / ``pdl_wait``: programmatic dependent launch on sm_90+ (Hopper and newer): a kernel with a ``PDL``
+  constexpr waits for the kernel before it at its very top and then lets the next one launch, so a compress's
+  chain of kernels starts each launch while the previous kernel still runs (``TRITONKV_PDL=0`` turns it off).
 * ``record_launches``: log every Triton kernel launched inside a block (name, grid, constexprs,
   launch options, bound arguments), optionally without running them (``benchmarks/kernel_stats.py``).
 * ``check_int`` and the other argument checks every layer shares.
@@ -39,6 +42,8 @@ import threading
 from typing import NamedTuple, Optional
 
 import torch
+import triton
+import triton.language as tl
 from torch._library.triton import is_wrap_triton_enabled, wrap_triton_enabled
 from torch.library import wrap_triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
@@ -157,12 +162,60 @@ def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
 
 def launch(kernel, grid, *args, **kwargs):
     """Launch a ``@triton.jit`` kernel: directly in eager mode (through the launch cache, see
-    ``_cached_run``), through ``wrap_triton`` (traceable by torch.compile/export) otherwise."""
+    ``_cached_run``), through ``wrap_triton`` (traceable by torch.compile/export) otherwise (without
+    programmatic dependent launch: see ``pdl``)."""
     if is_wrap_triton_enabled() and not _eager(args, kwargs):
+        if "launch_pdl" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != "launch_pdl"} | _PDL_OFF
         return wrap_triton(kernel)[grid](*args, **kwargs)
     if _launch_cache[0]:
         return _cached_run(kernel, grid, args, kwargs)
     return _run(kernel, grid, args, kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Programmatic dependent launch (PDL; sm_90+). A compress is a chain of short dependent kernels (score,
+# finish, tail, compact); between two of them the GPU drains the first grid, flushes its writes, then
+# launches and ramps up the next. Launched with ``launch_pdl`` (CUDA's programmatic stream
+# serialization), a kernel may be launched as soon as every program of the kernel before it has passed
+# ``griddepcontrol.launch_dependents`` (or exited), and its programs wait in ``griddepcontrol.wait`` for
+# that kernel to complete with its writes visible. ``pdl_wait`` does both, first thing in a kernel: no
+# global load or store precedes the wait (``benchmarks/kernel_stats.py`` checks the SASS of every such
+# kernel), so every read and write is ordered after the previous kernel exactly as without PDL, and what
+# overlaps is the launch and the programs' start-up. A kernel not launched with PDL treats both as no-ops.
+PDL = os.environ.get("TRITONKV_PDL", "1") != "0"  # read at each launch (the tuning benchmarks switch it)
+_PDL_ON = {"PDL": True, "launch_pdl": True}
+_PDL_OFF = {"PDL": False}
+_PDL_DEVICES: dict = {-1: False}  # device index (-1: the CPU) -> whether it runs PDL (host-side benchmarks set -1)
+
+
+def _pdl_device(index: int) -> bool:
+    """Whether CUDA device ``index`` runs programmatic dependent launches: NVIDIA, compute capability 9+."""
+    on = _PDL_DEVICES[index] = torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return on
+
+
+def pdl(t: torch.Tensor) -> dict:
+    """The launch keywords of a kernel with a ``PDL`` constexpr (``pdl_wait``) that runs on ``t``'s device:
+    ``PDL=True`` and ``launch_pdl=True`` for a plain tensor on an sm_90+ NVIDIA GPU (unless ``TRITONKV_PDL=0``
+    or ``PDL`` is False), else ``PDL=False``. ``launch`` drops it when the launch is traced (Inductor launches
+    the kernels of a compiled graph itself). The dict is shared: read only."""
+    if not PDL or type(t) is not torch.Tensor:
+        return _PDL_OFF
+    index = t.get_device()
+    on = _PDL_DEVICES.get(index)
+    if on is None:
+        on = _pdl_device(index)
+    return _PDL_ON if on else _PDL_OFF
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """First thing in a kernel launched with ``pdl``: wait for the previous kernel in the stream to complete
+    (its writes visible), then let the next kernel launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _run(kernel, grid, args: tuple, kwargs: dict):

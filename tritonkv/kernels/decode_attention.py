@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, check_device, check_int, check_kv_tensor, check_positive_float, launch, next_pow2,
-                      on_host, triton_op, use_triton)
+                      on_host, pdl, pdl_wait, triton_op, use_triton)
 
 LOG2E = 1.4426950408889634
 
@@ -57,10 +57,12 @@ LOG2E = 1.4426950408889634
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_ptr,
                          H, G, D, S, SPLIT, sqb, sqh, skb, skh, skn, svb, svh, svn, qk_scale, cap_scale,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         GP: tl.constexpr, HAS_START: tl.constexpr, NATIVE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+                         GP: tl.constexpr, HAS_START: tl.constexpr, NATIVE_DOT: tl.constexpr, SOFTCAP: tl.constexpr,
+                         PDL: tl.constexpr):
     """Stage 1: one (split, row) -> partial O [G, D] and LSE (base 2) [G]. ``SOFTCAP``: the logits are
     ``cap_scale · tanh(qk_scale · q·k)`` (``qk_scale = scale / softcap``, ``cap_scale = softcap · log2 e``), else
     ``qk_scale · q·k`` (``qk_scale = scale · log2 e``)."""
+    pdl_wait(PDL)
     qk_scale = tl.cast(qk_scale, tl.float32)  # torch.compile passes Python floats as fp64: keep the arithmetic fp32
     cap_scale = tl.cast(cap_scale, tl.float32)
     s = tl.program_id(0).to(tl.int64)
@@ -123,12 +125,13 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_p
 
 @triton.jit(do_not_specialize=["S", "SPLIT"])
 def _decode_merge_kernel(po_ptr, plse_ptr, len_ptr, o_ptr, lse_ptr, G, D, S, SPLIT, NH,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HB: tl.constexpr, PDL: tl.constexpr):
     """Stage 2: program ``(c, i)`` merges, for the HB query heads ``j = i·HB + [0, HB)`` (global
     index ``j = r·G + g`` over ``NH = R·G``) and the channels ``[c·BLOCK_D, (c+1)·BLOCK_D)``, the
     non-empty splits of row ``r = j // G`` into O and the LSE (natural log). Splits are taken BLOCK_S
     at a time (a tree reduction per chunk, an online rescaling across chunks); their count is
     re-derived from ``length``. A row of length 0 gives zeros and -inf."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     j = tl.program_id(1).to(tl.int64) * HB + tl.arange(0, HB)
     jmask = j < NH
@@ -241,11 +244,12 @@ def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                H, G, D, S, split_tokens, q.stride(0), q.stride(1), *kstr, *vstr,
                scale / softcap if softcap else scale * LOG2E, softcap * LOG2E,
                BLOCK_N=block_n, BLOCK_D=BLOCK_D, GP=GP, HAS_START=has_start, NATIVE_DOT=native, SOFTCAP=softcap > 0,
-               num_warps=4, num_stages=2)
+               num_warps=4, num_stages=2, **pdl(q))
         BLOCK_S, BLOCK_DM, HB, warps = merge_blocks(S, G, D)
         NH = R * G
         launch(_decode_merge_kernel, (triton.cdiv(D, BLOCK_DM), triton.cdiv(NH, HB)), part_o, part_lse, lengths,
-               out, lse, G, D, S, split_tokens, NH, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_DM, HB=HB, num_warps=warps)
+               out, lse, G, D, S, split_tokens, NH, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_DM, HB=HB, num_warps=warps,
+               **pdl(q))
     return out, lse
 
 

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, finite_rows, launch, row_major, triton_op, use_triton
+from ._common import cdiv, finite_rows, launch, pdl, pdl_wait, row_major, triton_op, use_triton
 from . import knorm
 from .knorm import _check_keys, _load_keys, hist_tile, nonfinite, score_hist0, token_blocks
 from .select import NB, hist0_of_chunk
@@ -44,7 +44,9 @@ ANCHORS = ("normalized", "raw")
 
 @triton.jit(do_not_specialize=["C", "CHUNK"])
 def _keydiff_anchor_kernel(k_ptr, part_ptr, H, skb, skh, skn, N, D, C, CHUNK,
-                           TILE: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr, NORMALIZE: tl.constexpr):
+                           TILE: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr, NORMALIZE: tl.constexpr,
+                           PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     acc = tl.zeros([TILE, BLOCK_D], dtype=tl.float32)  # reduced over tokens once, at the end
@@ -66,7 +68,8 @@ def _keydiff_anchor_kernel(k_ptr, part_ptr, H, skb, skh, skn, N, D, C, CHUNK,
 @triton.jit(do_not_specialize=["C", "CHUNK", "sink", "window"])
 def _keydiff_score_kernel(k_ptr, part_ptr, out_ptr, h0_ptr, H, skb, skh, skn, N, D, C, CHUNK, sink, window,
                           TILE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-                          HIST: tl.constexpr, NB: tl.constexpr, HIST_TILE: tl.constexpr):
+                          HIST: tl.constexpr, NB: tl.constexpr, HIST_TILE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.num_programs(0) - 1 - tl.program_id(0)
     r = (tl.num_programs(1) - 1 - tl.program_id(1)).to(tl.int64)
     # the anchor: the row's chunk partials summed in a fixed order, then the mean over finite keys
@@ -140,11 +143,12 @@ def keydiff_score_op(keys: torch.Tensor, normalize: bool, chunk: int, hist0: Opt
         C = cdiv(N, cfg["CHUNK"])
         part = torch.empty((R, C, D + 1), dtype=torch.float32, device=keys.device)
         strides = (keys.stride(0), keys.stride(1), keys.stride(2))
+        on = pdl(keys)  # the score kernel waits for the anchor's partial sums (sm_90+: launched meanwhile)
         launch(_keydiff_anchor_kernel, (C, R), keys, part, H, *strides, N, D, C, NORMALIZE=normalize,
-               STAGES=knorm.STREAM_STAGES, **cfg)
+               STAGES=knorm.STREAM_STAGES, **cfg, **on)
         launch(_keydiff_score_kernel, (C, R), keys, part, out, out if hist0 is None else hist0, H, *strides, N, D, C,
                sink=sink, window=window, BLOCK_C=max(1, 4096 // cfg["BLOCK_D"]), HIST=hist0 is not None, NB=NB,
-               HIST_TILE=hist_tile(cfg["num_warps"]), **cfg)
+               HIST_TILE=hist_tile(cfg["num_warps"]), **cfg, **on)
     return out
 
 

@@ -26,7 +26,8 @@ import triton.language as tl
 
 from typing import Optional
 
-from ._common import INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+from ._common import (INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, pdl, pdl_wait, row_major, triton_op,
+                      use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 
@@ -52,7 +53,8 @@ def nonfinite(k):
 @triton.jit(do_not_specialize=["CHUNK", "C0", "sink", "window"])
 def _knorm_kernel(k_ptr, out_ptr, h0_ptr, H, skb, skh, skn, N, D, CHUNK, C0, sink, window,
                   TILE: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr, HIST: tl.constexpr,
-                  NB: tl.constexpr, HIST_TILE: tl.constexpr):
+                  NB: tl.constexpr, HIST_TILE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     for t0 in tl.range(0, CHUNK, TILE, num_stages=STAGES):
@@ -140,7 +142,8 @@ def knorm_score_op(keys: torch.Tensor, chunk: int, hist0: Optional[torch.Tensor]
         C = cdiv(N, cfg["CHUNK"])
         launch(_knorm_kernel, (C, B * H), keys, out, out if hist0 is None else hist0, H,
                keys.stride(0), keys.stride(1), keys.stride(2), N, D, C0=C, sink=sink, window=window,
-               HIST=hist0 is not None, NB=NB, HIST_TILE=hist_tile(cfg["num_warps"]), STAGES=STREAM_STAGES, **cfg)
+               HIST=hist0 is not None, NB=NB, HIST_TILE=hist_tile(cfg["num_warps"]), STAGES=STREAM_STAGES, **cfg,
+               **pdl(keys))
     return out
 
 

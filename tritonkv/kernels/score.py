@@ -30,14 +30,15 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._common import FLOAT_DTYPES, INTERPRET, cdiv, launch, triton_op, use_triton
+from ._common import FLOAT_DTYPES, INTERPRET, cdiv, launch, pdl, pdl_wait, triton_op, use_triton
 from .select import NB, Hist0, _blocks, hist0_buffer, hist0_of_chunk
 
 
 @triton.jit(do_not_specialize=["CHUNK", "C0", "sink", "window"])
 def _score_penalty_kernel(s_ptr, u_ptr, p_ptr, hd_ptr, out_ptr, h0_ptr, H, shb, shh, alpha, N, CHUNK, C0, sink,
                           window, TILE: tl.constexpr, HAS_PICKS: tl.constexpr, PRECISE_EXP: tl.constexpr,
-                          HIST: tl.constexpr, NB: tl.constexpr):
+                          HIST: tl.constexpr, NB: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     b = r // H
@@ -92,7 +93,8 @@ def score_penalty_op(scores: torch.Tensor, mask: torch.Tensor, picks: Optional[t
         C = cdiv(N, CHUNK)
         launch(_score_penalty_kernel, (C, B * H), scores, mask, mask if picks is None else picks, hd, out,
                out if hist0 is None else hist0, H, hd.stride(0), hd.stride(1), alpha, N, CHUNK, C, sink, window,
-               TILE=TILE, HAS_PICKS=picks is not None, PRECISE_EXP=not INTERPRET, HIST=hist0 is not None, NB=NB)
+               TILE=TILE, HAS_PICKS=picks is not None, PRECISE_EXP=not INTERPRET, HIST=hist0 is not None, NB=NB,
+               **pdl(scores))
     return out
 
 

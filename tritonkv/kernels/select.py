@@ -11,7 +11,8 @@ genuine +inf maps to 0xFF800000, so it never displaces a protected token). The t
 k-th largest key) is found by an MSB radix select over four 8-bit digits (256-bin histograms:
 cheap on every Triton, see ``docs/architecture.md``, "Kernels"). Four launches on the grid
 (chunks, rows), none of them a memset, none of them spinning; every one keeps all programs busy
-(the work a row's last program does alone is proportional to the candidates, never to N):
+(the work a row's last program does alone is proportional to the candidates, never to N; on sm_90+ each is
+launched while the one before runs and waits for it first, ``_common.pdl``):
 
 1. **pass 0** (``_select_hist0_kernel``, or fused into a scoring kernel with ``hist0_of_chunk``):
    each chunk writes the 256-bin histogram of its keys' top byte to its own slot of an int32
@@ -56,7 +57,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch, next_pow2, triton_op, use_triton
+from ._common import (INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch, next_pow2, pdl, pdl_wait,
+                      triton_op, use_triton)
 
 NB = 256  # bins per radix pass: four 8-bit digits of the 32-bit keys
 
@@ -172,7 +174,8 @@ _RUNTIME = ["sink", "window", "k_max", "C", "CHUNK", "stride", "C0"]
 
 @triton.jit(do_not_specialize=["sink", "window", "CHUNK", "C0"])
 def _select_hist0_kernel(s_ptr, f_ptr, h0_ptr, N, sink, window, CHUNK, C0,
-                         TILE: tl.constexpr, NB: tl.constexpr, HAS_FORCED: tl.constexpr):
+                         TILE: tl.constexpr, NB: tl.constexpr, HAS_FORCED: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     hist0_of_chunk(s_ptr + r * N, f_ptr + r * N, h0_ptr, r, c, C0, N, CHUNK, sink, window, TILE, NB, HAS_FORCED)
@@ -181,9 +184,10 @@ def _select_hist0_kernel(s_ptr, f_ptr, h0_ptr, N, sink, window, CHUNK, C0,
 @triton.jit(do_not_specialize=_RUNTIME)
 def _select_finish_kernel(s_ptr, f_ptr, budget_ptr, h0_ptr, C0, p1_ptr, cnt_ptr, N, sink, window, k_max, CHUNK,
                           TILE: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr,
-                          HAS_FORCED: tl.constexpr, UNIFORM: tl.constexpr):
+                          HAS_FORCED: tl.constexpr, UNIFORM: tl.constexpr, PDL: tl.constexpr):
     """Pass 1 per chunk; the last program of each row sums the pass-1 slots (no row read) and writes
     ``cnt[r, C] = (P, k_rem)``: the top 16 bits of t and the keys still to take from those with them."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     C = tl.num_programs(0)
     r = tl.program_id(1).to(tl.int64)
@@ -226,7 +230,7 @@ def _count_at_t(state, cand, m, t, CHUNK):
 @triton.jit(do_not_specialize=_RUNTIME)
 def _select_tail_kernel(s_ptr, f_ptr, h0_ptr, C0, p2_ptr, cnt_ptr, cand_ptr, N, sink, window, CHUNK,
                         TILE: tl.constexpr, CT: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr,
-                        HAS_FORCED: tl.constexpr):
+                        HAS_FORCED: tl.constexpr, PDL: tl.constexpr):
     """Passes 2-3 and the chunks' output offsets, proportional to the candidates (the keys whose top
     16 bits are P). Each program re-reads its chunk: it counts the keys above P (``cnt[r, c, 0]``),
     histograms the third byte of its candidates into its slot of ``p2 [R, C, NB]`` and appends them,
@@ -238,6 +242,7 @@ def _select_tail_kernel(s_ptr, f_ptr, h0_ptr, C0, p2_ptr, cnt_ptr, cand_ptr, N, 
     ties at t go to the lowest indices. Candidate order in ``cand`` does not matter (integer counts).
     The last program reads the candidates ``CT`` at a time (its work grows with them, not with N), each
     with its key (no second read of the scores), the first ``CT`` in flight with the slots it sums."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     C = tl.num_programs(0)
     r = tl.program_id(1).to(tl.int64)
@@ -334,12 +339,13 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, cnt_ptr, N, sink, window, k
                            TILE: tl.constexpr, BATCH: tl.constexpr, STAGES: tl.constexpr,
                            BLOCK_D: tl.constexpr, HAS_FORCED: tl.constexpr, HAS_KV: tl.constexpr,
                            WRITE_MASK: tl.constexpr, UNIFORM: tl.constexpr, HAS_START: tl.constexpr,
-                           PROTECTED_ONLY: tl.constexpr):
+                           PROTECTED_ONLY: tl.constexpr, PDL: tl.constexpr):
     """Writes row r's kept tokens at ``start[r]`` (or ``r·stride`` without ``HAS_START``).
 
     ``PROTECTED_ONLY``: every kept token is protected (no forced tokens, and the protected count
     equals k_r), so nothing is ranked: program c writes output slots ``[c·BATCH, (c+1)·BATCH)``
     (the first ``sink`` tokens, then the last ``k_r − sink``), with no select state and no scores read."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     k = _row_budget(budget_ptr, r, N, k_max, UNIFORM)
@@ -558,8 +564,9 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     # absent tensors are passed as ``scores`` (never read: the constexpr flags switch them off)
     f, b = _or(forced, scores), _or(budgets, scores)
     flags = dict(HAS_FORCED=forced is not None, UNIFORM=uniform)
+    on = pdl(scores)  # each launch waits for the one before (programmatic dependent launch on sm_90+)
     compact = dict(BATCH=BATCH, STAGES=COMPACT_STAGES, BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv,
-                   WRITE_MASK=write_mask, HAS_START=out_start is not None, num_warps=COMPACT_WARPS, **flags)
+                   WRITE_MASK=write_mask, HAS_START=out_start is not None, num_warps=COMPACT_WARPS, **flags, **on)
     tail = (_or(out_start, scores), k_max, out_idx, out_lengths, _or(out_mask, scores), _or(keys, scores),
             _or(values, scores), _or(out_keys, scores), _or(out_values, scores), H, *kstr, *vstr, D)
     if _protected_only(N, sink, window, k_max, full_rows, forced is not None, write_mask):
@@ -570,17 +577,17 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     if hist0 is None:
         hist0 = hist0_buffer(R, C, dev)
         launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=pt, NB=NB,
-               HAS_FORCED=forced is not None)
+               HAS_FORCED=forced is not None, **on)
     # pass-1 slots, then the tail's pass-2 slots; the row's state; the tail's candidates (key, index), at most N a row
     p1, cnt, cand = work_p1, work_cnt, work_cand
     if p1 is None or p1.shape != (R, C, NB) or cnt.shape != (R, C + 1, 2) or cand.shape != (R, N) or \
             cand.dtype != torch.int64:
         p1, cnt, cand = workspace(R, N, dev, CHUNK)
     launch(_select_finish_kernel, (C, R), scores, f, b, hist0, hist0.shape[1] - 1, p1, cnt, N, sink, window, kb,
-           CHUNK, TILE=pt, NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
+           CHUNK, TILE=pt, NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags, **on)
     launch(_select_tail_kernel, (C, R), scores, f, hist0, hist0.shape[1] - 1, p1, cnt, cand, N, sink, window, CHUNK,
            TILE=pt, CT=_cand_tile(TILE), NB=NB, SB=SB, CB=CB, num_warps=FINISH_WARPS,
-           HAS_FORCED=forced is not None)
+           HAS_FORCED=forced is not None, **on)
     launch(_select_compact_kernel, (C, R), scores, f, b, cnt, N, sink, window, kb, C, CHUNK, *tail,
            TILE=TILE, PROTECTED_ONLY=False, **compact)
 

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, cdiv, check_kv_tensor, check_positive_float, finite_rows, launch, next_pow2, on_host,
-                      row_major, triton_op, use_triton)
+                      pdl, pdl_wait, row_major, triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 #: key tiles the score kernel keeps in flight when it reads no values (a launch argument, read at each launch): at
@@ -202,7 +202,8 @@ def _window_lse_kernel(k_ptr, q_ptr, v_ptr, part_ptr, H, G, N, W, D, skb, skh, s
                        DV, svb, svh, svn, C, scale,
                        CHUNK, BLOCK_N: tl.constexpr, GB: tl.constexpr, BW: tl.constexpr,
                        BLOCK_D: tl.constexpr, CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr,
-                       BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr):
+                       BLOCK_DV: tl.constexpr, HAS_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c2 = tl.cast(scale, tl.float32) * 1.4426950408889634  # τ·log2 e (fp32: torch.compile passes fp64 floats)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
@@ -271,9 +272,11 @@ def _window_score_kernel(k_ptr, q_ptr, v_ptr, lse_ptr, u_ptr, H, G, N, W, D, skb
                          BLOCK_D: tl.constexpr, GROUP_MAX: tl.constexpr, HOIST: tl.constexpr,
                          CAST_FP32: tl.constexpr, DOT_PREC: tl.constexpr, HAS_LSE: tl.constexpr,
                          ROW_MEAN: tl.constexpr, HEAD_MEAN: tl.constexpr, BLOCK_DV: tl.constexpr,
-                         HAS_V: tl.constexpr, HIST: tl.constexpr, NB: tl.constexpr, HIST_TILE: tl.constexpr):
+                         HAS_V: tl.constexpr, HIST: tl.constexpr, NB: tl.constexpr, HIST_TILE: tl.constexpr,
+                         PDL: tl.constexpr):
     """u[r, j] for the keys of chunk c; ``HIST`` (the scores are final: no pooling kernel follows), then the
     select's first radix pass over them (``select.hist0_of_chunk``, ``sink``/``window`` protected)."""
+    pdl_wait(PDL)
     c2 = tl.cast(scale, tl.float32) * 1.4426950408889634  # τ·log2 e (fp32: torch.compile passes fp64 floats)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
@@ -343,9 +346,10 @@ def _head_value(u_ptr, r, j, m, H, N, LAYER: tl.constexpr):
 @triton.jit(do_not_specialize=["C0", "sink", "window"])
 def _window_pool_kernel(u_ptr, out_ptr, h0_ptr, H, N, n_pool, C0, sink, window, KSIZE: tl.constexpr,
                         POOL_MAX: tl.constexpr, LAYER: tl.constexpr, BLOCK: tl.constexpr, HIST: tl.constexpr,
-                        NB: tl.constexpr, HIST_TILE: tl.constexpr):
+                        NB: tl.constexpr, HIST_TILE: tl.constexpr, PDL: tl.constexpr):
     """Pools ``BLOCK`` scores of row r; ``HIST``: then the select's first radix pass over them
     (``select.hist0_of_chunk``, chunk = this program's block, ``sink``/``window`` protected)."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     j = c * BLOCK + tl.arange(0, BLOCK)
@@ -628,7 +632,8 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Opt
     cast = INTERPRET or keys.dtype == torch.float32 or queries.dtype != keys.dtype
     has_v = values.numel() > 0
     vt = values if has_v else keys  # not read without values
-    common = dict(CAST_FP32=cast, DOT_PREC="ieee", BLOCK_DV=max(16, next_pow2(vt.shape[3])), HAS_V=has_v, **cfg)
+    on = pdl(keys)  # each launch waits for the one before (programmatic dependent launch on sm_90+)
+    common = dict(CAST_FP32=cast, DOT_PREC="ieee", BLOCK_DV=max(16, next_pow2(vt.shape[3])), HAS_V=has_v, **cfg, **on)
     kq = (H, G, N, W, D, keys.stride(0), keys.stride(1), keys.stride(2),
           queries.stride(0), queries.stride(1), queries.stride(2),
           vt.shape[3], vt.stride(0), vt.stride(1), vt.stride(2))
@@ -652,7 +657,7 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Opt
         block = _pool_block(N)
         launch(_window_pool_kernel, (cdiv(N, block), R), u, out, out if hist0 is None else hist0, H, N, max(N - W, 0),
                cdiv(N, block), sink, window, KSIZE=kernel_size, POOL_MAX=pool == "max", LAYER=head_reduce == "layer",
-               BLOCK=block, HIST=hist0 is not None, NB=NB, HIST_TILE=min(block, HIST_TILE))
+               BLOCK=block, HIST=hist0 is not None, NB=NB, HIST_TILE=min(block, HIST_TILE), **on)
     return out
 
 
