@@ -1,10 +1,12 @@
 """Programmatic dependent launch (``kernels/_common.py``: ``pdl``, ``pdl_wait``): which launches use it, that a
-traced launch never does, that every kernel taking it waits before anything else, and on an sm_90+ GPU that it
+traced launch never does, that every kernel takes it and waits before anything else, and on an sm_90+ GPU that it
 changes no result (eager, repeated from a plan, and replayed from a CUDA graph). The PTX of every such kernel
 compiled for sm_90 is checked by the ahead-of-time compile tests (``aot.py``: the wait before any global access),
 its SASS by ``benchmarks/kernel_stats.py``."""
 import ast
+import importlib
 import inspect
+import pkgutil
 import textwrap
 
 import pytest
@@ -12,13 +14,21 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tritonkv
-from tritonkv.kernels import _common, _plan, decode_attention, keydiff, knorm, score, select, window_attention
+import tritonkv.cache
+from tritonkv.kernels import _common, _plan, decode_attention
+from tritonkv.kernels.knorm import _knorm_kernel
 
-KERNELS = [select._select_hist0_kernel, select._select_finish_kernel, select._select_tail_kernel,
-           select._select_compact_kernel, knorm._knorm_kernel, keydiff._keydiff_anchor_kernel,
-           keydiff._keydiff_score_kernel, window_attention._window_lse_kernel, window_attention._window_score_kernel,
-           window_attention._window_pool_kernel, score._score_penalty_kernel, decode_attention._decode_split_kernel,
-           decode_attention._decode_merge_kernel]
+
+def _kernels() -> list:
+    """Every ``@triton.jit`` kernel (``_*_kernel``) of tritonkv's modules."""
+    jit = type(_common.pdl_wait)  # JITFunction, or InterpretedFunction under the interpreter
+    mods = [tritonkv.cache] + [importlib.import_module(f"tritonkv.kernels.{m.name}")
+                               for m in pkgutil.iter_modules(tritonkv.kernels.__path__)]
+    return sorted({k for m in mods for n, k in vars(m).items() if n.endswith("_kernel") and isinstance(k, jit)},
+                  key=lambda k: k.fn.__name__)
+
+
+KERNELS = _kernels()
 
 
 def test_keywords_follow_the_device(monkeypatch):
@@ -53,17 +63,22 @@ def test_traced_launch_goes_without(monkeypatch):
     monkeypatch.setattr(_common, "wrap_triton", lambda kernel: Wrapped())
     monkeypatch.setattr(_common, "is_wrap_triton_enabled", lambda: True)
     monkeypatch.setattr(_common, "_eager", lambda args, kwargs: False)
-    _common.launch(knorm._knorm_kernel, (2, 1), 1, 2, TILE=16, PDL=True, launch_pdl=True)
+    _common.launch(_knorm_kernel, (2, 1), 1, 2, TILE=16, PDL=True, launch_pdl=True)
     assert seen == [((2, 1), (1, 2), {"TILE": 16, "PDL": False})]
     seen.clear()
-    _common.launch(knorm._knorm_kernel, (2, 1), 1, TILE=16, PDL=False)
+    _common.launch(_knorm_kernel, (2, 1), 1, TILE=16, PDL=False)
     assert seen == [((2, 1), (1,), {"TILE": 16, "PDL": False})]
+
+
+def test_every_kernel_is_found():
+    assert len(KERNELS) == 20 and {"_select_compact_kernel", "_lagkv_kernel", "_ragged_append_kernel"} <= {
+        k.fn.__name__ for k in KERNELS}
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.fn.__name__)
 def test_kernel_waits_before_anything_else(kernel):
-    """A kernel taking ``PDL`` calls ``pdl_wait(PDL)`` as its first statement (after the docstring): nothing of it
-    may run before the kernel it depends on has completed."""
+    """Every kernel takes ``PDL`` and calls ``pdl_wait(PDL)`` as its first statement (after the docstring): nothing of
+    it may run before the kernel it depends on has completed."""
     assert "PDL" in kernel.arg_names
     body = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn))).body[0].body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):

@@ -33,14 +33,15 @@ import triton.language as tl
 
 from .kernels import select as _select
 from .kernels._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch,
-                              next_pow2, on_host, triton_op, use_triton)
+                              next_pow2, on_host, pdl, pdl_wait, triton_op, use_triton)
 
 
 @triton.jit
 def _ragged_append_kernel(k_ptr, v_ptr, ko_ptr, vo_ptr, pos_ptr, start_ptr, len_ptr, next_ptr,
-                          H, D, skb, skh, svb, svh, sko, svo, BLOCK_D: tl.constexpr):
+                          H, D, skb, skh, svb, svh, sko, svo, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Row r: copy the new token of (b, h) to ``row_start[r] + length[r]`` if the row has room,
     record its position and bump ``length`` and the next position (one program per row: no race)."""
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     start = tl.load(start_ptr + r)
     end = tl.load(start_ptr + r + 1)
@@ -74,7 +75,7 @@ def ragged_append(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: 
     if R > 0:
         launch(_ragged_append_kernel, (R,), k, v, keys, values, positions, row_start, length, next_position,
                num_heads, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1), keys.stride(0), values.stride(0),
-               BLOCK_D=next_pow2(D))
+               BLOCK_D=next_pow2(D), **pdl(k))
 
 
 def _ragged_append_torch(k, v, keys, values, positions, row_start, length, next_position) -> None:
@@ -126,12 +127,13 @@ def _count_below(row_ptr, K, x, P: tl.constexpr):
 @triton.jit(do_not_specialize=["K", "slack", "SPAN"])
 def _ragged_from_kept_kernel(idx_ptr, k_ptr, v_ptr, ko_ptr, vo_ptr, pos_ptr, start_ptr, len_ptr, next_ptr,
                              H, N, K, slack, SPAN, skb, skh, skn, svb, svh, svn, D,
-                             BATCH: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr):
+                             BATCH: tl.constexpr, BLOCK_D: tl.constexpr, P: tl.constexpr, PDL: tl.constexpr):
     """Row r = b·H + h of a ragged cache from batch row b's kept tokens ``idx[b, :K]`` (ascending flat
     indices h·N + j): the row's tokens are the entries in ``[h·N, (h+1)·N)``, found by two searches; it
     starts at ``b·K + (kept tokens of the heads before h) + r·slack`` (a closed form: no scan over rows).
     Program c copies row slots ``[c·SPAN, (c+1)·SPAN)`` (K/V and positions; -1 in the slack); program 0
     writes the row's start, length and next position (and the last row the end of the storage)."""
+    pdl_wait(PDL)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     b = r // H
@@ -178,7 +180,7 @@ def ragged_from_kept(kept: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     launch(_ragged_from_kept_kernel, (max(cdiv(longest + slack, span), 1), B * H), kept, keys, values, out_keys,
            out_values, positions, row_start, length, next_position, H, N, kept.shape[1], slack, span,
            *keys.stride()[:3], *values.stride()[:3], D, BATCH=KEPT_BATCH, BLOCK_D=min(next_pow2(D), 128),
-           P=KEPT_PROBES, num_warps=_select.COMPACT_WARPS)
+           P=KEPT_PROBES, num_warps=_select.COMPACT_WARPS, **pdl(kept))
 
 
 def _ragged_from_kept_torch(kept, keys, values, out_keys, out_values, positions, row_start, length, next_position,
@@ -239,9 +241,11 @@ def _starts(cap: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["k_max", "slack", "align", "T", "N"])
-def _ragged_layout_kernel(b_ptr, start_ptr, len_ptr, next_ptr, R, k_max, slack, align, T, N, BLOCK_R: tl.constexpr):
+def _ragged_layout_kernel(b_ptr, start_ptr, len_ptr, next_ptr, R, k_max, slack, align, T, N, BLOCK_R: tl.constexpr,
+                          PDL: tl.constexpr):
     """One program: the rows' starts (a running sum of the capacities over ``BLOCK_R`` rows at a time, clamped at
     ``T``), the lengths their room allows and the next positions (``N``)."""
+    pdl_wait(PDL)
     tl.store(start_ptr, tl.full([], 0, tl.int64))
     carry = tl.full([], 0, tl.int64)
     for r0 in range(0, R, BLOCK_R):
@@ -276,7 +280,7 @@ def ragged_layout(budgets: torch.Tensor, k_max: int, slack: int, align: int, tot
     length = torch.empty(R, dtype=torch.int32, device=budgets.device)
     next_position = torch.empty(R, dtype=torch.int64, device=budgets.device)
     launch(_ragged_layout_kernel, (1,), budgets, row_start, length, next_position, R, k_max, slack, align,
-           total_capacity, n, BLOCK_R=min(max(next_pow2(R), 16), LAYOUT_BLOCK))
+           total_capacity, n, BLOCK_R=min(max(next_pow2(R), 16), LAYOUT_BLOCK), **pdl(budgets))
     return row_start, length, next_position
 
 

@@ -58,8 +58,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, row_major, triton_op,
-                      use_triton)
+from ._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, pdl, pdl_wait, row_major,
+                      triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 
@@ -86,7 +86,8 @@ def _value_norm_kernel(v_ptr, w_ptr, out_ptr, s_ptr, f_ptr, h0_ptr, B, H, G, N, 
                        eps, C0, sink, window,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        NATIVE_DOT: tl.constexpr, HAS_S: tl.constexpr, HAS_FORCED: tl.constexpr, HIST: tl.constexpr,
-                       NB: tl.constexpr, HIST_TILE: tl.constexpr):
+                       NB: tl.constexpr, HIST_TILE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     # rows in (KV head, batch row) order: the programs of the rows sharing a KV head, which read the
     # same W_O columns, run one after another, so W_O^h is fetched from HBM once and then hit in L2
     c = tl.program_id(0)
@@ -218,7 +219,7 @@ def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor, scores: Optional[
         launch(_value_norm_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, o_proj, out, *args, B, H, G, N, D, DM,
                values.stride(0), values.stride(1), values.stride(2), o_proj.stride(0), o_proj.stride(1), *scalars,
                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, NATIVE_DOT=native, num_warps=warps,
-               num_stages=stages, **flags)
+               num_stages=stages, **flags, **pdl(values))
     return out
 
 
@@ -233,7 +234,8 @@ def _value_norm_l2_kernel(v_ptr, f_ptr, out_ptr, s_ptr, m_ptr, h0_ptr, H, G, N, 
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                           BLOCK_C: tl.constexpr, SPLIT_U: tl.constexpr, NATIVE_DOT: tl.constexpr,
                           HAS_S: tl.constexpr, HAS_FORCED: tl.constexpr, HIST: tl.constexpr,
-                          NB: tl.constexpr, HIST_TILE: tl.constexpr):
+                          NB: tl.constexpr, HIST_TILE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     h = r % H
@@ -377,7 +379,7 @@ def value_norms_l2_op(values: torch.Tensor, factors: torch.Tensor, scores: Optio
                values.stride(0), values.stride(1), values.stride(2), factors.stride(0), *scalars,
                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
                SPLIT_U=values.dtype != torch.bfloat16,
-               NATIVE_DOT=not INTERPRET, num_warps=warps, num_stages=1, **flags)
+               NATIVE_DOT=not INTERPRET, num_warps=warps, num_stages=1, **flags, **pdl(values))
     return out
 
 

@@ -56,7 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, cdiv, check_int, check_kv_tensor, launch, next_pow2, row_major, triton_op, use_triton
+from ._common import (INTERPRET, cdiv, check_int, check_kv_tensor, launch, next_pow2, pdl, pdl_wait, row_major,
+                      triton_op, use_triton)
 
 # the kernel's MODE: raw scores, ranks ρ/L, or the kept tokens
 RAW, RANK, SELECT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -182,7 +183,8 @@ def _emit(nb, pos, tm, quota_j, dst0, out_ptr, orow, lag, krow, vrow, skn, svn, 
 def _lagkv_kernel(k_ptr, v_ptr, out_ptr, ko_ptr, vo_ptr, tmp_ptr, H, skb, skh, skn, svb, svh, svn, N,
                   D: tl.constexpr, sink, lag: tl.constexpr, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
                   BLOCK_L: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_J: tl.constexpr,
-                  MODE: tl.constexpr, STAGES: tl.constexpr):
+                  MODE: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     # MODE RAW/RANK: out_ptr fp32 scores [R, N]. MODE SELECT: out_ptr int64 indices [R, n_out], ko/vo [R, n_out, D].
     # D and lag are compile-time: with D = BLOCK_D and lag = BLOCK_L the masks of the tiles fold away.
     # window: the protected tokens after the sinks ([N - window, N)); n_out = sink + window + the quotas.
@@ -389,7 +391,7 @@ def _run(keys, values, out, ko, vo, mode: int, sink: int, lag: int, eps: float, 
            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
            N, D, sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
            BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, MODE=mode, STAGES=STAGES,
-           num_warps=warps)
+           num_warps=warps, **pdl(keys))
 
 
 # ------------------------------------------------------------------------------------------------
