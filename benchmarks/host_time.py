@@ -131,7 +131,8 @@ def gpu_path_on_cpu(make_stub=None, stream: int = 0):
     driver.set_active(FakeDriver())
     JITFunction._do_compile = stub_compile
     _common._cpu[0] = "triton"
-    _common._PDL_DEVICES[-1] = True  # CPU tensors launch as on an sm_90 GPU: with programmatic dependent launch
+    if hasattr(_common, "_PDL_DEVICES"):  # (a tree before it, under --compare, has none)
+        _common._PDL_DEVICES[-1] = True  # CPU tensors launch as on an sm_90 GPU: with programmatic dependent launch
 
 
 def make_inputs():
