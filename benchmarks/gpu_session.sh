@@ -226,6 +226,43 @@ from tritonkv.kernels.select import _blocks, select_kv
 cuda = torch.cuda.is_available()
 dev = "cuda" if cuda else "cpu"
 g = torch.Generator(dev).manual_seed(0)
+# programmatic dependent launch (kernels._common.PDL; sm_90+): each kernel of a compress launched while the one
+# before runs, on and off, for the chains of 2-5 kernels (and decode attention's split + merge: 2); first, so that
+# a part cut short by its TIMEOUT still has it
+import tritonkv
+from benchmarks.common import policy_inputs, random_case
+from benchmarks.speed import window_lse
+from tritonkv.kernels import _common, _plan
+from tritonkv.kernels.decode_attention import decode_attention
+if cuda and torch.cuda.get_device_capability()[0] >= 9:
+    for N in (4096, 32768, 131072):
+        keys, values, pool = random_case(N, 1, 8, 4, 128, 32, torch.bfloat16, dev, seed=0)
+        pool["attn_lse"] = window_lse(keys, pool["queries"])
+        q = pool["queries"][:, :, -1:]
+        for name in ("knorm", "keydiff", "streaming_llm", "snapkv", "tova", "score", "snapkv+adakv", "decode"):
+            if name == "decode":
+                kv = tritonkv.compress((keys, values), "knorm", N // 4)[:2]
+                fn = lambda: decode_attention(q, kv)  # noqa: E731
+            else:
+                pol = tritonkv.POLICIES[name.split("+")[0]]()
+                inputs = policy_inputs(pol, pool)
+                if "+" in name:
+                    inputs.update(allocation=name.split("+")[1], layer=15, num_layers=30)
+                fn = lambda: tritonkv.compress((keys, values), pol, N // 4, **inputs)  # noqa: E731
+            row, ref = [f"pdl {name} N={N} (default {_common.PDL}):"], None
+            for on in (False, True):
+                _common.PDL = on
+                _plan._PLANS.clear()
+                out = fn()
+                ref = out if ref is None else ref
+                if isinstance(out, tuple):  # the same kept tokens and K/V rows (decode: outputs) either way
+                    assert all(map(torch.equal, out, ref)), name
+                eager = gpu_time(fn, cuda, graph=False)["us"]
+                row.append(f"{'on' if on else 'off'}: {gpu_time(fn, cuda, graph=True)['us']:.1f} us graph, "
+                           f"{eager:.1f} us eager")
+            print(" ".join(row), flush=True)
+    _common.PDL = True
+    _plan._PLANS.clear()
 # 8 rows, and one row (AdaKV's select over a layer's heads flattened: 8 x 32K = 256K tokens; at most 64 chunks a row)
 for H, N in ((8, 4096), (8, 32768), (8, 131072), (1, 65536), (1, 262144)) if cuda else ((8, 512), (1, 1024)):
     keys, values = (torch.randn(1, H, N, 128, device=dev, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -311,39 +348,6 @@ for N in (4096, 32768, 131072) if cuda else (1024,):
         print(" ".join(row), flush=True)
 wa.SCORE_STAGES = default
 _plan._PLANS.clear()
-# programmatic dependent launch (kernels._common.PDL; sm_90+): each kernel of a compress launched while the one
-# before runs, on and off, for the chains of 2-5 kernels (and decode attention's split + merge: 2)
-from tritonkv.kernels import _common
-from tritonkv.kernels.decode_attention import decode_attention
-if cuda and torch.cuda.get_device_capability()[0] >= 9:
-    for N in (4096, 32768, 131072):
-        keys, values, pool = random_case(N, 1, 8, 4, 128, 32, torch.bfloat16, dev, seed=0)
-        pool["attn_lse"] = window_lse(keys, pool["queries"])
-        q = pool["queries"][:, :, -1:]
-        for name in ("knorm", "keydiff", "streaming_llm", "snapkv", "tova", "score", "snapkv+adakv", "decode"):
-            if name == "decode":
-                kv = tritonkv.compress((keys, values), "knorm", N // 4)[:2]
-                fn = lambda: decode_attention(q, kv)  # noqa: E731
-            else:
-                pol = tritonkv.POLICIES[name.split("+")[0]]()
-                inputs = policy_inputs(pol, pool)
-                if "+" in name:
-                    inputs.update(allocation=name.split("+")[1], layer=15, num_layers=30)
-                fn = lambda: tritonkv.compress((keys, values), pol, N // 4, **inputs)  # noqa: E731
-            row, ref = [f"pdl {name} N={N} (default {_common.PDL}):"], None
-            for on in (False, True):
-                _common.PDL = on
-                _plan._PLANS.clear()
-                out = fn()
-                ref = out if ref is None else ref
-                if isinstance(out, tuple):  # the same kept tokens and K/V rows (decode: outputs) either way
-                    assert all(map(torch.equal, out, ref)), name
-                eager = gpu_time(fn, cuda, graph=False)["us"]
-                row.append(f"{'on' if on else 'off'}: {gpu_time(fn, cuda, graph=True)['us']:.1f} us graph, "
-                           f"{eager:.1f} us eager")
-            print(" ".join(row), flush=True)
-    _common.PDL = True
-    _plan._PLANS.clear()
 EOF
         cat "$OUT/tuning.txt" ;;
     host)

@@ -213,7 +213,8 @@ def dry(fn, readback=None, inputs=()):
         if "PDL" in rec.constexprs:
             rec.constexprs["PDL"] = _common.PDL
             rec.options.pop("launch_pdl", None)
-            rec.options.update({"launch_pdl": True} if _common.PDL else {})
+            if _common.PDL:
+                rec.options["launch_pdl"] = True
     return list(log), mode.ops, err
 
 
@@ -374,7 +375,8 @@ def compile_stats(rec, cap: int) -> dict:
     loops = sass_loops(ins)
     straight = [x for x in ins if not any(L["lo"] <= x["addr"] <= L["hi"] for L in loops)]
     meta = k.metadata
-    st = dict(arch=f"sm_{cap}", pdl=pdl_order(ins) if getattr(meta, "launch_pdl", False) else None, regs=int(r.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)),
+    st = dict(arch=f"sm_{cap}", regs=int(r.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)),
+              pdl=pdl_order(ins) if getattr(meta, "launch_pdl", False) else None,
               stack=int(m.group(1)), smem=int(meta.shared) + (int(s.group(1)) if s else 0),
               num_warps=int(meta.num_warps), num_stages=int(meta.num_stages),
               global_atomics=len(glob), fenced_atomics=len(fenced),
@@ -418,7 +420,7 @@ def parse_sass(sass: str) -> list[dict]:
 
 # SASS global memory accesses (loads, stores, atomics, reductions, async and bulk copies; generic LD/ST too)
 GLOBAL_MEMORY = frozenset({"LDG", "STG", "ATOMG", "ATOM", "RED", "REDG", "LDGSTS", "LD", "ST", "UTMALDG", "UTMASTG",
-                           "UBLKCP", "UBLKRED", "LDGDEPBAR"})
+                           "UBLKCP", "UBLKRED"})
 
 
 def pdl_order(ins) -> dict:

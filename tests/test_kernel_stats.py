@@ -280,6 +280,10 @@ def test_smoke_run(tmp_path):
     md = (tmp_path / f"kernel_stats-triton-{ver}.md").read_text()
     assert "## SASS loops" in md and "| `_knorm_kernel` |" in md and "model H200 µs" in md
     assert "Against the H100 run of 2026-11-26" in md and "measured H200" not in md  # the model checked on a GPU
+    # every kernel is compiled for sm_90 as launched there, with programmatic dependent launch, and waits first
+    t = res["targets"]
+    assert t["pdl_ok"] and t["pdl_kernels"] == len(res["kernels"]) and not t["pdl_early"], t
+    assert all(k["archs"]["sm_90"]["pdl"]["ok"] for k in res["kernels"])
     # the comparison of two result files (here the same one twice)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH", "")]))
