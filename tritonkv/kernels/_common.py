@@ -183,7 +183,8 @@ def launch(kernel, grid, *args, **kwargs):
 # global load or store precedes the wait (``benchmarks/kernel_stats.py`` checks the SASS of every such
 # kernel), so every read and write is ordered after the previous kernel exactly as without PDL, and what
 # overlaps is the launch and the programs' start-up. A kernel not launched with PDL treats both as no-ops.
-PDL = os.environ.get("TRITONKV_PDL", "1") != "0"  # read at each launch (the tuning benchmarks switch it)
+# read at each launch that is not repeated from a plan (the tuning benchmarks switch it, then clear the plans)
+PDL = os.environ.get("TRITONKV_PDL", "1") != "0"
 _PDL_ON = {"PDL": True, "launch_pdl": True}
 _PDL_OFF = {"PDL": False}
 _PDL_DEVICES: dict = {-1: False}  # device index (-1: the CPU) -> whether it runs PDL (host-side benchmarks set -1)
