@@ -6,6 +6,7 @@ import torch
 import tritonkv
 from reference.select import select as ref_select
 from tritonkv.api import resolve_budget
+from tritonkv.kernels._common import pdl_wait  # a module global: the test kernel below calls it
 from helpers import assert_raises_naming  # noqa: E402
 
 
@@ -363,10 +364,11 @@ def test_record_launches_logs_and_dry_run_skips():
     import triton
     import triton.language as tl
 
-    from tritonkv.kernels._common import launch, record_launches
+    from tritonkv.kernels._common import launch, pdl, record_launches
 
     @triton.jit
-    def _fill_kernel(out_ptr, n, value, BLOCK: tl.constexpr):
+    def _fill_kernel(out_ptr, n, value, BLOCK: tl.constexpr, PDL: tl.constexpr):  # PDL: given by launch
+        pdl_wait(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(out_ptr + offs, tl.zeros([BLOCK], tl.float32) + value, mask=offs < n)
 
@@ -378,8 +380,10 @@ def test_record_launches_logs_and_dry_run_skips():
                 pass
     assert torch.equal(out.cpu(), torch.zeros(10))  # not run
     (rec,) = log
-    assert rec.name == "_fill_kernel" and rec.grid == (2,) and rec.constexprs == {"BLOCK": 8}
-    assert rec.options == {"num_warps": 1} and rec.args["n"] == 10 and rec.args["out_ptr"] is out
+    on = pdl(out)  # {"PDL": False} but on an sm_90+ GPU
+    assert rec.name == "_fill_kernel" and rec.grid == (2,) and rec.constexprs == {"BLOCK": 8, "PDL": on["PDL"]}
+    assert rec.options == {"num_warps": 1, **({"launch_pdl": True} if on["PDL"] else {})}
+    assert rec.args["n"] == 10 and rec.args["out_ptr"] is out
     with record_launches() as log:
         launch(_fill_kernel, (2,), out, 10, 3.0, BLOCK=8)
     assert len(log) == 1 and torch.equal(out.cpu(), torch.full((10,), 3.0))

@@ -51,23 +51,27 @@ def test_only_nvidia_sm90_and_newer(monkeypatch, cap, hip, on):
     assert _common._pdl_device(3) is on and _common._PDL_DEVICES[3] is on  # asked once per device
 
 
-def test_traced_launch_goes_without(monkeypatch):
-    """Under torch.compile/export (``wrap_triton``) Inductor launches the kernel itself: no ``launch_pdl``, and the
-    kernel compiled without the wait."""
+def test_launch_gives_the_keywords(monkeypatch):
+    """``launch`` adds ``pdl(first argument)`` to an eager launch; under torch.compile/export (``wrap_triton``)
+    Inductor launches the kernel itself: ``PDL=False``, no ``launch_pdl``, whatever the device."""
     seen = []
 
     class Wrapped:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append((grid, args, kwargs))
+            return lambda *args, **kwargs: seen.append(("traced", grid, args, kwargs))
 
+    monkeypatch.setitem(_common._PDL_DEVICES, -1, True)  # CPU tensors launch as on an sm_90 GPU
+    monkeypatch.setattr(_common, "_cached_run", lambda kernel, grid, args, kwargs: seen.append(("eager", kwargs)))
+    monkeypatch.setattr(_common, "_launch_cache", [True])
+    t = torch.zeros(4)
+    _common.launch(_knorm_kernel, (2, 1), t, 2, TILE=16)
+    assert seen == [("eager", {"TILE": 16, "PDL": True, "launch_pdl": True})]
+    seen.clear()
     monkeypatch.setattr(_common, "wrap_triton", lambda kernel: Wrapped())
     monkeypatch.setattr(_common, "is_wrap_triton_enabled", lambda: True)
     monkeypatch.setattr(_common, "_eager", lambda args, kwargs: False)
-    _common.launch(_knorm_kernel, (2, 1), 1, 2, TILE=16, PDL=True, launch_pdl=True)
-    assert seen == [((2, 1), (1, 2), {"TILE": 16, "PDL": False})]
-    seen.clear()
-    _common.launch(_knorm_kernel, (2, 1), 1, TILE=16, PDL=False)
-    assert seen == [((2, 1), (1,), {"TILE": 16, "PDL": False})]
+    _common.launch(_knorm_kernel, (2, 1), t, 2, TILE=16)
+    assert seen == [("traced", (2, 1), (t, 2), {"TILE": 16, "PDL": False})]
 
 
 def test_every_kernel_is_found():

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .kernels import select as _select
 from .kernels._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch,
-                              next_pow2, on_host, pdl, pdl_wait, triton_op, use_triton)
+                              next_pow2, on_host, pdl_wait, triton_op, use_triton)
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def ragged_append(k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: 
     if R > 0:
         launch(_ragged_append_kernel, (R,), k, v, keys, values, positions, row_start, length, next_position,
                num_heads, D, k.stride(0), k.stride(1), v.stride(0), v.stride(1), keys.stride(0), values.stride(0),
-               BLOCK_D=next_pow2(D), **pdl(k))
+               BLOCK_D=next_pow2(D))
 
 
 def _ragged_append_torch(k, v, keys, values, positions, row_start, length, next_position) -> None:
@@ -180,7 +180,7 @@ def ragged_from_kept(kept: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     launch(_ragged_from_kept_kernel, (max(cdiv(longest + slack, span), 1), B * H), kept, keys, values, out_keys,
            out_values, positions, row_start, length, next_position, H, N, kept.shape[1], slack, span,
            *keys.stride()[:3], *values.stride()[:3], D, BATCH=KEPT_BATCH, BLOCK_D=min(next_pow2(D), 128),
-           P=KEPT_PROBES, num_warps=_select.COMPACT_WARPS, **pdl(kept))
+           P=KEPT_PROBES, num_warps=_select.COMPACT_WARPS)
 
 
 def _ragged_from_kept_torch(kept, keys, values, out_keys, out_values, positions, row_start, length, next_position,
@@ -280,7 +280,7 @@ def ragged_layout(budgets: torch.Tensor, k_max: int, slack: int, align: int, tot
     length = torch.empty(R, dtype=torch.int32, device=budgets.device)
     next_position = torch.empty(R, dtype=torch.int64, device=budgets.device)
     launch(_ragged_layout_kernel, (1,), budgets, row_start, length, next_position, R, k_max, slack, align,
-           total_capacity, n, BLOCK_R=min(max(next_pow2(R), 16), LAYOUT_BLOCK), **pdl(budgets))
+           total_capacity, n, BLOCK_R=min(max(next_pow2(R), 16), LAYOUT_BLOCK))
     return row_start, length, next_position
 
 

@@ -21,9 +21,10 @@
   torch.export see one op on either device. ``cpu_kernels("torch"|"triton")`` overrides the choice
   for the CPU (a context manager; ``TRITONKV_CPU_KERNELS`` sets the default).
 * ``TORCH_TO_TL``: the pointer type names used by ahead-of-time compile tests.
-* ``pdl`` / ``pdl_wait``: programmatic dependent launch on sm_90+ (Hopper and newer): a kernel with a ``PDL``
-  constexpr waits for the kernel before it at its very top and then lets the next one launch, so a compress's
-  chain of kernels starts each launch while the previous kernel still runs (``TRITONKV_PDL=0`` turns it off).
+* ``pdl`` / ``pdl_wait``: programmatic dependent launch on sm_90+ (Hopper and newer): every kernel takes a ``PDL``
+  constexpr (``launch`` gives it), waits for the kernel before it at its very top and then lets the next one
+  launch, so a compress's chain of kernels starts each launch while the previous kernel still runs
+  (``TRITONKV_PDL=0`` turns it off).
 * ``record_launches``: log every Triton kernel launched inside a block (name, grid, constexprs,
   launch options, bound arguments), optionally without running them (``benchmarks/kernel_stats.py``).
 * ``check_int`` and the other argument checks every layer shares.
@@ -161,13 +162,13 @@ def triton_op(name: str, *, mutates_args, schema: Optional[str] = None):
 
 
 def launch(kernel, grid, *args, **kwargs):
-    """Launch a ``@triton.jit`` kernel: directly in eager mode (through the launch cache, see
-    ``_cached_run``), through ``wrap_triton`` (traceable by torch.compile/export) otherwise (without
-    programmatic dependent launch: see ``pdl``)."""
+    """Launch a ``@triton.jit`` kernel (every one takes a ``PDL`` constexpr, given here: see ``pdl``; its first
+    argument is a tensor on the device it runs on): directly in eager mode (through the launch cache, see
+    ``_cached_run``), through ``wrap_triton`` (traceable by torch.compile/export) otherwise, then without
+    programmatic dependent launch (Inductor launches the kernels of a compiled graph itself)."""
     if is_wrap_triton_enabled() and not _eager(args, kwargs):
-        if "launch_pdl" in kwargs:
-            kwargs = {k: v for k, v in kwargs.items() if k != "launch_pdl"} | _PDL_OFF
-        return wrap_triton(kernel)[grid](*args, **kwargs)
+        return wrap_triton(kernel)[grid](*args, **kwargs, **_PDL_OFF)
+    kwargs.update(pdl(args[0]))
     if _launch_cache[0]:
         return _cached_run(kernel, grid, args, kwargs)
     return _run(kernel, grid, args, kwargs)
@@ -197,10 +198,10 @@ def _pdl_device(index: int) -> bool:
 
 
 def pdl(t: torch.Tensor) -> dict:
-    """The launch keywords of a kernel with a ``PDL`` constexpr (``pdl_wait``) that runs on ``t``'s device:
-    ``PDL=True`` and ``launch_pdl=True`` for a plain tensor on an sm_90+ NVIDIA GPU (unless ``TRITONKV_PDL=0``
-    or ``PDL`` is False), else ``PDL=False``. ``launch`` drops it when the launch is traced (Inductor launches
-    the kernels of a compiled graph itself). The dict is shared: read only."""
+    """The keywords ``launch`` adds to an eager launch of a kernel whose first argument is ``t`` (every kernel
+    takes a ``PDL`` constexpr and starts with ``pdl_wait``): ``PDL=True`` and ``launch_pdl=True`` for a plain
+    tensor on an sm_90+ NVIDIA GPU (unless ``TRITONKV_PDL=0`` or ``PDL`` is False), else ``PDL=False``. The dict
+    is shared: read only."""
     if not PDL or type(t) is not torch.Tensor:
         return _PDL_OFF
     index = t.get_device()

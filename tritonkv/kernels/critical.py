@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, pdl, pdl_wait, row_major,
+from ._common import (FLOAT_DTYPES, INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, pdl_wait, row_major,
                       triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
@@ -219,7 +219,7 @@ def value_norms_op(values: torch.Tensor, o_proj: torch.Tensor, scores: Optional[
         launch(_value_norm_kernel, (triton.cdiv(N, BLOCK_N), B * H), values, o_proj, out, *args, B, H, G, N, D, DM,
                values.stride(0), values.stride(1), values.stride(2), o_proj.stride(0), o_proj.stride(1), *scalars,
                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, NATIVE_DOT=native, num_warps=warps,
-               num_stages=stages, **flags, **pdl(values))
+               num_stages=stages, **flags)
     return out
 
 
@@ -379,7 +379,7 @@ def value_norms_l2_op(values: torch.Tensor, factors: torch.Tensor, scores: Optio
                values.stride(0), values.stride(1), values.stride(2), factors.stride(0), *scalars,
                BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K, BLOCK_C=BLOCK_C,
                SPLIT_U=values.dtype != torch.bfloat16,
-               NATIVE_DOT=not INTERPRET, num_warps=warps, num_stages=1, **flags, **pdl(values))
+               NATIVE_DOT=not INTERPRET, num_warps=warps, num_stages=1, **flags)
     return out
 
 

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, check_device, check_int, check_kv_tensor, check_positive_float, launch, next_pow2,
-                      on_host, pdl, pdl_wait, triton_op, use_triton)
+                      on_host, pdl_wait, triton_op, use_triton)
 
 LOG2E = 1.4426950408889634
 
@@ -244,12 +244,11 @@ def decode_attention_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
                H, G, D, S, split_tokens, q.stride(0), q.stride(1), *kstr, *vstr,
                scale / softcap if softcap else scale * LOG2E, softcap * LOG2E,
                BLOCK_N=block_n, BLOCK_D=BLOCK_D, GP=GP, HAS_START=has_start, NATIVE_DOT=native, SOFTCAP=softcap > 0,
-               num_warps=4, num_stages=2, **pdl(q))
+               num_warps=4, num_stages=2)
         BLOCK_S, BLOCK_DM, HB, warps = merge_blocks(S, G, D)
         NH = R * G
         launch(_decode_merge_kernel, (triton.cdiv(D, BLOCK_DM), triton.cdiv(NH, HB)), part_o, part_lse, lengths,
-               out, lse, G, D, S, split_tokens, NH, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_DM, HB=HB, num_warps=warps,
-               **pdl(q))
+               out, lse, G, D, S, split_tokens, NH, BLOCK_S=BLOCK_S, BLOCK_D=BLOCK_DM, HB=HB, num_warps=warps)
     return out, lse
 
 

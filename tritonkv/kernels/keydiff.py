@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, finite_rows, launch, pdl, pdl_wait, row_major, triton_op, use_triton
+from ._common import cdiv, finite_rows, launch, pdl_wait, row_major, triton_op, use_triton
 from . import knorm
 from .knorm import _check_keys, _load_keys, hist_tile, nonfinite, score_hist0, token_blocks
 from .select import NB, hist0_of_chunk
@@ -143,12 +143,11 @@ def keydiff_score_op(keys: torch.Tensor, normalize: bool, chunk: int, hist0: Opt
         C = cdiv(N, cfg["CHUNK"])
         part = torch.empty((R, C, D + 1), dtype=torch.float32, device=keys.device)
         strides = (keys.stride(0), keys.stride(1), keys.stride(2))
-        on = pdl(keys)  # the score kernel waits for the anchor's partial sums (sm_90+: launched meanwhile)
         launch(_keydiff_anchor_kernel, (C, R), keys, part, H, *strides, N, D, C, NORMALIZE=normalize,
-               STAGES=knorm.STREAM_STAGES, **cfg, **on)
+               STAGES=knorm.STREAM_STAGES, **cfg)
         launch(_keydiff_score_kernel, (C, R), keys, part, out, out if hist0 is None else hist0, H, *strides, N, D, C,
                sink=sink, window=window, BLOCK_C=max(1, 4096 // cfg["BLOCK_D"]), HIST=hist0 is not None, NB=NB,
-               HIST_TILE=hist_tile(cfg["num_warps"]), **cfg, **on)
+               HIST_TILE=hist_tile(cfg["num_warps"]), **cfg)
     return out
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from typing import Optional
 
-from ._common import (INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, pdl, pdl_wait, row_major, triton_op,
+from ._common import (INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, pdl_wait, row_major, triton_op,
                       use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
@@ -142,8 +142,7 @@ def knorm_score_op(keys: torch.Tensor, chunk: int, hist0: Optional[torch.Tensor]
         C = cdiv(N, cfg["CHUNK"])
         launch(_knorm_kernel, (C, B * H), keys, out, out if hist0 is None else hist0, H,
                keys.stride(0), keys.stride(1), keys.stride(2), N, D, C0=C, sink=sink, window=window,
-               HIST=hist0 is not None, NB=NB, HIST_TILE=hist_tile(cfg["num_warps"]), STAGES=STREAM_STAGES, **cfg,
-               **pdl(keys))
+               HIST=hist0 is not None, NB=NB, HIST_TILE=hist_tile(cfg["num_warps"]), STAGES=STREAM_STAGES, **cfg)
     return out
 
 

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, check_int, check_kv_tensor, launch, next_pow2, pdl, pdl_wait, row_major,
+from ._common import (INTERPRET, cdiv, check_int, check_kv_tensor, launch, next_pow2, pdl_wait, row_major,
                       triton_op, use_triton)
 
 # the kernel's MODE: raw scores, ranks ρ/L, or the kept tokens
@@ -391,7 +391,7 @@ def _run(keys, values, out, ko, vo, mode: int, sink: int, lag: int, eps: float, 
            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
            N, D, sink, lag, n_scored, parts, n_runs, quota, rem, n_out, window, eps,
            BLOCK_L=BLOCK_L, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_J=BLOCK_J, MODE=mode, STAGES=STAGES,
-           num_warps=warps, **pdl(keys))
+           num_warps=warps)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._common import FLOAT_DTYPES, INTERPRET, cdiv, launch, pdl, pdl_wait, triton_op, use_triton
+from ._common import FLOAT_DTYPES, INTERPRET, cdiv, launch, pdl_wait, triton_op, use_triton
 from .select import NB, Hist0, _blocks, hist0_buffer, hist0_of_chunk
 
 
@@ -93,8 +93,7 @@ def score_penalty_op(scores: torch.Tensor, mask: torch.Tensor, picks: Optional[t
         C = cdiv(N, CHUNK)
         launch(_score_penalty_kernel, (C, B * H), scores, mask, mask if picks is None else picks, hd, out,
                out if hist0 is None else hist0, H, hd.stride(0), hd.stride(1), alpha, N, CHUNK, C, sink, window,
-               TILE=TILE, HAS_PICKS=picks is not None, PRECISE_EXP=not INTERPRET, HIST=hist0 is not None, NB=NB,
-               **pdl(scores))
+               TILE=TILE, HAS_PICKS=picks is not None, PRECISE_EXP=not INTERPRET, HIST=hist0 is not None, NB=NB)
     return out
 
 

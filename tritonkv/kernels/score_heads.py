@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, launch, next_pow2, pdl, pdl_wait, triton_op, use_triton
+from ._common import FLOAT_DTYPES, launch, next_pow2, pdl_wait, triton_op, use_triton
 
 MAX_HEADS = 128  # heads per batch row held in one program (the pairwise tiles are BLOCK_H²)
 _TILE = 4096  # elements of a [BLOCK_H, BLOCK_M] mask tile
@@ -128,7 +128,7 @@ def score_heads_op(mask: torch.Tensor, hd: torch.Tensor, total: torch.Tensor) ->
         BLOCK_M = max(min(next_pow2(M), _TILE // BLOCK_H), 16)
         launch(_score_heads_kernel, (B,), mask, hd, total, out, H, M, hd.stride(0), hd.stride(1), total.stride(0),
                BLOCK_H=BLOCK_H, BLOCK_M=BLOCK_M, HD_F64=hd.dtype == torch.float64,
-               num_warps=4 if BLOCK_H <= 32 else 8, enable_fp_fusion=False, **pdl(mask))
+               num_warps=4 if BLOCK_H <= 32 else 8, enable_fp_fusion=False)
     return out
 
 

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch, next_pow2, pdl, pdl_wait,
+from ._common import (INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch, next_pow2, pdl_wait,
                       triton_op, use_triton)
 
 NB = 256  # bins per radix pass: four 8-bit digits of the 32-bit keys
@@ -564,9 +564,8 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     # absent tensors are passed as ``scores`` (never read: the constexpr flags switch them off)
     f, b = _or(forced, scores), _or(budgets, scores)
     flags = dict(HAS_FORCED=forced is not None, UNIFORM=uniform)
-    on = pdl(scores)  # each launch waits for the one before (programmatic dependent launch on sm_90+)
     compact = dict(BATCH=BATCH, STAGES=COMPACT_STAGES, BLOCK_D=min(next_pow2(D), 128), HAS_KV=has_kv,
-                   WRITE_MASK=write_mask, HAS_START=out_start is not None, num_warps=COMPACT_WARPS, **flags, **on)
+                   WRITE_MASK=write_mask, HAS_START=out_start is not None, num_warps=COMPACT_WARPS, **flags)
     tail = (_or(out_start, scores), k_max, out_idx, out_lengths, _or(out_mask, scores), _or(keys, scores),
             _or(values, scores), _or(out_keys, scores), _or(out_values, scores), H, *kstr, *vstr, D)
     if _protected_only(N, sink, window, k_max, full_rows, forced is not None, write_mask):
@@ -577,17 +576,17 @@ def select_into(scores: torch.Tensor, budgets: Optional[torch.Tensor], forced: O
     if hist0 is None:
         hist0 = hist0_buffer(R, C, dev)
         launch(_select_hist0_kernel, (C, R), scores, f, hist0, N, sink, window, CHUNK, C, TILE=pt, NB=NB,
-               HAS_FORCED=forced is not None, **on)
+               HAS_FORCED=forced is not None)
     # pass-1 slots, then the tail's pass-2 slots; the row's state; the tail's candidates (key, index), at most N a row
     p1, cnt, cand = work_p1, work_cnt, work_cand
     if p1 is None or p1.shape != (R, C, NB) or cnt.shape != (R, C + 1, 2) or cand.shape != (R, N) or \
             cand.dtype != torch.int64:
         p1, cnt, cand = workspace(R, N, dev, CHUNK)
     launch(_select_finish_kernel, (C, R), scores, f, b, hist0, hist0.shape[1] - 1, p1, cnt, N, sink, window, kb,
-           CHUNK, TILE=pt, NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags, **on)
+           CHUNK, TILE=pt, NB=NB, SB=SB, num_warps=FINISH_WARPS, **flags)
     launch(_select_tail_kernel, (C, R), scores, f, hist0, hist0.shape[1] - 1, p1, cnt, cand, N, sink, window, CHUNK,
            TILE=pt, CT=_cand_tile(TILE), NB=NB, SB=SB, CB=CB, num_warps=FINISH_WARPS,
-           HAS_FORCED=forced is not None, **on)
+           HAS_FORCED=forced is not None)
     launch(_select_compact_kernel, (C, R), scores, f, b, cnt, N, sink, window, kb, C, CHUNK, *tail,
            TILE=TILE, PROTECTED_ONLY=False, **compact)
 

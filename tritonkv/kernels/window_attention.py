@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from ._common import (INTERPRET, cdiv, check_kv_tensor, check_positive_float, finite_rows, launch, next_pow2, on_host,
-                      pdl, pdl_wait, row_major, triton_op, use_triton)
+                      pdl_wait, row_major, triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 #: key tiles the score kernel keeps in flight when it reads no values (a launch argument, read at each launch): at
@@ -632,8 +632,7 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Opt
     cast = INTERPRET or keys.dtype == torch.float32 or queries.dtype != keys.dtype
     has_v = values.numel() > 0
     vt = values if has_v else keys  # not read without values
-    on = pdl(keys)  # each launch waits for the one before (programmatic dependent launch on sm_90+)
-    common = dict(CAST_FP32=cast, DOT_PREC="ieee", BLOCK_DV=max(16, next_pow2(vt.shape[3])), HAS_V=has_v, **cfg, **on)
+    common = dict(CAST_FP32=cast, DOT_PREC="ieee", BLOCK_DV=max(16, next_pow2(vt.shape[3])), HAS_V=has_v, **cfg)
     kq = (H, G, N, W, D, keys.stride(0), keys.stride(1), keys.stride(2),
           queries.stride(0), queries.stride(1), queries.stride(2),
           vt.shape[3], vt.stride(0), vt.stride(1), vt.stride(2))
@@ -657,7 +656,7 @@ def window_attention_op(keys: torch.Tensor, queries: torch.Tensor, attn_lse: Opt
         block = _pool_block(N)
         launch(_window_pool_kernel, (cdiv(N, block), R), u, out, out if hist0 is None else hist0, H, N, max(N - W, 0),
                cdiv(N, block), sink, window, KSIZE=kernel_size, POOL_MAX=pool == "max", LAYER=head_reduce == "layer",
-               BLOCK=block, HIST=hist0 is not None, NB=NB, HIST_TILE=min(block, HIST_TILE), **on)
+               BLOCK=block, HIST=hist0 is not None, NB=NB, HIST_TILE=min(block, HIST_TILE))
     return out
 
 
