@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.tritonkv-installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-transformers-min demo bench-speed bench-quality stats clean
+.PHONY: install test test-fast test-transformers-min test-triton36 demo bench-speed bench-quality stats clean
 
 install: $(STAMP)
 
@@ -102,13 +102,34 @@ bench-quality: $(STAMP)
 # installed Triton, then their comparison -> benchmarks/results/kernel_stats*. A few minutes.
 STATS_TRITON_VERSION ?= 3.6.0
 STATS_TRITON := .cache/triton-$(STATS_TRITON_VERSION)
-stats: $(STAMP)
-	test -d $(STATS_TRITON)/triton || $(PY) -m pip install -q --no-deps --target $(STATS_TRITON) "triton==$(STATS_TRITON_VERSION)"
+$(STATS_TRITON)/triton: | $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(STATS_TRITON) "triton==$(STATS_TRITON_VERSION)"
+
+stats: $(STAMP) $(STATS_TRITON)/triton
 	PYTHONPATH=$(CURDIR)/$(STATS_TRITON):$(CURDIR) $(PY) -m benchmarks.kernel_stats
 	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.kernel_stats
 	PYTHONPATH=$(CURDIR) $(PY) -m benchmarks.kernel_stats --compare \
 		benchmarks/results/kernel_stats-triton-$(STATS_TRITON_VERSION).json \
 		benchmarks/results/kernel_stats-triton-$$(PYTHONPATH= $(PY) -c "import triton; print(triton.__version__)").json
+
+# The kernels' tests under the interpreter of Triton 3.6 (what GPU images with torch 2.11 run: their frontend, the
+# tl.* semantics, and the AOT compiles with 3.6's compiler), with numpy 1.26, which 3.6's interpreter needs (numpy 2
+# refuses its int() of one-element arrays and its uint32 constants). Both go into .cache, ahead on PYTHONPATH, the
+# venv untouched (numpy 1.26 has wheels up to Python 3.12). Not part of `make test`: ~14 minutes on 2 cores.
+T36_NUMPY  := .cache/numpy-1.26.4
+KERNEL_TESTS := tests/test_select.py tests/test_select_tail.py tests/test_knorm.py tests/test_keydiff.py \
+                tests/test_lagkv.py tests/test_streaming_llm.py tests/test_window_attention.py tests/test_score.py \
+                tests/test_score_heads.py tests/test_criticalkv.py tests/test_allocation.py tests/test_cache.py \
+                tests/test_decode_attention.py tests/test_nonfinite.py tests/test_reliability.py
+$(T36_NUMPY)/numpy: | $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(T36_NUMPY) "numpy==1.26.4"
+
+test-triton36: $(STAMP) $(STATS_TRITON)/triton $(T36_NUMPY)/numpy
+	PYTHONPATH=$(CURDIR)/$(T36_NUMPY):$(CURDIR)/$(STATS_TRITON):$(CURDIR) $(PY) -c \
+		"import triton, numpy; assert (triton.__version__, numpy.__version__) == ('$(STATS_TRITON_VERSION)', '1.26.4')"
+	PYTHONPATH=$(CURDIR)/$(T36_NUMPY):$(CURDIR)/$(STATS_TRITON):$(CURDIR) TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 \
+		HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
+		-W ignore::DeprecationWarning $(PYTEST_ARGS) $(KERNEL_TESTS)
 
 clean:
 	rm -rf $(VENV) $(TF_MIN_DIR) $(VLLM_VENV) .cache .hypothesis
