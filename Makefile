@@ -120,7 +120,8 @@ T36_NUMPY  := .cache/numpy-1.26.4
 KERNEL_TESTS := tests/test_select.py tests/test_select_tail.py tests/test_knorm.py tests/test_keydiff.py \
                 tests/test_lagkv.py tests/test_streaming_llm.py tests/test_window_attention.py tests/test_score.py \
                 tests/test_score_heads.py tests/test_criticalkv.py tests/test_allocation.py tests/test_cache.py \
-                tests/test_decode_attention.py tests/test_nonfinite.py tests/test_reliability.py
+                tests/test_decode_attention.py tests/test_nonfinite.py tests/test_reliability.py \
+                tests/test_program_order.py
 $(T36_NUMPY)/numpy: | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(T36_NUMPY) "numpy==1.26.4"
 

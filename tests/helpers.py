@@ -1,5 +1,8 @@
 """Helpers shared by the tests (importable because conftest puts tests/ on sys.path)."""
+import contextlib
 import dataclasses
+import inspect
+import math
 from typing import ClassVar, Optional
 
 import numpy as np
@@ -177,3 +180,61 @@ def dry(fn):
     syncs = [o for o in mode.ops if o in SYNC]
     return [x.name for x in log], [o for o in mode.ops if o not in SYNC], syncs
 
+
+def ulps(j: np.ndarray) -> np.ndarray:
+    """fp32 ``1.0 + j·ulp``: keys equal in their top 16 bits (the select's tail candidates), different below."""
+    return (np.float32(1.0).view(np.uint32) + j.astype(np.uint32)).view(np.float32)
+
+
+@contextlib.contextmanager
+def programs_out_of_order(seed: Optional[int] = None):
+    """Under the Triton interpreter, run every launch's programs in another order than the interpreter's own
+    (grid axis 0 outermost, each axis ascending): reversed (``seed=None``) or in a seeded random permutation of
+    the whole grid. On a GPU any program of a launch may run first or last, so a kernel whose output depends on
+    which program finishes a row (last-block-done) or claims a slot first (atomics) differs there while it passes
+    every interpreted test in grid order. Yields a list that counts the programs of each launch run."""
+    from triton.runtime import interpreter as ti
+
+    if not _common.INTERPRET:
+        pytest.skip("program order is chosen by the interpreter only (TRITON_INTERPRET=1)")
+    builder, call, patch_lang = ti.interpreter_builder, ti.GridExecutor.__call__, ti._patch_lang
+    rng = np.random.default_rng(seed)
+    launches, running = [], []
+
+    def reorder(fn):
+        """``fn``'s stand-in for the interpreter's loop over the grid: the programs it asks for are collected, and
+        at the last one all of them run in the chosen order (before the interpreter copies the arguments back)."""
+        asked = []
+
+        def run(**args):
+            asked.append(tuple(builder.grid_idx))
+            if len(asked) == math.prod(builder.grid_dim):
+                order = asked[::-1] if seed is None else [asked[i] for i in rng.permutation(len(asked))]
+                for idx in order:
+                    builder.set_grid_idx(*idx)
+                    fn(**args)
+                launches.append(len(order))
+
+        run.__signature__ = inspect.signature(fn)  # the interpreter binds the launch's arguments with it
+        return run
+
+    def patched_patch_lang(fn):
+        scope = patch_lang(fn)
+        if running and fn is running[-1].fn:  # the launched kernel (not a @triton.jit function it calls)
+            running[-1].fn = reorder(fn)
+        return scope
+
+    def patched_call(self, *args, **kwargs):
+        fn = self.fn
+        running.append(self)
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            running.pop()
+            self.fn = fn
+
+    ti._patch_lang, ti.GridExecutor.__call__ = patched_patch_lang, patched_call
+    try:
+        yield launches
+    finally:
+        ti._patch_lang, ti.GridExecutor.__call__ = patch_lang, call

@@ -4,32 +4,32 @@ rows, kept indices compared exactly with the NumPy oracle: many ties at the thre
 many chunks, candidates that differ only in their low 16 bits, candidates in one chunk only, rows of
 one value, AdaKV's one-row global select with forced tokens; and the pooling kernel's first radix
 pass (``hist0=``) against a NumPy histogram of the keys."""
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from helpers import on_backend
+from helpers import on_backend, programs_out_of_order, ulps
 from reference.select import first_pass_histogram, select as ref_select
-from tritonkv.kernels.select import NB, select_indices, select_kv
+from tritonkv.kernels.select import INTERPRET, NB, select_indices, select_kv
 
 ULP_RUN = 300  # 1.0 + j·ulp for j < ULP_RUN: every key has the top 16 bits of 1.0
 
 
-def _check(s, k, chunk, sink=0, window=0, forced=None):
-    """Kernel (``chunk`` tokens per program) against the oracle, row by row."""
+def _check(s, k, chunk, sink=0, window=0, forced=None, order="grid"):
+    """Kernel (``chunk`` tokens per program) against the oracle, row by row; the programs of each launch in grid
+    order, or reversed (``order=None``) or permuted (a seed) by ``helpers.programs_out_of_order`` (on a GPU, the
+    hardware's order)."""
     rows, n = s.shape
-    with on_backend("triton"):
+    ctx = contextlib.nullcontext() if order == "grid" or not INTERPRET else programs_out_of_order(order)
+    with on_backend("triton"), ctx:
         idx, lengths = select_indices(torch.from_numpy(s), k, min(k, n), sink=sink, window=window, chunk=chunk,
                                       forced=None if forced is None else torch.from_numpy(forced))
     for r in range(rows):
         want = ref_select(s[r], k, sink, window, None if forced is None else forced[r])
         np.testing.assert_array_equal(idx[r, : lengths[r]].numpy(), want)
-
-
-def _ulps(j: np.ndarray) -> np.ndarray:
-    """fp32 ``1.0 + j·ulp``: keys equal in their top 16 bits, different below."""
-    return (np.float32(1.0).view(np.uint32) + j.astype(np.uint32)).view(np.float32)
 
 
 @settings(max_examples=5, deadline=None)
@@ -53,7 +53,7 @@ def test_candidates_that_differ_in_the_low_bits_only(seed, dup, data):
     ``dup`` > 1 the values repeat (ties inside the candidates)."""
     rng = np.random.default_rng(seed)
     n = data.draw(st.integers(100, ULP_RUN))
-    s = np.stack([_ulps(rng.permutation(n) // dup) for _ in range(2)])
+    s = np.stack([ulps(rng.permutation(n) // dup) for _ in range(2)])
     k = data.draw(st.integers(0, n))
     _check(s, k, 16)
 
@@ -67,7 +67,7 @@ def test_candidates_in_one_chunk_only(chunk_of_run):
     s = np.where(rng.random(n) < 0.5, 10.0 + rng.random(n), -10.0 - rng.random(n)).astype(np.float32)
     j = np.arange(16)
     j[3] = j[9]  # a tie inside the run
-    s[chunk_of_run * 16:(chunk_of_run + 1) * 16] = _ulps(rng.permutation(j))
+    s[chunk_of_run * 16:(chunk_of_run + 1) * 16] = ulps(rng.permutation(j))
     above = int((s > 2.0).sum())
     for m in (0, 1, 2, 7, 9, 10, 15, 16):
         _check(s[None], above + m, 16)
@@ -98,7 +98,7 @@ def test_adakv_global_select_with_forced_tokens(seed, kind, data):
     elif kind == "ties":
         s = rng.integers(-1, 2, (1, H * N)).astype(np.float32)
     else:
-        s = _ulps(rng.integers(0, 40, (1, H * N)))
+        s = ulps(rng.integers(0, 40, (1, H * N)))
     forced = rng.random((1, H * N)) < data.draw(st.sampled_from([0.0, 0.1, 0.4]))
     f = int(forced.sum())
     k = data.draw(st.integers(f, H * N))
@@ -120,17 +120,19 @@ def small_steps(monkeypatch):
 # the fixture is a constant patch: nothing to reset between examples
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["ties", "ulps", "one value", "normal"]),
-       forced=st.booleans(), data=st.data())
-def test_every_loop_in_several_steps(small_steps, seed, kind, forced, data):
+       forced=st.booleans(), order=st.sampled_from(["grid", None, 0, 1, 2]), data=st.data())
+def test_every_loop_in_several_steps(small_steps, seed, kind, forced, order, data):
     """Candidate-heavy rows through loops of several steps (``small_steps``): chunks of 64 keys (4 pass steps
     each), 5-9 chunks a row (2-3 slot steps), tens of candidates (several candidate steps); sink, window and
-    forced tokens; kept indices exactly the oracle's."""
+    forced tokens; the programs in grid order or out of it (as on a GPU, where the candidates land in the buffer
+    in the order their programs claim slots, and any program of a row may be its last); kept indices exactly the
+    oracle's."""
     rng = np.random.default_rng(seed)
     n = data.draw(st.integers(300, 560))
     if kind == "ties":
         s = rng.integers(0, 3, (2, n)).astype(np.float32)
     elif kind == "ulps":
-        s = np.stack([_ulps(rng.permutation(n) // 2) for _ in range(2)])
+        s = np.stack([ulps(rng.permutation(n) // 2) for _ in range(2)])
     elif kind == "one value":
         s = np.full((2, n), 1.5, np.float32)
     else:
@@ -138,7 +140,7 @@ def test_every_loop_in_several_steps(small_steps, seed, kind, forced, data):
     sink, window = data.draw(st.integers(0, 3)), data.draw(st.integers(0, 5))
     f = rng.random((2, n)) < 0.1 if forced else None
     low = sink + window + (0 if f is None else int(f.sum(1).max()))
-    _check(s, data.draw(st.integers(min(low, n), n)), 64, sink, window, f)
+    _check(s, data.draw(st.integers(min(low, n), n)), 64, sink, window, f, order)
 
 
 @pytest.mark.parametrize("head_reduce,kernel_size", [("mean", 7), ("layer", 1), ("max", 3), ("mean", 1), ("max", 1)])
