@@ -21,20 +21,11 @@ from tritonkv.kernels import keydiff, knorm, score, select as sel, window_attent
 from tritonkv.kernels.decode_attention import decode_attention
 from tritonkv.kernels.lagkv import lagkv_compress
 from tritonkv.kernels.select import NB, select_indices, select_kv
+from workspace_check import same
 
 pytestmark = pytest.mark.skipif(not sel.INTERPRET, reason="program order is the interpreter's (TRITON_INTERPRET=1)")
 
 ORDERS = st.sampled_from([None, 0, 1, 2, 3])  # None: reversed; an int: the seed of a random permutation
-
-
-def _same(a, b) -> bool:
-    """Equal outputs, bit for bit (NaN where NaN), tensors or nested tuples of them."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
-                                                                         b.view(-1).view(torch.uint8))
-    if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @triton.jit
@@ -106,7 +97,7 @@ def test_select_out_of_order_keeps_the_oracles_tokens(case, chunk, order):
         with programs_out_of_order(order) as launches:
             got = select_kv(*args, **kw)
     assert launches and max(launches) == rows * -(-n // chunk)
-    assert _same(got, grid)
+    assert same(got, grid)
     k, v, idx, lengths = got
     for r in range(rows):
         want = ref_select(s[r], int(budgets[r]), sink, window, None if forced is None else forced[r])
@@ -154,7 +145,7 @@ def test_scoring_kernels_and_their_first_pass_out_of_order(order):
                 s2, h02 = run()
                 assert max(launches) >= -(-N // 16) * B * H, name  # each row in many programs
                 idx, lengths = select_indices(s2, k, k, sink=sink, window=window, hist0=h02)
-            assert _same(s2, s), name
+            assert same(s2, s), name
             rows = s.view(B * H, N).numpy()
             want = first_pass_histogram(rows, sink, window, bins=NB)
             np.testing.assert_array_equal(h02.hist[:, 1:].sum(1).numpy(), want, err_msg=name)
@@ -209,10 +200,7 @@ def _compress(policy, allocation=None):
              "score": dict(layer=1, head_means=head_means(torch.rand(4, 1, 6, 5, keys.shape[2], generator=g)))}
     if allocation is not None:
         inputs.update(extra.get(allocation, {}), allocation=allocation)
-    out = tritonkv.compress((keys, values), pol, 0.3, **inputs)
-    if isinstance(out, tuple):
-        return tuple(out)
-    return out.row_start, out.to_padded(with_positions=True)  # a RaggedKV's slack slots are never written
+    return tritonkv.compress((keys, values), pol, 0.3, **inputs)
 
 
 @pytest.mark.parametrize("policy,allocation", [(p, None) for p in POLICIES] + ALLOCATIONS)
@@ -226,7 +214,7 @@ def test_compress_out_of_order_equals_grid_order(many_programs, policy, allocati
             with programs_out_of_order(order) as launches:
                 got = _compress(policy, allocation)
             assert launches, policy
-            assert _same(got, grid), (policy, allocation, order)
+            assert same(got, grid), (policy, allocation, order)
 
 
 @pytest.mark.parametrize("tile,parts", [(4, 1), (8, 2), (0, 3)])
@@ -248,4 +236,4 @@ def test_lagkv_and_decode_attention_out_of_order(tile, parts):
             grid = run()
             for order in (None, parts):
                 with programs_out_of_order(order):
-                    assert _same(run(), grid)
+                    assert same(run(), grid)
