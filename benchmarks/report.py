@@ -39,6 +39,10 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
                                  "against its stock eager attention (`memory.py --model gpt-oss`)"),
     ("generate_cpu-forwards/README.md", "block-wise `generate` on the CPU with one block per forward against 512 "
                                         "tokens per forward (`generate_cpu.py --forward-tokens`)"),
+    ("generate_cpu.md", "block-wise `generate` (KeyDiff, SnapKV + AdaKV) against the stock `model.generate` on the "
+                        "CPU at 1 and 2 torch threads, a 2,048-token prompt (`generate_cpu.py`)"),
+    ("generate_cpu-8k/README.md", "the same at an 8,000-token prompt, before and after the PyTorch bodies took their "
+                                  "exponentials in base 2 (`generate_cpu.py --tokens 8000`)"),
     ("cache_release.md", "a returned cache is freed with its last reference (`cache_release.py`)"),
     ("soak.md", "memory over a 10,000-step decode and 300 random `generate` requests (`soak.py`)"),
     ("batch_invariance.json", "each row of a left-padded batch against the row alone (`batch_invariance.py`)"),

@@ -50,6 +50,9 @@ from torch.library import wrap_triton
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: log2 e. The PyTorch bodies take every exp as ``exp2`` (base-2 logits, as the kernels): PyTorch's CPU ``exp`` takes a
+#: slow path, 5-10x the time, for each element whose result is subnormal or zero (masked and far-off logits)
+LOG2E = 1.4426950408889634
 
 _CPU_CHOICES = ("torch", "triton")
 _cpu = [os.environ.get("TRITONKV_CPU_KERNELS") or ("triton" if INTERPRET else "torch")]

@@ -45,10 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, check_device, check_int, check_kv_tensor, check_positive_float, launch, next_pow2,
-                      on_host, pdl_wait, triton_op, use_triton)
-
-LOG2E = 1.4426950408889634
+from ._common import (INTERPRET, LOG2E, check_device, check_int, check_kv_tensor, check_positive_float, launch,
+                      next_pow2, on_host, pdl_wait, triton_op, use_triton)
 
 
 # S and SPLIT change with the cache's size: runtime values, never specialised (no "=1" constant, no
@@ -291,7 +289,7 @@ def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, lim
         logits = torch.tanh(logits / softcap) * softcap
     logits = torch.where(valid, logits, float("-inf"))
     m = logits.amax(-1, keepdim=True)
-    p = torch.exp(logits - torch.where(m == float("-inf"), 0.0, m))
+    p = torch.exp2((logits - torch.where(m == float("-inf"), 0.0, m)).mul_(LOG2E))  # exp2: see _common.LOG2E
     l_sum = p.sum(-1, keepdim=True)
     o = torch.matmul(p, _zero_invalid(v, valid, ragged))  # [B, H, G, D]
     nonempty = l_sum > 0

@@ -51,7 +51,9 @@ under the interpreter, whose bf16 arithmetic is wrong, or for fp32 inputs
 (then with ``input_precision="ieee"``, not TF32).
 
 On the CPU (outside the interpreter) the op runs ``_window_attention_torch``: the same two passes
-(LSE, then scores) and the pooling, vectorised in PyTorch over token chunks.
+(LSE, then scores) and the pooling, vectorised in PyTorch over token chunks, in base 2 as well (``exp2``:
+PyTorch's CPU ``exp`` takes a slow path, ~10x the time of a whole block, for each element whose result is
+subnormal or zero, as far-off and masked logits are; its ``exp2`` does not).
 """
 from __future__ import annotations
 
@@ -63,8 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, check_kv_tensor, check_positive_float, finite_rows, launch, next_pow2, on_host,
-                      pdl_wait, row_major, triton_op, use_triton)
+from ._common import (INTERPRET, LOG2E, cdiv, check_kv_tensor, check_positive_float, finite_rows, launch, next_pow2,
+                      on_host, pdl_wait, row_major, triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 #: key tiles the score kernel keeps in flight when it reads no values (a launch argument, read at each launch): at
@@ -462,17 +464,18 @@ def pool_torch(u: torch.Tensor, n_pool: int, kernel_size: int, pool: str, no_nan
 
 
 def _lse_from(mx: torch.Tensor, tot: torch.Tensor) -> torch.Tensor:
-    """mx + ln(tot) with the kernel's rules: −inf where tot = 0 (no visible key), NaN where tot is
-    NaN (a NaN logit, or +inf: inf − inf), as the oracle's max-shifted sum gives."""
-    return torch.where(tot > 0, mx + torch.log(torch.where(tot > 0, tot, 1.0)),
+    """mx + log2(tot) (base 2, as every LSE of ``_window_attention_torch``) with the kernel's rules: −inf where
+    tot = 0 (no visible key), NaN where tot is NaN (a NaN logit, or +inf: inf − inf), as the oracle's max-shifted
+    sum gives."""
+    return torch.where(tot > 0, mx + torch.log2(torch.where(tot > 0, tot, 1.0)),
                        torch.where(tot == tot, float("-inf"), tot))
 
 
 def _combine_lse(parts: torch.Tensor) -> torch.Tensor:
-    """ln Σ_c exp(parts[c]) over dim 0, as the kernel combines its per-chunk LSEs (and reads a
+    """log2 Σ_c 2^parts[c] over dim 0, as the kernel combines its per-chunk LSEs (and reads a
     given ``attn_lse``: one part, unchanged when finite, NaN for +inf)."""
     mx = parts.amax(0)
-    return _lse_from(mx, torch.exp(parts - torch.where(mx == float("-inf"), 0.0, mx)).sum(0))
+    return _lse_from(mx, torch.exp2(parts - torch.where(mx == float("-inf"), 0.0, mx)).sum(0))
 
 
 def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kernel_size: int, pool: str,
@@ -481,16 +484,18 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
 
     The G·W query rows of KV head h are one ``[G·W, D]`` matrix (a view of the queries: no
     ``repeat_kv``); per token chunk their logits ``τ·q·kᵀ`` are one batched matmul ``[B, H, G·W, n]``
-    (n keeps the block under ``TORCH_BLOCK`` elements). Every row sees the keys up to N − W; only
+    (n keeps the block under ``TORCH_BLOCK`` elements), in base 2: the queries are scaled by τ·log2 e, so
+    the logits and LSEs are base-2 and every exp an ``exp2`` (PyTorch's CPU ``exp`` is ~10x slower on the
+    many entries whose result is subnormal or zero). Every row sees the keys up to N − W; only
     the last W − 1 keys need the causal mask (key j visible to row i iff j ≤ N − W + i), applied in
     place; keys with a non-finite element are masked out like invisible ones, and rows left out
     (``row_weights``: a non-finite query or given LSE) see nothing (their query is zeroed first).
     Then, in place on the block (no second one is allocated):
 
-    * one chunk, no ``attn_lse``: e = exp(logit − row max), the row's LSE from Σ e, and the head
-      sums Σ_i r_i·e_ij with r_i = w_i·exp(row max − LSE_i) as one batched mat-vec per head;
-    * otherwise: pass 1 the partial LSE of every chunk (or ``attn_lse``), combined as the kernel
-      does; pass 2 recomputes each chunk's logits, e = exp(logit − LSE), r = w.
+    * one chunk, no ``attn_lse``: e = 2^(logit − row max), the row's LSE from Σ e, and the head
+      sums Σ_i r_i·e_ij with r_i = w_i·2^(row max − LSE_i) as one batched mat-vec per head;
+    * otherwise: pass 1 the partial LSE of every chunk (or ``attn_lse``·log2 e), combined as the kernel
+      does; pass 2 recomputes each chunk's logits, e = 2^(logit − LSE), r = w.
 
     Entries of keys a row does not see are 0, also when r is not finite (the last W − 1 keys are
     summed again elementwise with them zeroed), as in the kernel. Then the reduction over the G
@@ -513,30 +518,38 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
         w = row_weights(queries, attn_lse, N, H, row_reduce, head_reduce).view(B, H, G * W, 1)
         left_in = w > 0
     if rows_in and values.numel() == 0 and bool(torch.isfinite(keys.sum())):  # likewise every key finite
-        kfin, every_in, rows_all = None, True, True
+        kfin, keys_in, every_in, rows_all = None, True, True, True
     else:
-        kfin, every_in = finite_rows(keys)  # [B, H, N]; every key finite (read eagerly on the host)
+        kfin, keys_in = finite_rows(keys)  # [B, H, N]; every key finite (read eagerly on the host)
         if values.numel() > 0:  # a token with a non-finite value counts as a non-finite key
             vfin, every_v = finite_rows(values)
-            kfin, every_in = kfin & vfin, every_in and every_v
+            kfin, keys_in = kfin & vfin, keys_in and every_v
         rows_all = rows_in or (host and bool(left_in.all()))  # eagerly: every query row left in (traced: unknown)
-        every_in = every_in and rows_all  # eagerly: nothing to mask
+        every_in = keys_in and rows_all  # eagerly: nothing to mask
     if left_in is None and not every_in:  # a non-finite key: the row mask is read with the key mask
         left_in = w > 0
     q = queries.float().reshape(B, H, G * W, D)  # rows of KV head h
-    q = (q if every_in else torch.where(left_in, q, 0.0)) * scale
+    q = (q if every_in else torch.where(left_in, q, 0.0)) * (scale * LOG2E)  # base-2 logits
     first = max(N - W + 1, 0)  # keys before this one are visible to every row
     columns = _hidden if host else _hidden.__wrapped__  # cached eagerly; traced: built in the graph
     chunk = max(1, TORCH_BLOCK // (B * H * G * W))
     spans = [(t0, min(t0 + chunk, N)) for t0 in range(0, N, chunk)]
+    # eagerly, the tokens masked out (a non-finite key or value) get their −inf from one broadcast add, their keys
+    # zeroed so that the logits it adds to are 0 (the rows' queries are finite): masked_fill_ with a mask broadcast
+    # over the rows is several times slower on the CPU (traced, Inductor fuses either)
+    bias = None if keys_in or not host else \
+        torch.zeros((B, H, 1, N), device=dev).masked_fill_(~kfin[:, :, None], float("-inf"))
 
     def logits(t0: int, t1: int):
-        """Logits of keys [t0, t1), −inf where not visible; (block, c, columns c… hidden from each row)."""
-        s = q @ keys[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, G·W, n]
-        if not every_in:
+        """Base-2 logits of keys [t0, t1), −inf where not visible; (block, c, columns c… hidden from each row)."""
+        k = keys[:, :, t0:t1] if bias is None else keys[:, :, t0:t1].nan_to_num(0.0, 0.0, 0.0)
+        s = q @ k.float().transpose(-1, -2)  # [B, H, G·W, n]
+        if bias is not None:
+            s.add_(bias[..., t0:t1])
+        elif not keys_in:
             s.masked_fill_(~kfin[:, :, None, t0:t1], float("-inf"))  # broadcast over the rows: no [G·W, n] mask
-            if not rows_in:
-                s.masked_fill_(~left_in, float("-inf"))
+        if not rows_all:
+            s.masked_fill_(~left_in, float("-inf"))
         c = min(max(first - t0, 0), t1 - t0)
         hidden = columns(G, W, t0 + c - (N - W), t1 - t0 - c, dev)  # [G·W, n − c]
         s[..., c:].masked_fill_(hidden, float("-inf"))
@@ -556,18 +569,18 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
 
     once, plain = None, False
     if attn_lse.numel() > 0:
-        lse = _combine_lse(attn_lse.float().reshape(1, B, H, G * W, 1))
+        lse = _combine_lse(attn_lse.float().reshape(1, B, H, G * W, 1) * LOG2E)
     elif len(spans) == 1 and rows_all and N >= W:  # one chunk, every row in (non-finite keys masked) and seeing a key
         s, c, hidden = logits(0, N)
         mx = s.amax(-1, keepdim=True)
         # every row max finite (no overflow): the masks and the combination of one part below are identities
         plain = bool(torch.isfinite(mx).all())
         if plain:
-            e = s.sub_(mx).exp_()
-            once, lse = (e, mx, c, hidden), mx + torch.log(e.sum(-1, keepdim=True))  # tot >= 1: _lse_from's value
+            e = s.sub_(mx).exp2_()
+            once, lse = (e, mx, c, hidden), mx + torch.log2(e.sum(-1, keepdim=True))  # tot >= 1: _lse_from's value
         else:
             shift = torch.where(mx == float("-inf"), 0.0, mx)
-            e = s.sub_(shift).exp_()
+            e = s.sub_(shift).exp2_()
             once = e, shift, c, hidden
             lse = _combine_lse(_lse_from(mx, e.sum(-1, keepdim=True))[None])
     else:
@@ -576,7 +589,7 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
             s, c, hidden = logits(t0, t1)
             mx = s.amax(-1, keepdim=True)
             shift = torch.where(mx == float("-inf"), 0.0, mx)
-            e = s.sub_(shift).exp_()
+            e = s.sub_(shift).exp2_()
             parts.append(_lse_from(mx, e.sum(-1, keepdim=True)))
             if len(spans) == 1:
                 once = e, shift, c, hidden
@@ -588,11 +601,11 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     for t0, t1 in spans:
         if once is not None:
             e, shift, c, hidden = once
-            r = torch.exp(shift - lse) * w
+            r = torch.exp2(shift - lse) * w
             r = r if plain else torch.where(left_in, r, 0.0)
         else:
             s, c, hidden = logits(t0, t1)
-            e, r = s.sub_(lse).exp_(), w
+            e, r = s.sub_(lse).exp2_(), w
         hs = head_sums(e, r, c, hidden, plain)
         red = hs.amax(2) if head_reduce == "max" else hs.sum(2)
         u[:, :, t0:t1] = red if every_in else torch.where(kfin[:, :, t0:t1], red, float("nan"))
