@@ -52,8 +52,8 @@ under the interpreter, whose bf16 arithmetic is wrong, or for fp32 inputs
 
 On the CPU (outside the interpreter) the op runs ``_window_attention_torch``: the same two passes
 (LSE, then scores) and the pooling, vectorised in PyTorch over token chunks, in base 2 as well (``exp2``:
-PyTorch's CPU ``exp`` takes a slow path, ~10x the time of a whole block, for each element whose result is
-subnormal or zero, as far-off and masked logits are; its ``exp2`` does not).
+PyTorch's CPU ``exp`` takes a slow path, ~10x slower, for each element whose result is subnormal or zero, as
+far-off and masked logits are; its ``exp2`` does not).
 """
 from __future__ import annotations
 
