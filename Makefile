@@ -38,8 +38,12 @@ test: $(STAMP)
 # `make test` runs them after the main suite (which runs them on the installed, newest transformers). ~1-2 minutes.
 TF_MIN       := 5.2.0
 TF_MIN_DIR   := .venv-tf-min
-TF_MIN_PINS  := transformers==$(TF_MIN) huggingface_hub==1.33.0 tokenizers==0.22.2 httpx==0.28.1 httpcore==1.0.9
-TF_MIN_STAMP := $(TF_MIN_DIR)/.installed-$(TF_MIN)
+# kernels: transformers imports it when it is installed (the newest transformers, in the main venv, requires it), and
+# kernels >= 0.17 refuses transformers 5.2's unversioned kernel repositories at import (a ValueError)
+TF_MIN_KERNELS := 0.16.2
+TF_MIN_PINS  := transformers==$(TF_MIN) huggingface_hub==1.33.0 tokenizers==0.22.2 httpx==0.28.1 httpcore==1.0.9 \
+                kernels==$(TF_MIN_KERNELS)
+TF_MIN_STAMP := $(TF_MIN_DIR)/.installed-$(TF_MIN)-kernels-$(TF_MIN_KERNELS)
 TF_MIN_TESTS := tests/test_transformers_versions.py tests/test_transformers_configs.py \
                 tests/test_transformers_padding.py tests/test_transformers_compiled.py
 
