@@ -55,6 +55,22 @@ def ratio_bootstrap(a: Sequence[float], b: Sequence[float], *, n_boot: int = N_B
     return bootstrap_ci(x, stat, n_boot=n_boot, level=level, seed=seed)
 
 
+def median_ci(values: Sequence[float], level: float = LEVEL) -> Tuple[float, float, float, float]:
+    """``(median, lo, hi, coverage)``: the sample median of ``values`` and the distribution-free interval
+    ``[x_(k), x_(n+1-k)]`` of the population median from the order statistics. It covers the median with
+    probability ``1 − 2·P(Bin(n, ½) ≤ k − 1)`` whatever the (continuous) distribution; ``k`` is the largest for which
+    that is at least ``level``. With too few values for ``level`` (n < 6 at 95 %) it is ``[min, max]``, whose lower
+    coverage ``1 − 2^(1−n)`` is returned: read it. NaN interval (coverage 0) for fewer than 2 values."""
+    x = np.sort(np.asarray(values, dtype=np.float64))
+    n = x.shape[0]
+    if n < 2:
+        return (float(x[0]) if n else float("nan")), float("nan"), float("nan"), 0.0
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 1.0 - 2.0 * _binom_cdf(k, n, 0.5) >= level:
+        k += 1
+    return float(np.median(x)), float(x[k - 1]), float(x[n - k]), 1.0 - 2.0 * _binom_cdf(k - 1, n, 0.5)
+
+
 def mcnemar(a: Sequence[int], b: Sequence[int]) -> Dict[str, float]:
     """McNemar's exact (binomial) test on paired 0/1 outcomes: ``n10`` = cases only ``a`` got right, ``n01`` = only
     ``b``; two-sided ``p = min(1, 2·P(X ≤ min(n10, n01)))`` with ``X ~ Binomial(n10 + n01, ½)`` (``p = 1`` when

@@ -25,9 +25,14 @@ def test_generate_cpu_smoke(tmp_path):
     for x in rows:
         assert x["median_s"] > 0 and x["min_s"] > 0 and x["ratio"] > 0 and x["runs"] == 1, x
         assert data["tokens"] < x["length"] <= data["tokens"] + data["new_tokens"], x
-    assert all(x["ratio"] == 1.0 for x in rows if x["call"] == "stock")
+    assert all(x["ratio"] == 1.0 and "paired_ratio" not in x for x in rows if x["call"] == "stock")
+    for x in rows:  # every round's seconds; one round is no interval: inconclusive
+        assert len(x["times_s"]) == 1 and x["times_s"][0] == pytest.approx(x["median_s"], abs=1e-3), x
+        if x["call"] != "stock":
+            assert x["target"] == "inconclusive" and x["coverage"] == 0.0 and x["paired_ratio"] > 0, x
     m = data["machine"]
     assert data["forward_tokens"] == 512  # generate's default
     assert data["smoke"] and not m["triton_interpret"] and m["cpu"] and m["torch"] and "--smoke" in m["command"]
     md = (tmp_path / "generate_cpu.md").read_text()
-    assert "| call | threads | median s | min s | ratio | min ratio |" in md and "| snapkv+adakv | 2 |" in md
+    assert "| call | threads | median s | min s | ratio | min ratio | paired ratio | interval | target |" in md
+    assert "| snapkv+adakv | 2 |" in md and "inconclusive |" in md

@@ -125,3 +125,19 @@ def test_paired_accuracy_interval_agrees_with_mcnemar():
             r = S.paired_accuracy(x, y)
             if n10 + n01:
                 assert (r["lo"] > 0 or r["hi"] < 0) == (r["p"] < 0.05), (n10, n01, r)
+
+
+def test_median_interval_order_statistics_and_coverage():
+    # hand-computed: n = 9 -> [x_(2), x_(8)], coverage 1 - 2·P(Bin(9, 1/2) <= 1) = 1 - 2·10/512; k = 3 would cover
+    # only 1 - 2·46/512 = 0.82. n = 5 is too few for 95 %: [min, max] with coverage 1 - 2^-4.
+    x = [9.0, 1.0, 8.0, 2.0, 7.0, 3.0, 6.0, 4.0, 5.0]
+    assert S.median_ci(x) == (5.0, 2.0, 8.0, 1 - 20 / 512)
+    assert S.median_ci([3.0, 1.0, 2.0, 5.0, 4.0]) == (3.0, 1.0, 5.0, 1 - 2 / 32)
+    assert S.median_ci([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], level=0.8)[1:3] == (3.0, 7.0)
+    med, lo, hi, cover = S.median_ci([2.5])
+    assert med == 2.5 and math.isnan(lo) and math.isnan(hi) and cover == 0.0
+    # the coverage it states is the coverage it has: 4000 samples of n = 9 from an exponential (median ln 2);
+    # Binomial(4000, 0.961) has sd 0.003, so +-0.012 is 4 sd
+    rng = np.random.default_rng(11)
+    hits = sum(lo <= math.log(2) <= hi for lo, hi in (S.median_ci(rng.exponential(size=9))[1:3] for _ in range(4000)))
+    assert abs(hits / 4000 - (1 - 20 / 512)) < 0.012
