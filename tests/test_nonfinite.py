@@ -150,3 +150,27 @@ def test_a_head_without_finite_query_rows_is_left_out_of_the_group_mean(backend)
         alone = window_attention_scores(keys[:, :1], q[:, :1])  # one KV head, its first query head only
     torch.testing.assert_close(got[:, 0], alone[:, 0], rtol=1e-5, atol=1e-9)
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_rows_is_exact(dtype):
+    """The CPU bodies' check of which tokens are finite (``finite_rows``: a shortcut through the row sums, then the
+    exact check on the rows whose sum is not finite) against ``isfinite(x).all(-1)``: a row of huge finite
+    elements whose sum overflows is finite; a NaN, a +inf, a -inf or both infinities (a NaN sum) make a row
+    non-finite; every other row is finite."""
+    from tritonkv.kernels._common import finite_rows
+
+    big = torch.finfo(dtype).max / 2
+    x = torch.randn(3, 4, 10, 8, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x[0, 0, 1] = big  # finite: its sum overflows to +inf
+    x[1, 3, 9, :4] = -big
+    x[0, 1, 2, 3] = float("nan")
+    x[1, 2, 3, 0] = float("inf")
+    x[2, 3, 4, 5] = float("-inf")
+    x[2, 0, 5, 1], x[2, 0, 5, 6] = float("inf"), float("-inf")
+    want = torch.isfinite(x).all(-1)
+    assert int((~want).sum()) == 4
+    fin, every = finite_rows(x)
+    assert torch.equal(fin, want) and not every
+    fin, every = finite_rows(x[2:, 1:3])  # every row finite: the shortcut alone
+    assert fin.all() and every

@@ -537,9 +537,12 @@ def finite_rows(x: torch.Tensor, reduced: Optional[torch.Tensor] = None) -> tupl
     ``reduced``: any reduction over the last dim that propagates them, such as a norm), so when every row's is
     finite so is every element. Else (or where values cannot be read: tracing, meta or fake tensors) the exact
     check ``Σ x·0 == 0`` per row (x·0 is ±0 for a finite x, NaN for ±inf and NaN; a sum of zeros cannot
-    overflow), and False."""
+    overflow), eagerly on the rows whose sum is not finite alone, and False."""
     if on_host(x):
         fin = torch.isfinite(x.sum(-1) if reduced is None else reduced)
         if bool(fin.all()):
             return fin, True
+        bad = (~fin).nonzero(as_tuple=True)  # only a row whose sum is not finite can hold a non-finite element
+        fin[bad] = x[bad].mul(0.0).sum(-1) == 0
+        return fin, False
     return x.mul(0.0).sum(-1) == 0, False

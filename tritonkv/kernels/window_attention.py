@@ -534,19 +534,22 @@ def _window_attention_torch(keys, queries, attn_lse, values, scale: float, kerne
     columns = _hidden if host else _hidden.__wrapped__  # cached eagerly; traced: built in the graph
     chunk = max(1, TORCH_BLOCK // (B * H * G * W))
     spans = [(t0, min(t0 + chunk, N)) for t0 in range(0, N, chunk)]
-    # eagerly, the tokens masked out (a non-finite key or value) get their −inf from one broadcast add, their keys
-    # zeroed so that the logits it adds to are 0 (the rows' queries are finite): masked_fill_ with a mask broadcast
-    # over the rows is several times slower on the CPU (traced, Inductor fuses either)
+    # eagerly, the tokens masked out (a non-finite key or value) get their −inf from a bias that the logits' GEMM
+    # adds, their keys zeroed so that the logits it adds to are 0 (the rows' queries are finite): masked_fill_ with a
+    # mask broadcast over the rows is several times slower on the CPU (traced, Inductor fuses either)
     bias = None if keys_in or not host else \
         torch.zeros((B, H, 1, N), device=dev).masked_fill_(~kfin[:, :, None], float("-inf"))
 
     def logits(t0: int, t1: int):
         """Base-2 logits of keys [t0, t1), −inf where not visible; (block, c, columns c… hidden from each row)."""
-        k = keys[:, :, t0:t1] if bias is None else keys[:, :, t0:t1].nan_to_num(0.0, 0.0, 0.0)
-        s = q @ k.float().transpose(-1, -2)  # [B, H, G·W, n]
-        if bias is not None:
-            s.add_(bias[..., t0:t1])
-        elif not keys_in:
+        if bias is None:
+            s = q @ keys[:, :, t0:t1].float().transpose(-1, -2)  # [B, H, G·W, n]
+        else:  # bias + q·kᵀ in one op: the bias is 0 or −inf, so the same numbers as adding it after
+            n = t1 - t0
+            k = keys[:, :, t0:t1].nan_to_num(0.0, 0.0, 0.0).float()
+            s = torch.baddbmm(bias[..., t0:t1].reshape(B * H, 1, n), q.reshape(B * H, G * W, D),
+                              k.reshape(B * H, n, D).transpose(-1, -2)).view(B, H, G * W, n)
+        if bias is None and not keys_in:
             s.masked_fill_(~kfin[:, :, None, t0:t1], float("-inf"))  # broadcast over the rows: no [G·W, n] mask
         if not rows_all:
             s.masked_fill_(~left_in, float("-inf"))
