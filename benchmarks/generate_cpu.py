@@ -22,10 +22,17 @@ statistics (``evaluate_stats.median_ci``: 96 % with 9 rounds; with fewer than 6 
 coverage, which the table states): ``met`` when it lies below 1.1, ``missed`` above, else ``inconclusive``. Every
 round's seconds are in the JSON (``times_s``). The native CPU path (the ops' PyTorch bodies): run it without
 ``TRITON_INTERPRET``.
+
+``--parts R``: then R more rounds with wall-clock accumulators around the integration's functions (``PARTS``:
+compressions and, within them, window attention's PyTorch body, AdaKV's winners and their layout; prompt-block and
+decode attention), seconds per run and calls per run of each part, in the JSON (``parts``) and a second table:
+where a call's time goes inside the model, as a user runs it (the accumulators cost ~1 µs a call).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import os
 import statistics
 import time
@@ -81,6 +88,69 @@ def run_threads(fns: dict, threads: int, runs: int) -> list:
     return rows
 
 
+_T = "tritonkv.integrations.transformers."
+PARTS = {  # part: the functions timed in it, (module, name or Class.method); a name is patched wherever it is bound
+    "compressions": [(_T + "cache", "TritonKVLayer.compress_to")],
+    "compressions: window attention (PyTorch body)": [("tritonkv.kernels.window_attention",
+                                                        "_window_attention_torch")],
+    "compressions: AdaKV winners": [("tritonkv.allocation.adakv", "_kept_torch")],
+    "compressions: winners laid out": [(_T + "storage", "kept_padded")],
+    "prompt-block attention": [(_T + "attention", n) for n in ("block_attention", "suffix_attention",
+                                                                "held_attention", "causal_attention")],
+    "decode attention": [(_T + "attention", n) for n in ("decode_sdpa", "ragged_decode_sdpa", "kernel_decode")],
+    "masked attention (pads)": [(_T + "attention", "masked_attention")],
+}
+
+
+@contextlib.contextmanager
+def timing_parts(acc: dict, calls: dict):
+    """Wrap every function of ``PARTS`` (in its module and in each integration module that imported it) so that
+    each call adds its wall seconds to ``acc[part]`` and 1 to ``calls[part]``; restored on exit."""
+    undo = []
+    for part, fns in PARTS.items():
+        for mod_name, name in fns:
+            cls_name, _, attr = name.rpartition(".")
+            home = importlib.import_module(mod_name)
+            owner = getattr(home, cls_name) if cls_name else home
+            f = getattr(owner, attr)
+
+            def timed(*a, _f=f, _part=part, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    acc[_part] = acc.get(_part, 0.0) + time.perf_counter() - t0
+                    calls[_part] = calls.get(_part, 0) + 1
+
+            owners = [owner] + ([] if cls_name else [importlib.import_module(_T + m) for m in ("cache", "attention")])
+            for o in owners:
+                if o.__dict__.get(attr) is f:
+                    undo.append((o, attr, f))
+                    setattr(o, attr, timed)
+    try:
+        yield
+    finally:
+        for o, attr, f in reversed(undo):
+            setattr(o, attr, f)
+
+
+def run_parts(fns: dict, threads: int, rounds: int) -> list:
+    """``rounds`` alternating rounds with ``timing_parts``: per call, seconds and calls per run of each part."""
+    torch.set_num_threads(threads)
+    acc = {name: {} for name in fns}
+    n = {name: {} for name in fns}
+    wall = {name: 0.0 for name in fns}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            with timing_parts(acc[name], n[name]):
+                t0 = time.perf_counter()
+                f()
+                wall[name] += time.perf_counter() - t0
+    return [dict(call=name, threads=threads, rounds=rounds, wall_s=round(wall[name] / rounds, 3),
+                 **{part: [round(acc[name].get(part, 0.0) / rounds, 3), n[name].get(part, 0) // rounds]
+                    for part in PARTS}) for name in fns]
+
+
 def paired(ts, stock) -> dict:
     """The round-by-round ratios of a call's times ``ts`` to the stock call's of the same rounds: their median, its
     interval and coverage (``median_ci``), and the verdict on the target (``met``/``missed``/``inconclusive``)."""
@@ -108,6 +178,15 @@ def markdown(res) -> str:
                           "target"],
                    ["call", "threads", "median s", "min s", "ratio", "min ratio", "paired ratio", "interval", "target"],
                    right=True)
+    if res.get("parts"):
+        lines += ["", f"Where the time goes: seconds per run (calls per run) of each part, in "
+                  f"{res['parts'][0]['rounds']} more rounds with accumulators around the integration's functions "
+                  f"(`--parts`; \"compressions: ...\" is time within the compressions).", ""]
+        head = [f"{r['call']}, {r['threads']} thr." for r in res["parts"]]
+        cells = [["wall"] + [f"{r['wall_s']}" for r in res["parts"]]]
+        cells += [[part] + [f"{r[part][0]} ({r[part][1]})" if r[part][1] else "–"
+                                                          for r in res["parts"]] for part in PARTS]
+        lines += table(cells, None, ["part"] + head, right=True)
     return "\n".join(lines) + "\n"
 
 
@@ -122,6 +201,8 @@ def parser():
     p.add_argument("--forward-tokens", type=int, default=FORWARD_TOKENS,
                    help=f"prompt tokens per model forward of the block-wise prefill (default {FORWARD_TOKENS})")
     p.add_argument("--runs", type=int, help=f"timed rounds per thread count (default {RUNS}; 1 with --smoke)")
+    p.add_argument("--parts", type=int, default=0, metavar="R",
+                   help="then R rounds timing the integration's parts (PARTS) at each thread count (default 0: none)")
     p.add_argument("--out", help=f"output folder (default {RESULTS}; none with --smoke)")
     return p
 
@@ -141,11 +222,15 @@ def main(argv=None):
             rows += run_threads(fns, threads, runs)
             for r in rows[-len(fns):]:
                 print(r, flush=True)
+        parts = [p for threads in args.threads for p in run_parts(fns, threads, args.parts)] if args.parts else []
+        for r in parts:
+            print(r, flush=True)
     machine = dict(run_info(argv=argv), load_avg_before=load_before,
                    load_avg_after=[round(x, 2) for x in os.getloadavg()])
     res = dict(machine=machine, wall_s=round(time.perf_counter() - t0, 1), smoke=args.smoke,
                model="a random 2-layer Llama" if args.smoke else "SmolLM2-135M-Instruct (fp32)", tokens=tokens,
-               new_tokens=new_tokens, budget=args.budget, forward_tokens=args.forward_tokens, runs=runs, rows=rows)
+               new_tokens=new_tokens, budget=args.budget, forward_tokens=args.forward_tokens, runs=runs, rows=rows,
+               parts=parts)
     out = args.out or (None if args.smoke else RESULTS)
     if out:
         write_results(os.path.join(out, "generate_cpu"), res, markdown(res))

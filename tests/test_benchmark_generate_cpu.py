@@ -7,15 +7,19 @@ import sys
 
 import pytest
 
+from benchmarks.generate_cpu import PARTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.bench
 
 
 def test_generate_cpu_smoke(tmp_path):
     """--smoke: stock, block-wise KeyDiff and SnapKV + AdaKV generate on the random Llama at 1 and 2 threads, one
-    timed run each; every call made its new tokens; the JSON and Markdown carry the machine, command and ratios."""
+    timed run each; every call made its new tokens; the JSON and Markdown carry the machine, command and ratios;
+    ``--parts 1``: where each call's time went, the stock call in none of the integration's parts."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "benchmarks.generate_cpu", "--smoke", "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "benchmarks.generate_cpu", "--smoke", "--parts", "1", "--out",
+                        str(tmp_path)],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     data = json.loads((tmp_path / "generate_cpu.json").read_text())
@@ -33,6 +37,33 @@ def test_generate_cpu_smoke(tmp_path):
     m = data["machine"]
     assert data["forward_tokens"] == 512  # generate's default
     assert data["smoke"] and not m["triton_interpret"] and m["cpu"] and m["torch"] and "--smoke" in m["command"]
+    parts = {(x["call"], x["threads"]): x for x in data["parts"]}  # --parts: where each call's time went
+    assert set(parts) == {(x["call"], x["threads"]) for x in rows}
+    for (call, _), x in parts.items():
+        assert x["rounds"] == 1 and x["wall_s"] > 0
+        calls = {part: x[part][1] for part in PARTS}
+        if call == "stock":  # the stock model runs none of the integration's functions
+            assert not any(calls.values()), x
+        else:
+            assert calls["compressions"] > 0 and calls["prompt-block attention"] > 0 and calls["decode attention"] > 0
+            assert x["compressions"][0] >= x["compressions: window attention (PyTorch body)"][0]
+            assert (calls["compressions: window attention (PyTorch body)"] > 0) == (call == "snapkv+adakv"), x
+            assert (calls["compressions: AdaKV winners"] > 0) == (call == "snapkv+adakv"), x
     md = (tmp_path / "generate_cpu.md").read_text()
     assert "| call | threads | median s | min s | ratio | min ratio | paired ratio | interval | target |" in md
-    assert "| snapkv+adakv | 2 |" in md and "inconclusive |" in md
+    assert "| snapkv+adakv | 2 |" in md and "inconclusive |" in md and "| compressions |" in md
+
+
+def test_timing_parts_restores_every_function():
+    """``--parts`` wraps the integration's functions where they are bound and puts the originals back."""
+    import importlib
+
+    from benchmarks.generate_cpu import PARTS, timing_parts
+
+    mods = [importlib.import_module("tritonkv.integrations.transformers." + m) for m in ("cache", "attention")]
+    before = [dict(vars(m)) for m in mods] + [dict(vars(mods[0].TritonKVLayer))]
+    with timing_parts({}, {}):
+        assert mods[0].suffix_attention is not before[0]["suffix_attention"]
+        assert mods[1].block_attention is not before[1]["block_attention"]
+    after = [dict(vars(m)) for m in mods] + [dict(vars(mods[0].TritonKVLayer))]
+    assert all(a[k] is b[k] for a, b in zip(after, before) for k in b) and len(PARTS) == 7
