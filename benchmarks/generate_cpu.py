@@ -19,7 +19,8 @@ call sees the same machine load; median and min wall seconds, and ``ratio`` = th
 1.0 and 1.2), so the verdict is read off an interval: each round's call over the stock call of the same round
 (``paired ratio``, their median) and the distribution-free interval of that median from the rounds' order
 statistics (``evaluate_stats.median_ci``: 96 % with 9 rounds; with fewer than 6 it is [min, max] at a lower
-coverage, which the table states): ``met`` when it lies below 1.1, ``missed`` above, else ``inconclusive``. Every
+coverage, which the table states): ``met`` when it lies below 1.1, ``missed`` above, else ``inconclusive`` (always
+with fewer than 6 rounds, whose interval covers less than 95 %). Every
 round's seconds are in the JSON (``times_s``). The native CPU path (the ops' PyTorch bodies): run it without
 ``TRITON_INTERPRET``.
 
@@ -40,7 +41,7 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, cpu_times, describe, random_llama, run_info, table, write_results
-from benchmarks.evaluate_stats import median_ci, verdict
+from benchmarks.evaluate_stats import LEVEL, median_ci, verdict
 from tritonkv.integrations.transformers.generate import FORWARD_TOKENS
 
 TOKENS, NEW_TOKENS, BUDGET, RUNS, THREADS = 2048, 32, 0.25, 3, (1, 2)
@@ -155,7 +156,7 @@ def paired(ts, stock) -> dict:
     """The round-by-round ratios of a call's times ``ts`` to the stock call's of the same rounds: their median, its
     interval and coverage (``median_ci``), and the verdict on the target (``met``/``missed``/``inconclusive``)."""
     med, lo, hi, cover = median_ci([t / s for t, s in zip(ts, stock)])
-    v = verdict(lo, hi, better="lower", margin=TARGET)
+    v = verdict(lo, hi, better="lower", margin=TARGET) if cover >= LEVEL else "inconclusive"  # too few rounds
     return dict(paired_ratio=round(med, 3), ratio_lo=round(lo, 3), ratio_hi=round(hi, 3), coverage=round(cover, 3),
                 target={"reproduced": "met", "not reproduced": "missed"}.get(v, v))
 

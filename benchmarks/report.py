@@ -41,6 +41,9 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
                                         "tokens per forward (`generate_cpu.py --forward-tokens`)"),
     ("generate_cpu.md", "block-wise `generate` (KeyDiff, SnapKV + AdaKV) against the stock `model.generate` on the "
                         "CPU at 1 and 2 torch threads, a 2,048-token prompt (`generate_cpu.py`)"),
+    ("generate_cpu-2k/README.md", "the 2,048-token runs of 2026-12-07: the spread between runs of the same tree, "
+                                  "where SnapKV + AdaKV's time goes (`generate_cpu.py --parts`), a cheaper per-head "
+                                  "compression"),
     ("generate_cpu-8k/README.md", "the same at an 8,000-token prompt, before and after the PyTorch bodies took their "
                                   "exponentials in base 2 (`generate_cpu.py --tokens 8000`)"),
     ("cache_release.md", "a returned cache is freed with its last reference (`cache_release.py`)"),

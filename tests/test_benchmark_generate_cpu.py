@@ -67,3 +67,17 @@ def test_timing_parts_restores_every_function():
         assert mods[1].block_attention is not before[1]["block_attention"]
     after = [dict(vars(m)) for m in mods] + [dict(vars(mods[0].TritonKVLayer))]
     assert all(a[k] is b[k] for a, b in zip(after, before) for k in b) and len(PARTS) == 7
+
+
+def test_the_verdict_needs_an_interval_of_95_percent():
+    """``paired``: met or missed only when the interval of the median ratio (>= 95 %: 6 rounds or more) lies wholly
+    below or above 1.1; five rounds all at 0.9 are still inconclusive (their [min, max] covers 94 %)."""
+    from benchmarks.generate_cpu import paired
+
+    stock = [10.0, 11.0, 9.0, 10.5, 9.5, 10.0, 12.0, 10.0, 9.0]
+    assert paired([0.9 * s for s in stock], stock)["target"] == "met"
+    assert paired([1.2 * s for s in stock], stock)["target"] == "missed"
+    mixed = paired([r * s for r, s in zip([0.9, 1.2] * 4 + [1.0], stock)], stock)
+    assert mixed["target"] == "inconclusive" and mixed["ratio_lo"] == 0.9 and mixed["ratio_hi"] == 1.2
+    few = paired([0.9 * s for s in stock[:5]], stock[:5])
+    assert few["target"] == "inconclusive" and few["coverage"] == 0.938 and few["paired_ratio"] == 0.9
