@@ -185,8 +185,8 @@ def markdown(res) -> str:
                   f"(`--parts`; \"compressions: ...\" is time within the compressions).", ""]
         head = [f"{r['call']}, {r['threads']} thr." for r in res["parts"]]
         cells = [["wall"] + [f"{r['wall_s']}" for r in res["parts"]]]
-        cells += [[part] + [f"{r[part][0]} ({r[part][1]})" if r[part][1] else "–"
-                                                          for r in res["parts"]] for part in PARTS]
+        cells += [[part] + [f"{r[part][0]} ({r[part][1]})" if r[part][1] else "–" for r in res["parts"]]
+                  for part in PARTS]
         lines += table(cells, None, ["part"] + head, right=True)
     return "\n".join(lines) + "\n"
 

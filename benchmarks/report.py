@@ -29,7 +29,7 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
     ("lagkv-tilings/kernel_stats-triton-*.md", "the kernel statistics of LagKV's tilings under one Triton version "
                                                "(`kernel_stats.py --only`)"),
     ("nvidia-h200-memory/memory.md", "memory inside a model on an H200 (`memory.py` on a GPU)"),
-    ("memory-8k/memory.md", "memory inside a model at N = 8192, KeyDiff and SnapKV + AdaKV in every mode "
+    ("memory-8k/memory.md", "memory inside a model at N = 8192 and 16384, KeyDiff and SnapKV + AdaKV in every mode "
                             "(`memory.py`)"),
     ("memory-8k-block128/*/memory.md", "memory at N = 8192 in blocks of 128, one block or 512 tokens per model "
                                        "forward (`memory.py --block-size --forward-tokens`)"),
