@@ -3,8 +3,9 @@
     python -m benchmarks.generate_cpu            # SmolLM2-135M, 2048-token prompt: results/generate_cpu.{json,md}
     python -m benchmarks.generate_cpu --smoke    # a tiny random Llama, one timed run (writes only with --out)
 
-Three calls at the same torch thread count (``torch.set_num_threads``, 1 and 2 by default), greedy, ``--new-tokens``
-new tokens from one prompt of real text (``tritonkv.integrations.needle.build_case``):
+Three calls (``--calls`` picks the tritonkv ones) at the same torch thread count (``torch.set_num_threads``, 1 and
+2 by default), greedy, ``--new-tokens`` new tokens from one prompt of real text
+(``tritonkv.integrations.needle.build_case``):
 
 - ``stock``: ``model.generate(input_ids, max_new_tokens=M, do_sample=False)`` (the full cache);
 - ``keydiff``: ``generate(model, input_ids, policy="keydiff", budget=0.25, mode="blockwise", ...)``;
@@ -61,11 +62,14 @@ def load(smoke: bool, tokens: int):
     return model, build_case(tok, tokens, 0.5, seed=0, subject="apple").input_ids
 
 
-def calls(model, ids, new_tokens: int, budget, forward_tokens: int = FORWARD_TOKENS) -> dict:
+def calls(model, ids, new_tokens: int, budget, forward_tokens: int = FORWARD_TOKENS, names=None) -> dict:
+    """The stock call and each of ``names`` (default: every one of ``CALLS``), as zero-argument functions."""
     from tritonkv.integrations.transformers import generate
 
     out = {"stock": lambda: model.generate(ids, max_new_tokens=new_tokens, do_sample=False)}
     for name, kw in CALLS.items():
+        if names is not None and name not in names:
+            continue
         out[name] = (lambda kw=kw: generate(model, ids, budget=budget, mode="blockwise", max_new_tokens=new_tokens,
                                             do_sample=False, forward_tokens=forward_tokens, **kw))
     return out
@@ -193,14 +197,17 @@ def markdown(res) -> str:
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help=f"a random 2-layer Llama, {SMOKE_TOKENS} tokens, "
-                                                        f"{SMOKE_NEW_TOKENS} new, one timed run; writes only with --out")
+    p.add_argument("--smoke", action="store_true",
+                   help=f"a random 2-layer Llama, {SMOKE_TOKENS} tokens, {SMOKE_NEW_TOKENS} new, one timed run; "
+                        f"writes only with --out")
     p.add_argument("--tokens", type=int, help=f"prompt tokens (default {TOKENS})")
     p.add_argument("--new-tokens", type=int, help=f"new tokens (default {NEW_TOKENS})")
     p.add_argument("--budget", type=float, default=BUDGET, help=f"fraction of the prompt kept (default {BUDGET})")
     p.add_argument("--threads", type=int, nargs="+", default=list(THREADS), help="torch thread counts (default 1 2)")
     p.add_argument("--forward-tokens", type=int, default=FORWARD_TOKENS,
                    help=f"prompt tokens per model forward of the block-wise prefill (default {FORWARD_TOKENS})")
+    p.add_argument("--calls", nargs="+", choices=list(CALLS), default=list(CALLS),
+                   help="the calls timed against stock (default: all); fewer calls, more rounds in the same time")
     p.add_argument("--runs", type=int, help=f"timed rounds per thread count (default {RUNS}; 1 with --smoke)")
     p.add_argument("--parts", type=int, default=0, metavar="R",
                    help="then R rounds timing the integration's parts (PARTS) at each thread count (default 0: none)")
@@ -216,7 +223,7 @@ def main(argv=None):
     load_before = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     model, ids = load(args.smoke, tokens)
-    fns = calls(model, ids, new_tokens, args.budget, args.forward_tokens)
+    fns = calls(model, ids, new_tokens, args.budget, args.forward_tokens, args.calls)
     rows = []
     with torch.no_grad():
         for threads in args.threads:

@@ -81,3 +81,15 @@ def test_the_verdict_needs_an_interval_of_95_percent():
     assert mixed["target"] == "inconclusive" and mixed["ratio_lo"] == 0.9 and mixed["ratio_hi"] == 1.2
     few = paired([0.9 * s for s in stock[:5]], stock[:5])
     assert few["target"] == "inconclusive" and few["coverage"] == 0.938 and few["paired_ratio"] == 0.9
+
+
+def test_calls_picks_the_calls_timed_against_stock():
+    """``--calls``: the stock call always, then only the named tritonkv calls; an unknown name is refused."""
+    from benchmarks.generate_cpu import CALLS, calls, parser
+
+    assert list(calls(None, None, 4, 0.25)) == ["stock", *CALLS]
+    assert list(calls(None, None, 4, 0.25, names=["snapkv+adakv"])) == ["stock", "snapkv+adakv"]
+    assert parser().parse_args([]).calls == list(CALLS)
+    assert parser().parse_args(["--calls", "keydiff"]).calls == ["keydiff"]
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--calls", "tova"])
