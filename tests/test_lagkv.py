@@ -556,6 +556,41 @@ def test_compress_is_one_launch(what):
         assert not ops, ops
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interpreters_min_max_equal_the_joint_reduction(dtype, monkeypatch):
+    """The interpreter takes each channel's min and max as ``tl.min``/``tl.max``; the GPU's one tuple reduction
+    (``_lohi``, ``_JOINT_MINMAX``) gives the same bits: raw scores, ranks and kept tokens, on rows with non-finite
+    tokens, zeros of both signs (a channel's min ±0), whole-partition and chunked tiles."""
+    S, L, D = 2, 8, 16
+    g = torch.Generator().manual_seed(11)
+    keys, values = torch.randn(2, 1, S + 3 * L + 3, D, generator=g), torch.randn(2, 1, S + 3 * L + 3, D, generator=g)
+    keys[0, 0, S + 1, 3], values[1, 0, S + L + 2, 5] = float("nan"), float("inf")  # left out of the min/max
+    keys[:, :, S:, 0] = torch.where(torch.rand(keys.shape[:3], generator=g)[..., S:] < 0.5, 0.0, -0.0)
+    keys, values = keys.to(dtype), values.to(dtype)
+    k = S + ref.tail_len(keys.shape[2], S, L) + 2 * 3
+    orig = klag._blocks
+
+    def chunks(*args):  # partitions cut into token chunks (the min/max folded chunk by chunk)
+        pp, bl, bt, bd, bj, w = orig(*args)
+        return pp, bl, max(1, bl // 4), bd, bj, w
+
+    def run():
+        with on_backend("triton"):
+            out = [lagkv_scores(keys, values, sink=S, lag=L, rank=r) for r in (False, True)]
+            out += list(tritonkv.compress((keys, values), LagKV(sink=S, lag=L), k))
+            monkeypatch.setattr(klag, "_blocks", chunks)
+            out += [lagkv_scores(keys, values, sink=S, lag=L, rank=True)]
+            monkeypatch.setattr(klag, "_blocks", orig)
+            return out
+
+    split = run()
+    assert not klag._JOINT_MINMAX  # the interpreter's form
+    monkeypatch.setattr(klag, "_JOINT_MINMAX", True)
+    joint = run()
+    for a, b in zip(split, joint):
+        assert torch.equal(_bits(a), _bits(b)) if a.is_floating_point() else torch.equal(a, b)
+
+
 def test_lagkv_kernel_compiles_ahead_of_time():
     """Every mode (select, rank, raw), whole-partition and chunked tiles, and every tiling of ``TILINGS`` at the
     shipped shape and its warps, for sm_80 and sm_90, and the partition walk software-pipelined (``STAGES`` 2);

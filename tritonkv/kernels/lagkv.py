@@ -62,6 +62,9 @@ from ._common import (INTERPRET, cdiv, check_int, check_kv_tensor, launch, next_
 # the kernel's MODE: raw scores, ranks ρ/L, or the kept tokens
 RAW, RANK, SELECT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 WHOLE_TILE = 16384  # largest BLOCK_L·BLOCK_D kept in registers as one tile per tensor
+# min and max as one tuple reduction (``_lohi``) on a GPU; the interpreter runs a reduction with a combine function
+# of its own element by element in Python (~20x the rest of the kernel), built-in ``tl.min``/``tl.max`` in NumPy
+_JOINT_MINMAX = tl.constexpr(not INTERPRET)
 
 
 @triton.jit
@@ -82,8 +85,13 @@ def _lohi(lo_a, hi_a, lo_b, hi_b):
 @triton.jit
 def _minmax(z, ok, lo, hi):
     """Per-channel min/max over the tokens ``ok`` (finite ones; the others +inf in ``z``), folded into
-    ``lo``/``hi`` (one reduction for both)."""
-    zlo, zhi = tl.reduce((z, tl.where(ok[:, None], z, float("-inf"))), 0, _lohi)
+    ``lo``/``hi``: one reduction for both (``_JOINT_MINMAX``), or in the interpreter ``tl.min`` and ``tl.max`` (the
+    same values: no NaN reaches them, and the sign of a zero min does not reach the stds)."""
+    zhi = tl.where(ok[:, None], z, float("-inf"))
+    if _JOINT_MINMAX:
+        zlo, zhi = tl.reduce((z, zhi), 0, _lohi)
+    else:
+        zlo, zhi = tl.min(z, 0), tl.max(zhi, 0)
     return tl.minimum(lo, zlo), tl.maximum(hi, zhi)
 
 
