@@ -63,7 +63,7 @@ from ._common import (INTERPRET, cdiv, check_int, check_kv_tensor, launch, next_
 RAW, RANK, SELECT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 WHOLE_TILE = 16384  # largest BLOCK_L·BLOCK_D kept in registers as one tile per tensor
 # min and max as one tuple reduction (``_lohi``) on a GPU; the interpreter runs a reduction with a combine function
-# of its own element by element in Python (~20x the rest of the kernel), built-in ``tl.min``/``tl.max`` in NumPy
+# of its own element by element in Python (~10x the rest of the kernel), built-in ``tl.min``/``tl.max`` in NumPy
 _JOINT_MINMAX = tl.constexpr(not INTERPRET)
 
 
