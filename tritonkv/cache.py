@@ -14,9 +14,10 @@ host: the flat capacity ``T_cap`` is a static int. ``from_selection`` takes it f
 static upper bound on the number of kept tokens of the layer (the allocator's total, e.g.
 ``B·H_kv·k``), and adds the worst-case slack and rounding, ``R·(slack + align - 1)``; without
 ``total`` it uses ``R·k_max`` (every row full), which is safe but frees no memory. A wrong (too
-small) ``total`` cannot write out of bounds: rows past ``T_cap`` keep fewer tokens. Budgets given as
-host ints (a tuple) lay the rows out on the host, and one int budget puts row r at ``r·cap``: both
-exact, with nothing counted on the device. A budget tensor is laid out on the device in one launch
+small) ``total`` cannot write out of bounds: rows past ``T_cap`` keep fewer tokens. ``T_cap`` is at
+least 1, also when nothing is kept: the storage is never empty. Budgets given as host ints (a tuple)
+lay the rows out on the host, and one int budget puts row r at ``r·cap``: both exact, with nothing
+counted on the device. A budget tensor is laid out on the device in one launch
 (``ragged_layout``: the rows' starts as a running sum of their capacities, clamped at ``T_cap``).
 ``from_kept`` copies tokens already chosen (AdaKV's winners, the same count in every batch row) with
 ``T_cap = B·K + R·slack``, the starts and lengths computed on the device. Host reads happen only in
@@ -463,13 +464,16 @@ class RaggedKV:
             k = min(max(budgets, 0), k_max)
             cap = -(-(k + slack) // align) * align
             if cap <= N:  # one budget for every row: rows at r·cap, a static layout (nothing to count or scan)
-                out = _select.Out(keys=torch.empty((R * cap, D), dtype=keys.dtype, device=dev),
-                                  values=torch.empty((R * cap, D), dtype=values.dtype, device=dev),
-                                  indices=torch.full((R * cap,), -1, dtype=torch.int64, device=dev), start=None,
+                T = max(R * cap, 1)
+                out = _select.Out(keys=torch.empty((T, D), dtype=keys.dtype, device=dev),
+                                  values=torch.empty((T, D), dtype=values.dtype, device=dev),
+                                  indices=torch.full((T,), -1, dtype=torch.int64, device=dev), start=None,
                                   lengths=torch.empty(R, dtype=torch.int32, device=dev))
                 select(k, cap, out)
-                return cls(out.keys, out.values, out.indices, torch.arange(0, (R + 1) * cap, cap, device=dev),
-                           out.lengths, torch.full((R,), N, dtype=torch.int64, device=dev), batch=B, num_heads=H,
+                starts = torch.arange(0, (R + 1) * cap, cap, device=dev) if cap else \
+                    torch.zeros(R + 1, dtype=torch.int64, device=dev)  # budget 0, no slack: empty rows at 0
+                return cls(out.keys, out.values, out.indices, starts, out.lengths,
+                           torch.full((R,), N, dtype=torch.int64, device=dev), batch=B, num_heads=H,
                            max_capacity=max(cap, 1), slack=slack, align=align, free=cap - k)
         total = R * k_max if total is None else check_int("total", total)
         T = max(total + R * (slack + align - 1), 1)  # static: worst-case slack + rounding on every row
