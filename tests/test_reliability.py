@@ -126,6 +126,9 @@ BAD = [
      ["budget", "window"]),
     ("empty cache with an allocator", lambda: _c(kv=(K[:, :, :0], V[:, :, :0]), allocation="adakv"), ValueError,
      ["keys", "N = 0"]),
+    ("empty batch with an allocator", lambda: _c(kv=(K[:0], V[:0]), allocation="adakv"), ValueError, ["keys", "B = 0"]),
+    ("no heads with an allocator", lambda: _c(kv=(K[:, :0], V[:, :0]), allocation="pyramid", layer=0, num_layers=2),
+     ValueError, ["keys", "H_kv = 0"]),
     # -- compress: allocators --------------------------------------------------------------------
     ("allocation wrong type", lambda: _c(allocation=3), TypeError, ["allocation", "adakv"]),
     ("allocation missing layer", lambda: _c(allocation="pyramid"), ValueError, ["layer", "num_layers"]),

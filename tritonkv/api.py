@@ -279,6 +279,9 @@ def _compress(kv, policy, budget, allocation, inputs: dict, kept_only: bool = Fa
         kout, vout, idx, _ = pol.select(scores, kk, keys, values, sink=sink, window=window, k_max=kk,
                                         budget=kk, **inputs, **({} if hist0 is None else {"hist0": hist0}))
         return Compressed(kout, vout, idx)
+    if B * H == 0:  # per-head rows: an empty batch or no heads has none (dense, both give empty results)
+        raise ValueError(f"keys: compress() with an allocation needs at least one batch row and one KV head, got "
+                         f"B = {B}, H_kv = {H}")
     return _compress_allocated(pol, allocation, keys, values, kk, sink, window, inputs, kept_only)
 
 
