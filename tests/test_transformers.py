@@ -282,6 +282,15 @@ def test_bad_arguments():
         tt.TritonKVCache("lagkv", 0.5, mode="decoding", allocation="adakv")
     with pytest.raises(ValueError, match="budget"):
         tt.TritonKVCache("keydiff", 1.5)
+    # an input neither the cache computes nor the caller gives fails when the cache is made, not after a forward
+    for args, kw, missing in ((("score", 10), {}, r"policy 'score' .*\['hd'\]"),
+                              (("knorm", 10), dict(allocation="score", num_layers=2), r"'score' .*\['head_means'\]"),
+                              (("knorm", 10), dict(allocation="headkv", num_layers=2), r"'headkv' .*\['profile'\]"),
+                              (("knorm", 10), dict(allocation="pyramid"), r"'pyramid' .*\['num_layers'\]")):
+        with pytest.raises(ValueError, match=missing):
+            tt.TritonKVCache(*args, **kw)
+    tt.TritonKVCache("score", 10, hd=torch.ones(2))  # given: every layer gets it
+    tt.TritonKVCache("criticalkv", 10, allocation="pyramid", num_layers=2)  # queries, o_proj, layer: the cache's
     ids = torch.zeros(1, 4, dtype=torch.long)
     for bad, error in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
         with pytest.raises(error, match="forward_tokens"):

@@ -767,6 +767,30 @@ class LagKVLayer(TritonKVLayer):
         super().reset()
 
 
+# inputs every layer's compression gets from the cache itself (queries: its captured window; o_proj: the attention
+# module's; num_layers: when the cache knows it)
+_SUPPLIED = ("layer", "positions", "forced", "seq_len", "queries", "o_proj")
+
+
+def _check_supplied(policy, allocation, inputs: dict, num_layers: Optional[int]) -> None:
+    """A ValueError now for an input the policy or the allocator needs that neither the cache computes nor
+    ``inputs`` holds (``compress`` would raise it at the first compression, after a forward)."""
+    from ...allocation import get_allocator
+
+    supplied = _SUPPLIED + (("num_layers",) if num_layers is not None else ())
+    owners = [(f"policy {policy.name!r}", policy.needs, "; an input that differs by layer (SCORE's hd) is for "
+               "compress() on captured tensors")]
+    if allocation is not None:
+        alloc = get_allocator(allocation)
+        owners.append((f"allocation {getattr(alloc, 'name', alloc)!r}", getattr(alloc, "needs", ()), ""))
+    for owner, needs, note in owners:
+        missing = [n for n in needs if n not in supplied and inputs.get(n) is None]
+        if missing:
+            raise ValueError(f"{owner} needs the input(s) {missing}, which the cache does not compute: pass them to "
+                             f"the cache by name (make_cache; generate: cache_kwargs=), handed alike to every "
+                             f"layer{note}")
+
+
 class TritonKVCache(Cache):
     """A transformers ``Cache`` that keeps at most ``budget`` tokens per (batch row, KV head) and layer.
 
@@ -809,6 +833,7 @@ class TritonKVCache(Cache):
             raise ValueError(f"prompt_length must be a positive int or None, got {prompt_length!r}")
         self.policy = get_policy(policy)
         check_input_names(inputs, self.policy, allocation)  # a wrong keyword fails now, not at the first compression
+        _check_supplied(self.policy, allocation, inputs, num_layers)  # likewise a missing input
         resolve_budget(budget, 1)  # type/range check now
         self.budget, self.mode, self.allocation = budget, mode, allocation
         self.block_size = block_size
