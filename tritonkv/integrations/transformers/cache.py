@@ -777,14 +777,14 @@ def _check_supplied(policy, allocation, inputs: dict, num_layers: Optional[int])
     ``inputs`` holds (``compress`` would raise it at the first compression, after a forward)."""
     from ...allocation import get_allocator
 
-    supplied = _SUPPLIED + (("num_layers",) if num_layers is not None else ())
-    owners = [(f"policy {policy.name!r}", policy.needs, "; an input that differs by layer (SCORE's hd) is for "
-               "compress() on captured tensors")]
+    given = {**dict.fromkeys(_SUPPLIED + (("num_layers",) if num_layers is not None else ()), True), **inputs}
+    owners = [(f"policy {policy.name!r}", policy.missing(given), "; an input that differs by layer (SCORE's hd) is "
+               "for compress() on captured tensors")]
     if allocation is not None:
         alloc = get_allocator(allocation)
-        owners.append((f"allocation {getattr(alloc, 'name', alloc)!r}", getattr(alloc, "needs", ()), ""))
-    for owner, needs, note in owners:
-        missing = [n for n in needs if n not in supplied and inputs.get(n) is None]
+        owners.append((f"allocation {getattr(alloc, 'name', alloc)!r}",
+                       [n for n in getattr(alloc, "needs", ()) if given.get(n) is None], ""))  # as compress checks
+    for owner, missing, note in owners:
         if missing:
             raise ValueError(f"{owner} needs the input(s) {missing}, which the cache does not compute: pass them to "
                              f"the cache by name (make_cache; generate: cache_kwargs=), handed alike to every "
