@@ -276,6 +276,10 @@ def test_bad_arguments():
         tt.TritonKVCache("keydiff", 10, mode="sometimes")
     with pytest.raises(ValueError, match="block_size"):
         tt.TritonKVCache("keydiff", 10, block_size=0)
+    with pytest.raises(ValueError, match="block_size must be at least 2 in mode='blockwise'"):
+        tt.TritonKVCache("keydiff", 10, mode="blockwise", block_size=1)  # a 1-token forward is a decode step
+    with pytest.raises(ValueError, match="decode_kernel"):
+        tt.TritonKVCache("keydiff", 10, decode_kernel="yes")
     with pytest.raises(ValueError, match="decode_every"):
         tt.TritonKVCache("keydiff", 10, mode="decoding", decode_every=-1)
     with pytest.raises(ValueError, match="allocation"):
@@ -300,6 +304,12 @@ def test_bad_arguments():
         with pytest.raises(error, match="forward_tokens"):
             with tt.compressing(None, "keydiff", 10, forward_tokens=bad):
                 pass
+        with pytest.raises(error, match="block_size"):
+            tt.prefill(None, ids, tt.TritonKVCache("keydiff", 10, mode="blockwise"), block_size=bad)
+        with pytest.raises(error, match="max_new_tokens"):
+            tt.decode(None, tt.TritonKVCache("keydiff", 10), torch.zeros(1, 8), bad)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        tt.decode(None, tt.TritonKVCache("keydiff", 10), torch.zeros(1, 8), -1)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -380,6 +380,122 @@ def test_blockwise_compressed_is_bounded(model, ids):
     assert cache.get_seq_length() == 74 and cache.stored_tokens() == [24 + 4] * 2
 
 
+@pytest.mark.parametrize("allocation", [None, "adakv"])
+def test_blockwise_prompt_ending_in_a_one_token_block_is_compressed(model, ids, allocation):
+    """A prompt whose last block is one token (65 = 4 blocks of 16 + 1) compresses after that block too, as after
+    every other: the one-token forward lies in the known prompt, so it is a prompt block, not a decode step. Every
+    row then holds at most its budget (the layer total H·b with AdaKV, in ragged per-head rows), also in a left-padded
+    batch whose first row ends in a one-token block and whose second (9 pads) in an 8-token one."""
+    budget, H = 24, model.config.num_key_value_heads
+    for x, mask in ((ids[:1, :65], None), (ids[:, :65], _padded_mask(ids[:, :65]))):
+        kw = {} if mask is None else dict(attention_mask=mask)
+        _, cache = tt.generate(model, x, policy="keydiff", budget=budget, mode="blockwise", block_size=16,
+                               allocation=allocation, max_new_tokens=1, do_sample=False, return_cache=True, **kw)
+        assert cache.get_seq_length() == 65  # the last block went through the model; no decode step followed
+        for layer, kept in zip(cache.layers, cache.kept_tokens()):
+            if allocation is None:
+                assert int(kept.max()) == budget
+            else:
+                assert kept.sum(-1).tolist() == [H * budget] * x.shape[0] and layer.store.ragged
+
+
+@pytest.mark.parametrize("allocation", ["adakv", "pyramid"])
+def test_blockwise_allocation_keeps_the_sink_in_every_head(model, ids, allocation):
+    """Block-wise prefill with an allocation and a policy sink: after the first compression a layer's rows are
+    ragged, and every later compression forces the sink on the first real tokens (``forced``), which each head's
+    budget holds beside its share: every head of every layer still holds tokens 0-3 at the end, and pyramid's
+    layers together keep L·H·b (its table read at the prompt's length, whatever a layer's view holds)."""
+    from tritonkv.policies import KeyDiff
+
+    budget, L, H = 8, model.config.num_hidden_layers, model.config.num_key_value_heads
+    cache = tt.make_cache(model, KeyDiff(sink=4), budget, mode="blockwise", block_size=16, allocation=allocation,
+                          prompt_length=70)
+    tt.prefill(model, ids[:1], cache)
+    for layer in cache.layers:
+        _, _, lengths, pos = layer.store.kv.to_padded(with_positions=True)
+        for h in range(H):
+            assert {0, 1, 2, 3} <= set(pos[0, h, :int(lengths[0, h])].tolist()), (layer.layer_idx, h)
+    assert sum(int(k.sum()) for k in cache.kept_tokens()) == L * H * budget
+
+
+def test_blockwise_with_several_sequences_per_prompt(model, ids):
+    """``num_beams`` / ``num_return_sequences`` in block-wise mode: ``model.generate`` repeats the prompt's rows,
+    and the blocks fed before it are repeated alike in the cache. At full budget beam search equals the stock
+    model's; compressed, two sampled sequences of one prompt equal those of the prompt given twice (the same random
+    draws over the same rows), through ``generate`` and ``compressing`` alike."""
+    x, kw = ids[:1], dict(max_new_tokens=4, pad_token_id=0)
+    beams = dict(kw, num_beams=2, num_return_sequences=2, do_sample=False)
+    ref = model.generate(x, attention_mask=torch.ones_like(x), **beams)
+    assert torch.equal(tt.generate(model, x, policy="keydiff", budget=10_000, mode="blockwise", block_size=16,
+                                   **beams), ref)
+    sample = dict(kw, do_sample=True, top_k=0)
+    runs = []
+    for prompt, extra in ((x, dict(num_return_sequences=2)), (x.repeat(2, 1), {})):
+        torch.manual_seed(0)
+        runs.append(tt.generate(model, prompt, policy="keydiff", budget=24, mode="blockwise", block_size=16,
+                                **sample, **extra))
+        torch.manual_seed(0)
+        with tt.compressing(model, "keydiff", 24, mode="blockwise", block_size=16):
+            runs.append(model.generate(prompt, **sample, **extra))
+    assert runs[0].shape == (2, 74) and all(torch.equal(r, runs[0]) for r in runs)
+
+
+def _lagkv(ratio=0.5):
+    from tritonkv.policies.lagkv import LagKV
+
+    return LagKV(sink=4, lag=8, ratio=ratio)  # partitions that a 70-token sequence fills
+
+
+def _lagkv_rows(cache):
+    return [(layer.state.indices, layer.state.keys) for layer in cache.layers]
+
+
+def test_recursive_lagkv_freeze_holds_tokens_whole(model, ids):
+    """Recursive LagKV (mode="decoding") honours ``freeze``: the tokens fed while frozen are all kept, after the
+    state's; once thawed they join the state in order, so the first layer's state (whose keys and values are the
+    tokens' own projections, whatever the attention saw) equals that of a cache never frozen (LagKV's result is the
+    same whatever the chunking). ``compress_now`` leaves such a cache as it is."""
+    x = ids[:1]
+    cache, plain = (tt.make_cache(model, _lagkv(), 10_000, mode="decoding") for _ in range(2))
+    for c in (cache, plain):
+        tt.prefill(model, x[:, :40], c)
+    before = cache.stored_tokens()
+    assert before[0] < 40  # compressed
+    cache.freeze()
+    tt.prefill(model, x[:, 40:60], cache)
+    assert cache.stored_tokens() == [n + 20 for n in before]
+    cache.compress_now()
+    assert cache.stored_tokens() == [n + 20 for n in before]
+    cache.frozen = False
+    tt.prefill(model, x[:, 60:], cache)
+    tt.prefill(model, x[:, 40:60], plain)
+    tt.prefill(model, x[:, 60:], plain)
+    (i, k), (pi, pk) = _lagkv_rows(cache)[0], _lagkv_rows(plain)[0]
+    assert torch.equal(i, pi) and torch.equal(k, pk)
+    assert cache.stored_tokens() == plain.stored_tokens() and cache.stored_tokens()[0] < 70
+
+
+def test_recursive_lagkv_reorders_its_rows(model, ids):
+    """Beam search over recursive LagKV: ``reorder_cache`` moves every tensor of a layer's state (and its frozen
+    tokens), so a reordered cache equals one built from the reordered rows; at ratio 1 (every token kept) beam search
+    equals the stock model's."""
+    swapped = torch.tensor([1, 0])
+    caches = [tt.make_cache(model, _lagkv(), 10_000, mode="decoding") for _ in range(2)]
+    tt.prefill(model, ids[:, :50], caches[0])
+    tt.prefill(model, ids[swapped, :50], caches[1])
+    for c in caches:
+        c.freeze()
+        tt.prefill(model, ids[:, 50:53] if c is caches[0] else ids[swapped, 50:53], c)
+    caches[0].reorder_cache(swapped)
+    for (i, k), (ri, rk) in zip(_lagkv_rows(caches[0]), _lagkv_rows(caches[1])):
+        assert torch.equal(i, ri) and torch.equal(k, rk)
+    logits = [tt.prefill(model, ids[swapped, 53:], c) for c in caches]
+    assert torch.equal(logits[0], logits[1])
+    beams = dict(max_new_tokens=4, num_beams=2, do_sample=False, pad_token_id=0)
+    ref = model.generate(ids[:1], attention_mask=torch.ones_like(ids[:1]), **beams)
+    assert torch.equal(tt.generate(model, ids[:1], policy=_lagkv(1.0), budget=10_000, mode="decoding", **beams), ref)
+
+
 def test_answer_questions_from_one_compressed_context(model, ids):
     """kvpress's context/question pattern: with a budget >= N each answer equals the stock model's greedy
     continuation of context + question; compressed, the context is compressed once (questions are not evicted)."""
@@ -420,6 +536,16 @@ def test_compressing_context_manager(model, ids, monkeypatch):
             model.generate(ids, **kw, past_key_values=own, cache=own)
         monkeypatch.undo()
     assert made == [] and [str(w.message) for w in caught if "past_key_values" in str(w.message)] == []
+    assert "generate" not in vars(model) and model.config._attn_implementation == attn
+    # the prompt by keyword (model.generate's inputs= and input_ids=), and a block inside another: the outer
+    # block's generate is back when the inner one exits, the model's own after both
+    with tt.compressing(model, "keydiff", 10_000, mode="blockwise", block_size=16):
+        for name in ("inputs", "input_ids"):
+            out = model.generate(**{name: ids}, **kw)
+            assert isinstance(tt.output_cache(out), tt.TritonKVCache) and torch.equal(out.sequences, ref.sequences)
+        with tt.compressing(model, "knorm", 0.25):
+            assert tt.output_cache(model.generate(ids, **kw)).policy.name == "knorm"
+        assert tt.output_cache(model.generate(ids, **kw)).policy.name == "keydiff"
     assert "generate" not in vars(model) and model.config._attn_implementation == attn
     with pytest.raises(TypeError, match="queris"):
         with tt.compressing(model, "snapkv", 0.25, queris=None):

@@ -5,7 +5,8 @@ Per layer (``TritonKVLayer``) the storage is a ``storage.DenseStore`` or, with p
 a ``storage.RaggedStore``; ``update`` stores the new tokens, the ``"tritonkv"`` attention function attends
 (``attention.py``), then ``after_attention`` compresses when due:
 
-- after every multi-token forward (the prompt, or each prefill block) when the layer holds more than the budget;
+- after every prompt forward (the prompt, or each prefill block: a multi-token forward, or one token of a known
+  ``prompt_length``) when the layer holds more than the budget;
 - in ``"decoding"`` mode also when a layer reaches budget + ``decode_every`` tokens (LagKV instead runs its
   recursive partitions, ``LagKVLayer``).
 
@@ -483,12 +484,19 @@ class TritonKVLayer(CacheLayerMixin):
                 recent = query if self.queries is None or T >= W else torch.cat([self.queries, query], dim=2)
                 self.queries = recent[:, :, -W:].clone()  # a copy: a view would keep the whole block's queries alive
             self.roll_queries(query)  # a reserved layer's buffer too (mixed eager and compiled steps)
-        cache._maybe_compress(self, prefill=T > 1)
+        cache._maybe_compress(self, prefill=self._prompt_forward(T))
         self._suffix = None  # it holds the store: keep no old one alive
         if self.layer_idx == len(cache.layers) - 1:
             cache._masks.clear()  # the forward's last layer: no mask is kept between forwards
         if not keep:  # only this forward's compression reads them: keep none between forwards
             self.queries = None
+
+    def _prompt_forward(self, T: int) -> bool:
+        """Whether the forward of ``T`` tokens that just ended is a prompt block (compressed when over the budget)
+        rather than a decode step (compressed on the ``decode_every`` schedule): a multi-token forward, or one whose
+        tokens all lie in a known prompt (``prompt_length``) — a prompt's last block may be a single token."""
+        prompt = self.cache.prompt_length
+        return T > 1 or (prompt is not None and self.seen <= prompt)
 
     def _keeps_queries(self, seen: int) -> bool:
         """Whether the window of queries is kept after ``seen`` tokens: a later compression reads queries of earlier
@@ -643,7 +651,7 @@ class TritonKVLayer(CacheLayerMixin):
             if ends is not None and not ends[b]:
                 due.append(None)
                 continue
-            prefill, self.row_block[b] = self.row_block[b] > 1, 0
+            prefill, self.row_block[b] = self._prompt_forward(self.row_block[b]), 0
             if prefill:
                 now = n > k or (alloc and since > 0)
             else:
@@ -695,12 +703,15 @@ class LagKVLayer(TritonKVLayer):
     """A layer kept by LagKV's recursive partitions (``tritonkv.policies.lagkv.LagKVState``): the state is the
     storage; each forward attends over its tokens plus the new ones, then appends the new ones to the state,
     which compresses every partition whose raw successor is complete (the result equals one-shot paper mode
-    on all tokens seen, whatever the chunking). Eager only; batches without padding."""
+    on all tokens seen, whatever the chunking). While the cache is frozen (``TritonKVCache.freeze``) the new tokens
+    are held whole after the state's (``held``) and appended to it, in order, at the first forward after it thaws.
+    Eager only; batches without padding."""
 
     def lazy_initialization(self, key_states, value_states):
         super().lazy_initialization(key_states, value_states)
         self.state = self.cache.policy.new_state()
         self.pending = None
+        self.held = None  # (keys, values) of the tokens seen while frozen, after the state's
 
     def update(self, key_states, value_states, *args, **kwargs):
         if _compiling():
@@ -711,13 +722,11 @@ class LagKVLayer(TritonKVLayer):
             self._check_shape(key_states)
         self._expect_attention()
         B, H, T, _ = key_states.shape
-        new_pos = torch.arange(self.seen, self.seen + T, device=self.device, dtype=torch.int32).expand(B, H, T)
-        if len(self.state):
-            keys = torch.cat([self.state.keys, key_states], dim=2)
-            values = torch.cat([self.state.values, value_states], dim=2)
-            pos = torch.cat([self.state.indices.to(torch.int32), new_pos], dim=2)
-        else:
-            keys, values, pos = key_states, value_states, new_pos
+        parts = [(self.state.keys, self.state.values, self.state.indices.to(torch.int32))] if len(self.state) else []
+        if self.held is not None:  # the tokens seen while frozen: positions [state.seen, seen)
+            parts.append(self.held + (self._positions(self.state.seen, self.held[0].shape[2]),))
+        parts.append((key_states, value_states, self._positions(self.seen, T)))
+        keys, values, pos = (torch.cat(t, dim=2) if len(parts) > 1 else t[0] for t in zip(*parts))
         self.pending = (key_states, value_states)
         self.store = DenseStore.wrap(keys, values, pos)  # this forward's view; the state is the storage
         self.seen += T
@@ -734,9 +743,20 @@ class LagKVLayer(TritonKVLayer):
             raise ValueError("recursive LagKV (mode='decoding') does not support padded batches; "
                              "use mode='after_prefill' or 'blockwise'")
 
+    def _positions(self, start: int, T: int) -> torch.Tensor:
+        B, H, _ = self._shape
+        return torch.arange(start, start + T, device=self.device, dtype=torch.int32).expand(B, H, T)
+
     def after_attention(self, query):
         self._unattended = False
-        self.state.append(*self.pending)
+        if self.cache.frozen:  # kept whole, after the state's tokens
+            self.held = self.pending if self.held is None else tuple(
+                torch.cat([a, b], dim=2) for a, b in zip(self.held, self.pending))
+        else:
+            if self.held is not None:  # thawed: the frozen tokens first, so the state sees every token in order
+                self.state.append(*self.held)
+                self.held = None
+            self.state.append(*self.pending)
         self.pending = None
         n = self.store.n
         self.store = None  # the forward's working view goes; the state holds the tokens
@@ -745,7 +765,20 @@ class LagKVLayer(TritonKVLayer):
             self.since = 0
         self.cache._record(self.layer_idx, self.n)
 
-    n = property(lambda self: self.store.n if self.store is not None else len(self.state) if self.is_initialized else 0)
+    n = property(lambda self: self.store.n if self.store is not None else len(self.state) + (
+        0 if self.held is None else self.held[0].shape[2]) if self.is_initialized else 0)
+
+    def _index_batch(self, fn):
+        """Beam search and batch expansion: every tensor of the state (and the held tokens) indexed alike."""
+        if self.is_initialized:
+            st = self.state
+            for name in ("c_keys", "c_values", "c_indices", "u_keys", "u_values"):
+                if getattr(st, name) is not None:
+                    setattr(st, name, fn(getattr(st, name)))
+            if self.held is not None:
+                self.held = tuple(fn(t) for t in self.held)
+            self._empty = tuple(fn(t) for t in self._empty)
+            self._shape = (self._empty[0].shape[0],) + self._shape[1:]
 
     def kept_tokens(self) -> torch.Tensor:
         B, H, _ = self._shape
@@ -755,6 +788,7 @@ class LagKVLayer(TritonKVLayer):
     def nbytes(self) -> int:
         st = self.state
         parts = [getattr(st, a) for a in ("c_keys", "c_values", "c_indices", "u_keys", "u_values")]
+        parts += list(self.held or ())
         return sum(t.numel() * t.element_size() for t in parts + [self.fill, self.seen_dev] if t is not None)
 
     def reserve(self, capacity):
@@ -764,6 +798,7 @@ class LagKVLayer(TritonKVLayer):
         if self.is_initialized:
             self.store = DenseStore.wrap(*self._empty)
             self.state = self.cache.policy.new_state()
+            self.held = None
         super().reset()
 
 
@@ -799,8 +834,9 @@ class TritonKVCache(Cache):
         budget: tokens kept per head (int), or the fraction kept (float in (0, 1]) of ``prompt_length`` when given,
             else of the tokens the layer has seen at each compression.
         mode: ``"after_prefill"``, ``"blockwise"`` or ``"decoding"`` (see the package docstring). The cache
-            compresses after every multi-token forward in every mode; ``blockwise`` also tells ``generate``
-            and ``prefill`` to feed the prompt in blocks of ``block_size``; ``decoding`` re-compresses every
+            compresses after every prompt forward in every mode (a multi-token forward, or one whose tokens lie in
+            a known ``prompt_length``); ``blockwise`` also tells ``generate`` and ``prefill`` to feed the prompt in
+            blocks of ``block_size`` (at least 2); ``decoding`` re-compresses every
             ``decode_every`` generated tokens (default 16) — except for LagKV, which then runs its recursive
             partitions (``LagKVState``) over prompt and generated tokens alike, keeping ``ratio`` of each
             partition (a float ``budget`` sets the ratio; an int budget leaves the policy's own).
@@ -825,6 +861,11 @@ class TritonKVCache(Cache):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if mode == "blockwise" and block_size < 2:
+            raise ValueError("block_size must be at least 2 in mode='blockwise': a forward of one token is a decode "
+                             "step, which block-wise mode does not compress")
+        if decode_kernel not in ("auto", True, False):
+            raise ValueError(f"decode_kernel must be 'auto', True or False, got {decode_kernel!r}")
         if decode_every is not None and (isinstance(decode_every, bool) or not isinstance(decode_every, int)
                                          or decode_every < 1):
             raise ValueError(f"decode_every must be a positive int or None, got {decode_every!r}")
@@ -916,6 +957,8 @@ class TritonKVCache(Cache):
     def compress_now(self) -> None:
         """Apply the decoding schedule eagerly (for decode steps that ran compiled)."""
         for layer in self.layers:
+            if isinstance(layer, LagKVLayer):  # eager only: its partitions compressed as they filled
+                continue
             if not layer.store.static:  # an eager layer: its host counters are current
                 self._maybe_compress(layer, prefill=False)
                 continue

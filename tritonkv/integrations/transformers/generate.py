@@ -114,6 +114,7 @@ def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, bloc
     B, T = input_ids.shape
     if block_size is None:
         block_size = cache.block_size if cache.mode == "blockwise" else T
+    check_int("block_size", block_size, 1)
     start0 = cache.get_seq_length()
     full_mask = attention_mask
     if attention_mask is not None and attention_mask.shape[1] != start0 + T:
@@ -172,7 +173,7 @@ def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", a
         attention_mask = torch.ones_like(input_ids)
     if mode == "blockwise":
         _prompt_tensors_only_in_ids(generate_kwargs)
-        _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size, forward_tokens)
+        _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size, forward_tokens, generate_kwargs)
     with use_tritonkv(model):
         out = model.generate(input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}, **generate_kwargs)
     return (out, cache) if return_cache else out
@@ -188,12 +189,20 @@ def _prompt_tensors_only_in_ids(kwargs: dict) -> None:
                          f"needs only input_ids and attention_mask; else use mode='after_prefill' or 'decoding'")
 
 
-def _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size: int, forward_tokens: int) -> None:
+def _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size: int, forward_tokens: int,
+                         generate_kwargs: dict) -> None:
     """Block-wise mode before ``model.generate``: feed every block of the prompt but the last (each row's blocks
-    from its first real token, ``forward_tokens`` per forward); ``model.generate`` then prefills the last one."""
+    from its first real token, ``forward_tokens`` per forward); ``model.generate`` then prefills the last one. With
+    several sequences per prompt (``num_return_sequences``, ``num_beams``: ``model.generate`` repeats the prompt's
+    rows, not a cache's) the cache's rows are repeated alike."""
     blocks = _row_blocks(attention_mask, 0, input_ids.shape[1], block_size)
     if len(blocks) > 1:
         _feed(model, input_ids, cache, attention_mask, 0, blocks[:-1], forward_tokens=forward_tokens)
+        config = generate_kwargs.get("generation_config") or model.generation_config
+        repeats = max(generate_kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1,
+                      generate_kwargs.get("num_return_sequences") or getattr(config, "num_return_sequences", 1) or 1)
+        if repeats > 1:  # as transformers expands the prompt's rows: max(num_beams, num_return_sequences)
+            cache.batch_repeat_interleave(repeats)
 
 
 @torch.no_grad()
@@ -201,6 +210,7 @@ def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eo
     """Greedy decoding from a prefilled ``cache`` (ours, or any transformers cache) given the last logits
     ``[B, V]``: returns the new token ids ``[B, <= max_new_tokens]``. RoPE positions continue from the tokens
     seen; with the prompt's ``attention_mask`` ``[B, T]`` (a left-padded batch) from each row's real tokens."""
+    check_int("max_new_tokens", max_new_tokens, 1)
     B = logits.shape[0]
     real = None if attention_mask is None else attention_mask.long().sum(-1, keepdim=True).to(logits.device)
     out = []
@@ -241,8 +251,12 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
     make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                decode_every=decode_every, **cache_kwargs)  # argument checks now, not at the first call
     stock = model.generate
+    had_own = "generate" in vars(model)  # an enclosing ``compressing`` block's: restored on exit
 
-    def generate_compressed(input_ids=None, *args, **kwargs):
+    def generate_compressed(inputs=None, *args, **kwargs):
+        if inputs is None:  # the prompt under model.generate's other name for it
+            inputs = kwargs.pop("input_ids", None)
+        input_ids = inputs
         # a caller's own cache, under either name, is kept and handed on under the name this transformers takes
         own = [kwargs.pop(k) for k in ("past_key_values", "cache") if kwargs.get(k) is not None]
         if len(own) > 1:
@@ -257,15 +271,19 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
                 _prompt_tensors_only_in_ids(kwargs)
                 if kwargs.get("attention_mask") is None:
                     kwargs["attention_mask"] = torch.ones_like(input_ids)
-                _blocks_but_the_last(model, input_ids, cache, kwargs["attention_mask"], block_size, forward_tokens)
-        return stock(input_ids, *args, **kwargs)
+                _blocks_but_the_last(model, input_ids, cache, kwargs["attention_mask"], block_size, forward_tokens,
+                                     kwargs)
+        return stock(inputs, *args, **kwargs)
 
     model.generate = generate_compressed
     try:
         with use_tritonkv(model):
             yield model
     finally:
-        del model.generate  # back to the class's method
+        if had_own:
+            model.generate = stock  # the enclosing block's
+        else:
+            del model.generate  # back to the class's method
 
 
 @torch.no_grad()
