@@ -473,6 +473,27 @@ def test_registry_and_errors():
         AdaKV(alpha=2.0)
     with pytest.raises(ValueError, match="beta"):
         Pyramid(beta=0.0)
+    for bad in (0.5, float("inf")):  # below 1 the ramp would rise with the layer; the docs' beta >= 1
+        with pytest.raises(ValueError, match="beta"):
+            Pyramid(beta=bad)
+    with pytest.raises(ValueError, match="gamma"):
+        Score(gamma=2.0)  # a moving average's weight, in [0, 1]
+    with pytest.raises(ValueError, match="tau"):
+        HeadKV(profile=torch.ones(2, 2), tau=float("inf"))
+    assert AdaKV(alpha=np.float32(0.25)).alpha == np.float32(0.25)  # NumPy numbers are numbers
+    inf_profile = torch.tensor([[1.0, float("inf")], [1.0, 2.0]])
+    for cls in (HeadKV, SurfaceLogic):
+        with pytest.raises(ValueError, match="profile must be finite"):
+            cls(profile=inf_profile)
+    kv = torch.randn(1, 2, 12, 4)
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="layer_preference must be finite"):
+            tritonkv.compress((kv, kv), "knorm", 4, allocation="cake", layer=0,
+                              layer_preference=torch.tensor([1.0, bad, 2.0]))
+        means = [torch.randn(1, 4, 6) for _ in range(3)]
+        means[1][0, 0, 0] = bad
+        with pytest.raises(ValueError, match="head_means must be finite"):
+            tritonkv.compress((kv, kv), "knorm", 4, allocation="score", layer=1, head_means=means)
     with pytest.raises(ValueError, match="head_means"):
         Score()(scores=torch.zeros(1, 2, 10), budget=2, layer=0)
     with pytest.raises(ValueError, match="layer_preference"):
@@ -507,6 +528,52 @@ def test_cross_layer_table_at_the_sequence_length(data):
     for name in ("pyramid", "uniform"):
         with pytest.raises(ValueError, match="seq_len"):
             get_allocator(name)(shape=(1, H, N), budget=b, layer=0, num_layers=L, seq_len=-1)
+
+
+@given(data=st.data())
+def test_compress_reads_the_cross_layer_table_at_the_budget_given(data):
+    """``compress`` with ``seq_len`` on a layer whose view holds fewer tokens than the budget (block-wise: a layer
+    the table gives few tokens): its heads get the row of the same table as every other layer, at the budget as
+    given, capped at the view (not a table computed at the view's length, which shrank such a layer further)."""
+    L, H = data.draw(st.integers(2, 5)), data.draw(st.integers(1, 3))
+    N = data.draw(st.integers(2, 40))
+    S = data.draw(st.integers(N + 1, 200))
+    b, l = data.draw(st.integers(N, S)), data.draw(st.integers(0, L - 1))
+    p = profile_of(data, L, H)
+    keys = torch.from_numpy(rng_of(data).standard_normal((1, H, N, 8)).astype(np.float32))
+    cases = {"headkv": (ref.headkv(p, b, S), dict(profile=torch.from_numpy(p))),
+             "pyramid": (np.broadcast_to(np.asarray(ref.pyramid(L, b, S))[:, None], (L, H)), {})}
+    for name, (table, extra) in cases.items():
+        out = tritonkv.compress((keys, keys), "knorm", b, allocation=name, layer=l, num_layers=L, seq_len=S, **extra)
+        np.testing.assert_array_equal(out.lengths[0].numpy(), np.minimum(table[l], N), err_msg=name)
+
+
+@given(data=st.data())
+@settings(max_examples=25)
+def test_compress_with_an_allocation_keeps_every_forced_token(data):
+    """``forced`` tokens are kept like the sink and window with an allocation too: every head's budget holds its
+    forced tokens beside its share (a head the allocator gives few or no tokens keeps them), AdaKV still keeps
+    H·b in all; more forced tokens in a row than the budget is a ValueError, not a silent drop."""
+    H, N = data.draw(st.integers(1, 4)), data.draw(st.integers(4, 40))
+    k = data.draw(st.integers(1, N))
+    g = np.random.default_rng(data.draw(st.integers(0, 2 ** 16)))
+    keys = torch.from_numpy(g.standard_normal((1, H, N, 8)).astype(np.float32))
+    counts = [data.draw(st.integers(0, k)) for _ in range(H)]
+    forced = torch.zeros(1, H, N, dtype=torch.bool)
+    for h, c in enumerate(counts):
+        forced[0, h, torch.from_numpy(g.permutation(N)[:c])] = True
+    for name, extra in (("pyramid", dict(layer=1, num_layers=2)), ("adakv", {}), ("uniform", {})):
+        out = tritonkv.compress((keys, keys), "knorm", k, allocation=name, forced=forced, **extra)
+        K, V, lengths, idx = out.to_padded(with_positions=True)
+        for h in range(H):
+            held = set(idx[0, h, :int(lengths[0, h])].tolist())
+            assert set(forced[0, h].nonzero().flatten().tolist()) <= held, (name, h)
+        if name == "adakv":
+            assert int(lengths.sum()) == H * k
+    forced[0, 0] = True
+    if k < N:
+        with pytest.raises(ValueError, match="forced"):
+            tritonkv.compress((keys, keys), "knorm", k, allocation="adakv", forced=forced)
 
 
 def test_score_table_at_the_sequence_length_fits_the_row():

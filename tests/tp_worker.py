@@ -143,7 +143,8 @@ def compress_cases(x: dict):
         ("adakv snapkv", snap, AdaKV(), 20, q, 1),
         ("adakv snapkv candidates", SnapKV(window=4, kernel_size=5), AdaKV(), 10, q, 1),
         ("adakv keydiff candidates", KeyDiff(), AdaKV(), 8, (), 1),
-        ("adakv keydiff forced", KeyDiff(), AdaKV(), 8, ("forced",), 1),
+        # forced: every rank reserves the most forced tokens of any row on any rank (one more collective)
+        ("adakv keydiff forced", KeyDiff(), AdaKV(), 8, ("forced",), 2),
         ("adakv paper", snap, AdaKV(mode="paper"), 20, q, 1),
         ("adakv alpha 0", KeyDiff(), AdaKV(alpha=0.0), 12, (), 1),
         ("adakv full budget", snap, AdaKV(), N, q, 0),

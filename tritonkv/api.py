@@ -187,6 +187,8 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
     ``nn.Parameter`` and W_O as an ``nn.Linear`` (its weight, which is all ``compress`` reads of it)."""
     if type(kv) not in (tuple, list) or len(kv) != 2 or type(budget) not in (int, float) and not _number(budget):
         return None
+    if allocation is not None and inputs.get("forced") is not None:  # its rows' counts size the budgets: read each call
+        return None
     keys, values = kv
     if type(kv) is list:
         kv = keys, values
@@ -282,7 +284,7 @@ def _compress(kv, policy, budget, allocation, inputs: dict, kept_only: bool = Fa
     if B * H == 0:  # per-head rows: an empty batch or no heads has none (dense, both give empty results)
         raise ValueError(f"keys: compress() with an allocation needs at least one batch row and one KV head, got "
                          f"B = {B}, H_kv = {H}")
-    return _compress_allocated(pol, allocation, keys, values, kk, sink, window, inputs, kept_only)
+    return _compress_allocated(pol, allocation, keys, values, kk, sink, window, inputs, kept_only, table_budget=k)
 
 
 def resolve_budget(budget, n: int) -> int:
@@ -469,9 +471,35 @@ def _allocator(allocation, inputs: dict):
 _CONTEXT = ("layer", "num_layers", "process_group", "seq_len")  # inputs that Allocator.context reads
 
 
-def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs, kept_only: bool = False):
+def _forced_reserve(forced, room: int, process_group=None) -> int:
+    """The most tokens ``forced`` marks in one row (a host int: read back once when it is on a device; under tensor
+    parallelism the most over every rank's rows, one collective, so that every rank sizes its budgets alike), which
+    every head's budget then holds beside its share of the allocation, as it holds the sink and window: a head the
+    allocator gives few tokens still keeps its forced ones. A ValueError when they exceed ``room`` (the budget less
+    the sink and window)."""
+    if forced is None:
+        return 0
+    most = forced.sum(-1).amax() if forced.numel() else torch.zeros((), dtype=torch.int64, device=forced.device)
+    if process_group is not None:
+        from .distributed import group_info
+
+        tp = group_info(process_group)
+        if tp is not None:
+            most = tp.gather(most)[0].amax()
+    f = int(most)
+    if f > room:
+        raise ValueError(f"forced: a row marks {f} tokens, more than the {room} the budget leaves beside the sink and "
+                         f"window; with an allocation every head keeps its forced tokens")
+    return f
+
+
+def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs, kept_only: bool = False,
+                        table_budget: Optional[int] = None):
     """Per-head budgets into a ``RaggedKV`` sized from host ints: nothing is read back to the host when the
-    allocator knows its sizes statically, so the whole call can be captured in a CUDA graph.
+    allocator knows its sizes statically, so the whole call can be captured in a CUDA graph. ``k``: the budget
+    capped at the row length; ``table_budget``: as given (default ``k``), the mean the allocator's table is computed
+    at (``Allocator.context`` caps it at the table's own length: ``seq_len``'s for an allocator over all layers, so
+    a layer whose view holds fewer tokens than the budget reads the same table as the others).
 
     * budgets from host values (``Allocator.host``: uniform, pyramid, HeadKV, SurfaceLogicKV, CAKE, fixed, and
       any allocator when ``b`` keeps all or nothing): one budget for every head is a dense select into rows at
@@ -490,8 +518,10 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs, 
 
     alloc = _allocator(allocation, inputs)
     B, H, N, _ = keys.shape
-    p = sink + window
-    ctx = alloc.context((B, H, N), keys.device, k - p, sink, window, **{n: inputs[n] for n in _CONTEXT if n in inputs})
+    f = _forced_reserve(inputs.get("forced"), k - sink - window, inputs.get("process_group"))
+    p = sink + window + f  # tokens every head keeps beside its share of the allocation
+    ctx = alloc.context((B, H, N), keys.device, (k if table_budget is None else table_budget) - p, sink, window,
+                        **{n: inputs[n] for n in _CONTEXT if n in inputs})
     rest = {n: v for n, v in inputs.items() if n not in _CONTEXT}
     plain = type(pol).select is Policy.select and inputs.get("forced") is None
 
@@ -511,7 +541,7 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs, 
     if known is not None:  # host ints: the layout is static, nothing is read back
         from .allocation.base import host_rows
 
-        every = host_rows(known, ctx)
+        every = [[min(v, N - p) for v in r] for r in host_rows(known, ctx)] if f else host_rows(known, ctx)
         longest = max(max(r) for r in every)
         scores, sel = score(True)
         if longest == min(min(r) for r in every):  # one budget for every head: rows at r·cap, as dense rows
@@ -533,6 +563,8 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs, 
             return RaggedKV.from_kept(kept.indices, keys, values, longest=kept.longest)
     plan = alloc.plan(ctx, scores, **rest)
     budgets = plan.local.to(torch.int32)
+    if f:
+        budgets = budgets.clamp(max=N - p)
     if p:
         budgets = budgets + p
     R = budgets.numel()
@@ -540,12 +572,12 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs, 
         if plan.total is None:  # only the device knows the sum: one read-back of two ints
             total, k_max = torch.stack([budgets.sum(), budgets.max()]).tolist()
         else:
-            total, k_max = plan.total + R * p, plan.longest + p
+            total, k_max = plan.total + R * p, min(plan.longest + p, N)  # with forced tokens: a bound
         return RaggedKV.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window,
                                     total=int(total), k_max=int(k_max), **sel)
     # tensor parallel, budgets from the device (AdaKV, SCORE): this rank's total and longest row and the layer's
     # longest row, read back once (a rank's share of the layer total depends on the scores)
-    every = plan.every.to(torch.int32) + p
+    every = plan.every.to(torch.int32).clamp(max=N - p) + p
     total, k_max, longest = torch.stack([budgets.sum(), budgets.max(), every.max()]).tolist()
     out = cls.from_policy(pol, scores, budgets, keys, values, sink=sink, window=window, total=int(total),
                           k_max=int(k_max), **sel)

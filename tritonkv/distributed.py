@@ -29,6 +29,8 @@ one collective per layer        adakv (each head's top-min(avail, H·b) selectab
                                 ``head_reduce="layer"`` (the per-head rows, averaged over all heads); the
                                 score policy (``"parallel"``: per-token pick counts; ``"sequential"``: scores,
                                 budgets and HD)
+one more with ``forced``        any allocator given a ``forced`` mask: the most forced tokens of a row on any
+                                rank, which every head's budget holds beside its share
 ==============================  =============================================================================
 
 Every rank then runs the same arithmetic on the same gathered tensor (the select kernel, largest remainder), so

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import weakref
 from typing import ClassVar, NamedTuple, Optional
 
@@ -89,9 +90,12 @@ def check_mode(mode: str, modes: tuple[str, ...]) -> str:
     return mode
 
 
-def check_positive(name: str, v, lo: float = 0.0, strict: bool = True) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or (v <= lo if strict else v < lo):
-        raise ValueError(f"{name} must be a number {'>' if strict else '>='} {lo}, got {v!r}")
+def check_positive(name: str, v, lo: float = 0.0, strict: bool = True, hi: Optional[float] = None) -> float:
+    """A finite real number (Python's or NumPy's) above ``lo`` (``strict``) or at least ``lo``, and at most ``hi``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or \
+            (v <= lo if strict else v < lo) or (hi is not None and v > hi):
+        rng = f"{'>' if strict else '>='} {lo}" + ("" if hi is None else f" and <= {hi}")
+        raise ValueError(f"{name} must be a finite number {rng}, got {v!r}")
     return float(v)
 
 
@@ -118,8 +122,8 @@ def check_profile(name: str, profile, num_heads: Optional[int] = None) -> torch.
 def check_nonnegative(name: str, t: torch.Tensor) -> torch.Tensor:
     """Host-side value check, done once when a profile is given to an allocator object."""
     bad = t.detach().cpu()
-    if torch.isnan(bad).any() or (bad < 0).any():
-        raise ValueError(f"{name} must be non-negative with no NaN")
+    if not torch.isfinite(bad).all() or (bad < 0).any():
+        raise ValueError(f"{name} must be finite and non-negative (no NaN or inf)")
     return t
 
 

@@ -95,6 +95,9 @@ class Cake(Allocator):
             raise TypeError(f"layer_preference must be a tensor [L] or [L, B] of every layer's preference, got "
                             f"{type(layer_preference).__name__}") from None
         p = check_tensor("layer_preference", p, floating=False).to(ctx["device"])
+        if p.device.type == "cpu" and not bool(torch.isfinite(p).all()):  # the host table's copy (Cake.host)
+            raise ValueError("layer_preference must be finite (no NaN or inf): the layers share the budget in "
+                             "proportion to it")
         if p.dim() not in (1, 2) or (p.dim() == 2 and p.shape[1] not in (1, ctx["B"])):
             raise ValueError(f"layer_preference must be [L] or [L, B={ctx['B']}], got {tuple(p.shape)}")
         out = cake_budgets(p, ctx["b"], ctx["avail"], mode=self.mode).transpose(0, 1)[:, :, None]  # [L, B, 1]

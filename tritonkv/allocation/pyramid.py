@@ -31,7 +31,7 @@ def pyramid_budgets(num_layers: int, b: int, avail: int, *, beta: float = 20.0, 
     """int32 ``[L]`` selectable budget of each layer (shared by the layer's heads)."""
     L = check_int("num_layers", num_layers, 1)
     check_budget(b, avail)
-    check_positive("beta", beta)
+    check_positive("beta", beta, 1.0, strict=False)  # 1: uniform; below 1 the ramp rises
     check_mode(mode, MODES)
     if b >= avail:
         return torch.full((L,), max(avail, 0), dtype=torch.int32, device=device)
@@ -69,7 +69,7 @@ class Pyramid(Allocator):
     mode: str = "exact"
 
     def __post_init__(self):
-        check_positive("beta", self.beta)
+        check_positive("beta", self.beta, 1.0, strict=False)
         check_mode(self.mode, MODES)
 
     def host(self, ctx, **inputs):

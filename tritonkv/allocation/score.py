@@ -223,7 +223,7 @@ class Score(Allocator):
     mode: str = "exact"
 
     def __post_init__(self):
-        check_positive("gamma", self.gamma, 0.0, strict=False)
+        check_positive("gamma", self.gamma, 0.0, strict=False, hi=1.0)  # a moving average's weight
         check_positive("lambda1", self.lambda1, 0.0, strict=False)
         check_positive("lambda2", self.lambda2, 0.0, strict=False)
         check_mode(self.mode, MODES)
@@ -264,6 +264,9 @@ class Score(Allocator):
 
         def compute():
             m = stacked()
+            if not torch.compiler.is_compiling() and not bool(torch.isfinite(m).all()):  # once per head_means
+                raise ValueError("head_means must be finite (no NaN or inf): the layers' redundancy is computed from "
+                                 "every value")
             lb, hd = _layer_totals(m, m.shape[0], B, H, b, avail, self.gamma, self.lambda1, self.lambda2, self.mode,
                                    ctx["device"])
             host = None if torch.compiler.is_compiling() else lb.tolist()
