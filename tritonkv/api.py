@@ -475,8 +475,9 @@ def _forced_reserve(forced, room: int, process_group=None) -> int:
     """The most tokens ``forced`` marks in one row (a host int: read back once when it is on a device; under tensor
     parallelism the most over every rank's rows, one collective, so that every rank sizes its budgets alike), which
     every head's budget then holds beside its share of the allocation, as it holds the sink and window: a head the
-    allocator gives few tokens still keeps its forced ones. A ValueError when they exceed ``room`` (the budget less
-    the sink and window)."""
+    allocator gives few tokens still keeps its forced ones. A head's budget is capped at its row (N), so where a
+    head's share plus the reserve exceeds the row the layer keeps fewer than its total (never more). A ValueError
+    when they exceed ``room`` (the budget less the sink and window)."""
     if forced is None:
         return 0
     most = forced.sum(-1).amax() if forced.numel() else torch.zeros((), dtype=torch.int64, device=forced.device)
@@ -518,7 +519,8 @@ def _compress_allocated(pol, allocation, keys, values, k, sink, window, inputs, 
 
     alloc = _allocator(allocation, inputs)
     B, H, N, _ = keys.shape
-    f = _forced_reserve(inputs.get("forced"), k - sink - window, inputs.get("process_group"))
+    # a budget that keeps every token keeps the forced ones: nothing to reserve (nor to read back)
+    f = 0 if k >= N else _forced_reserve(inputs.get("forced"), k - sink - window, inputs.get("process_group"))
     p = sink + window + f  # tokens every head keeps beside its share of the allocation
     ctx = alloc.context((B, H, N), keys.device, (k if table_budget is None else table_budget) - p, sink, window,
                         **{n: inputs[n] for n in _CONTEXT if n in inputs})
