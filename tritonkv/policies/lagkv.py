@@ -131,6 +131,8 @@ class LagKVState:
     the result after any chunking equals ``LagKV(...).paper`` on all tokens seen.
     """
 
+    TENSORS = ("c_keys", "c_values", "c_indices", "u_keys", "u_values")  # what it holds, batch rows first
+
     def __init__(self, sink: int = 16, lag: int = 128, ratio: float = 0.5, eps: float = 1e-6):
         pol = LagKV(sink=sink, lag=lag, ratio=ratio, eps=eps)  # validates the settings
         self.sink, self.lag, self.eps, self.m = pol.sink, pol.lag, pol.eps, pol.keep

@@ -772,7 +772,7 @@ class LagKVLayer(TritonKVLayer):
         """Beam search and batch expansion: every tensor of the state (and the held tokens) indexed alike."""
         if self.is_initialized:
             st = self.state
-            for name in ("c_keys", "c_values", "c_indices", "u_keys", "u_values"):
+            for name in st.TENSORS:
                 if getattr(st, name) is not None:
                     setattr(st, name, fn(getattr(st, name)))
             if self.held is not None:
@@ -787,7 +787,7 @@ class LagKVLayer(TritonKVLayer):
     @property
     def nbytes(self) -> int:
         st = self.state
-        parts = [getattr(st, a) for a in ("c_keys", "c_values", "c_indices", "u_keys", "u_values")]
+        parts = [getattr(st, a) for a in st.TENSORS]
         parts += list(self.held or ())
         return sum(t.numel() * t.element_size() for t in parts + [self.fill, self.seen_dev] if t is not None)
 
