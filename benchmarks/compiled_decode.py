@@ -31,18 +31,22 @@ def cache_inputs(model, policy):
 
 
 def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: int = 64, decode_every: int = 16,
-                      compress_every: int = 1):
+                      compress_every: int = 1, pads: tuple = (0,), **cache_kwargs):
     """Greedy-decode ``steps`` tokens with the compiled step (``compress_now`` after every ``compress_every``-th)
     and eagerly, from the same prompt; returns (largest logit difference, graphs compiled after the first step,
-    compressions of each). A recompile after the first step raises (``torch._dynamo.config.error_on_recompile``)."""
+    compressions of each). A recompile after the first step raises (``torch._dynamo.config.error_on_recompile``).
+    ``pads``: one batch row per entry, left-padded by that many tokens; ``cache_kwargs`` go to ``make_cache``."""
     from torch._dynamo.utils import counters
 
-    ids = torch.randint(3, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(1))
+    B = len(pads)
+    ids = torch.randint(3, model.config.vocab_size, (B, prompt), generator=torch.Generator().manual_seed(1))
+    mask = (torch.arange(prompt) >= torch.tensor(pads)[:, None]).long()
+    real = mask.sum(-1, keepdim=True)  # each row's next position
     caches, first = [], []
     for _ in range(2):
         c = tt.make_cache(model, policy, budget, mode="decoding", decode_every=decode_every,
-                          **cache_inputs(model, policy))
-        first.append(tt.prefill(model, ids, c)[:, -1])
+                          **cache_inputs(model, policy), **cache_kwargs)
+        first.append(tt.prefill(model, ids, c, attention_mask=mask if any(pads) else None)[:, -1])
         caches.append(c)
     cache, ref = caches
     cache.reserve(budget + 2 * decode_every)
@@ -63,7 +67,7 @@ def compiled_vs_eager(model, policy, steps: int, *, prompt: int = 80, budget: in
     try:
         with tt.use_tritonkv(model), torch.no_grad():
             for i in range(steps):
-                p = torch.tensor([[prompt + i]])
+                p = real + i
                 torch._dynamo.config.error_on_recompile = i > 0  # a recompile after warm-up raises
                 lc = cstep(t_c, p).clone()
                 if i % compress_every == compress_every - 1:

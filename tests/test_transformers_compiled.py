@@ -94,6 +94,19 @@ def test_window_queries_stay_current_in_compiled_steps(model):
         assert torch.allclose(a.queries, b.queries, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("budget", [96, 64])
+def test_compiled_kernel_decode_of_a_left_padded_batch_matches_eager(model, budget):
+    """The split-K decode kernel (``decode_kernel=True``: what CUDA takes by default) in compiled steps over a
+    left-padded batch (pads 0 and 9): the kernel reads every slot below the fill, so while a layer holds pads (budget
+    96, above the prompt: the prefill keeps them) the compiled step attends by position instead; one graph (no
+    guard flips when a compression evicts the pads), eager's logits, the same compressions."""
+    worst, recompiles, compiled_n, eager_n = compiled_vs_eager(model, "keydiff", steps=24, budget=budget,
+                                                               pads=(0, 9), decode_kernel=True)
+    assert recompiles == 0
+    assert compiled_n == eager_n
+    assert worst <= ATOL, worst
+
+
 def test_a_compiled_step_needs_reserved_buffers(model):
     """A decode step traced by torch.compile over a cache that was not ``reserve``d is refused by name: its layers
     keep their device-side fill counters current only once reserved, and a traced update writes at them."""

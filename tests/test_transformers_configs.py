@@ -605,6 +605,25 @@ def test_cache_keyword_follows_the_model(model, ids):
     assert deprecated == []
 
 
+def test_criticalkv_reads_each_familys_output_projection(family, ids, monkeypatch):
+    """CriticalKV in every family: each compressing layer's W_O, in nn.Linear's layout, is that layer's output
+    projection less its bias (GPT-2's ``c_proj`` is a ``Conv1D``, whose weight is stored transposed)."""
+    from tritonkv.policies import criticalkv
+
+    seen = []
+    real = criticalkv.value_norms
+    monkeypatch.setattr(criticalkv, "value_norms", lambda v, w, **kw: seen.append(w) or real(v, w, **kw))
+    _, cache = tt.generate(family, ids[:1], policy="criticalkv", budget=40, max_new_tokens=2, do_sample=False,
+                           return_cache=True)
+    modules = [layer.module() for layer in cache.layers if layer.window is None]  # sliding layers never compress
+    assert len(seen) == len(modules) > 0
+    for w, module in zip(seen, modules):
+        proj = next(getattr(module, n) for n in ("o_proj", "c_proj") if hasattr(module, n))
+        x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0))
+        bias = 0 if proj.bias is None else proj.bias
+        torch.testing.assert_close(torch.nn.functional.linear(x, w), proj(x) - bias)
+
+
 def test_criticalkv_reads_each_layers_o_proj(model, ids, monkeypatch):
     """CriticalKV inside a model: each layer's compression scores values through that layer's own W_O."""
     from tritonkv.policies import criticalkv

@@ -118,6 +118,22 @@ def _row_inputs(inputs: dict, b: int, batch: int) -> dict:
     return out
 
 
+def output_projection(module) -> torch.Tensor:
+    """W_O of an attention module in ``nn.Linear``'s layout ``[D_model, H_q·d]`` (CriticalKV's ``o_proj``): its
+    ``o_proj`` (most decoders), ``out_proj`` or ``dense`` weight, or GPT-2's ``c_proj`` (a ``Conv1D``, whose weight is
+    ``[in, out]``: its transpose, a view). Another layout is a NotImplementedError naming the module."""
+    from transformers.pytorch_utils import Conv1D
+
+    for name in ("o_proj", "c_proj", "out_proj", "dense"):
+        proj = getattr(module, name, None)
+        if isinstance(proj, torch.nn.Linear):
+            return proj.weight
+        if isinstance(proj, Conv1D):
+            return proj.weight.t()
+    raise NotImplementedError(f"criticalkv reads each layer's output projection W_O, and {type(module).__name__} "
+                              f"has none of o_proj, c_proj, out_proj or dense as an nn.Linear (or Conv1D)")
+
+
 def _pad_to(t, width: int, fill):
     """``t`` ``[B, H, m, ...]`` padded with ``fill`` to ``width`` slots on dim 2."""
     if t.shape[2] == width:
@@ -417,7 +433,10 @@ class TritonKVLayer(CacheLayerMixin):
             return ragged_decode_sdpa(query, st.kv, scaling, logits)
         if _compiling():  # the whole static capacity, by position
             qpos = self.seen_dev - T + torch.arange(T, device=query.device)
-            if T == 1 and kernel and self.window is None:
+            # the kernel reads every slot below the fill: only where all of them hold a token (a padded batch's
+            # pads and its shorter rows' gaps are masked by position; ``pads`` never changes once traced: no guard
+            # flips when a compression evicts them)
+            if T == 1 and kernel and self.window is None and self.pads is None and not self.has_invalid:
                 lengths = self.fill.to(torch.int32).expand(B, key.shape[1])
                 return kernel_decode(query, (key, value), scaling, logits, lengths)
             return masked_attention(query, key, value, st.pos, qpos, scaling, ordered=False, window=self.window,
@@ -617,7 +636,7 @@ class TritonKVLayer(CacheLayerMixin):
             inputs["queries"] = queries
         module = getattr(self, "module", lambda: None)()
         if "o_proj" in policy.needs and "o_proj" not in inputs and module is not None:
-            inputs["o_proj"] = module.o_proj.weight  # CriticalKV: this layer's W_O
+            inputs["o_proj"] = output_projection(module)  # CriticalKV: this layer's W_O
         if padded and cache.allocation is not None and not use_triton(keys):  # the PyTorch path: AdaKV's winners
             out = compress_kept((keys, values), policy, k, allocation=cache.allocation, **inputs)  # laid out below
         else:
