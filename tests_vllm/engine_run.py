@@ -70,13 +70,20 @@ def compressed(model: str) -> dict:
 
 
 def hybrid(model: str) -> dict:
-    llm = _llm(model, POLICY, num_gpu_blocks_override=2 * POOL, max_num_batched_tokens=H.BLOCK)
+    # prefix caching on (vLLM's default): the sliding layers' group could serve the prompt again; the plugin's must
+    # not (its blocks for those tokens would be fresh, never written), so neither may
+    llm = _llm(model, POLICY, num_gpu_blocks_override=2 * POOL, max_num_batched_tokens=H.BLOCK,
+               enable_prefix_caching=True)
     rec = H.Recorder(llm)
-    for rid, n, seed, t in SEQUENTIAL:
+    for rid, n, seed, t in SEQUENTIAL + [AGAIN]:
         rec.add(rid, H.prompt(n, seed), t)
         rec.run()
-    return dict(prompts=rec.prompts, tokens=rec.tokens, schedule={r: rec.schedule(r) for r in rec.prompts},
-                blocks=rec.blocks, groups=[type(m).__name__ for m in rec.managers])
+    out = dict(prompts=rec.prompts, tokens=rec.tokens, schedule={r: rec.schedule(r) for r in rec.prompts},
+               blocks=rec.blocks, groups=[type(m).__name__ for m in rec.managers], cached=rec.cached)
+    del rec, llm
+    # without vLLM's hybrid KV-cache manager the sliding layers join the full ones in one plain group: refused
+    out["hybrid_manager_off"] = _start(lambda: _llm(model, POLICY, disable_hybrid_kv_cache_manager=True))
+    return out
 
 
 def tp2(model: str) -> dict:
@@ -126,24 +133,25 @@ def _unwrapped_backend(model: str):
     return _llm(model, POLICY)
 
 
+def _start(start) -> dict:
+    """Start an engine with ``start()``: ``started`` and, when it raised, the error chain and the seconds it took."""
+    t0 = time.time()
+    try:
+        llm = start()
+    except Exception as e:  # noqa: BLE001 - what the engine raised is the result
+        chain, x = [], e
+        while x is not None:
+            chain.append(f"{type(x).__name__}: {x}")
+            x = x.__cause__ or x.__context__
+        return dict(started=False, error=" | ".join(chain), seconds=time.time() - t0)
+    del llm
+    return dict(started=True)
+
+
 def bad(model: str) -> dict:
     starts = [(name, lambda cfg=cfg: _llm(model, cfg)) for name, cfg in BAD.items()]
     starts.append(("unwrapped_backend", lambda: _unwrapped_backend(model)))  # last: it replaces CPU_ATTN
-    out = {}
-    for name, start in starts:
-        t0 = time.time()
-        try:
-            llm = start()
-        except Exception as e:  # noqa: BLE001 - what the engine raised is the result
-            chain, x = [], e
-            while x is not None:
-                chain.append(f"{type(x).__name__}: {x}")
-                x = x.__cause__ or x.__context__
-            out[name] = dict(started=False, error=" | ".join(chain), seconds=time.time() - t0)
-        else:
-            out[name] = dict(started=True)
-            del llm
-    return out
+    return {name: _start(start) for name, start in starts}
 
 
 def main(argv) -> None:

@@ -8,7 +8,7 @@ layers, the window's mask in the sliding ones, and the cap or the sinks written 
 """
 import helpers as H
 import pytest
-from engine_run import BUDGET, POLICY, SEQUENTIAL
+from engine_run import AGAIN, BUDGET, POLICY, SEQUENTIAL
 
 KINDS = ["gemma2", "gpt-oss"]
 
@@ -50,3 +50,28 @@ def test_greedy_tokens_equal_the_masked_reference(hybrid):
         without_extra += _reference(run, model, rid, extras=False) != run["tokens"][rid]
     assert (matched, total) == (48, 48), kind
     assert without_eviction >= 1 and without_extra >= 1, (kind, without_eviction, without_extra)
+
+
+def test_prefix_cache_serves_no_token_of_a_hybrid_model(hybrid):
+    """A prompt again, after another request reused the freed blocks, with prefix caching on: the sliding layers'
+    group alone would serve a hit and leave the compressed group's blocks for those tokens unwritten; the plugin's
+    group takes part in the lookup and always misses, so nothing comes from the cache and the tokens repeat."""
+    kind, run, _ = hybrid
+    rid, n, seed, _ = AGAIN
+    first = next(r for r, m, s, _ in SEQUENTIAL if (m, s) == (n, seed))
+    assert run["prompts"][rid] == run["prompts"][first]
+    assert run["cached"][rid] == 0, kind
+    assert run["tokens"][rid] == run["tokens"][first], kind
+
+
+def test_without_the_hybrid_manager_the_engine_is_refused(hybrid):
+    """``disable_hybrid_kv_cache_manager=True`` (vLLM also turns it off by itself for some models and KV
+    connectors): the sliding layers' specs become full-attention ones and join the plugin's layers in one plain
+    group, which would run uncompressed; the engine is refused at start, the full layer named."""
+    kind, run, _ = hybrid
+    res = run["hybrid_manager_off"]
+    assert not res["started"], kind
+    assert res["error"].startswith("TritonKVConfigError: "), res["error"]
+    layer = {"gemma2": "'model.layers.1.self_attn.attn'", "gpt-oss": "'model.layers.1.attn.attn'"}[kind]
+    for part in (layer, "hybrid KV-cache manager is off"):
+        assert part in res["error"], (kind, part, res["error"])

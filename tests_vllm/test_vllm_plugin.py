@@ -32,6 +32,11 @@ def test_register_twice_is_a_no_op():
     # the built-in specs stay registered (the registry fills them only while empty)
     assert KVCacheSpecRegistry.get_manager_class(FullAttentionSpec(**spec)) is FullAttentionManager
     assert KVCacheSpecRegistry.get_manager_class(TritonKVSpec(**spec)) is TritonKVManager
+    # a group that merges the plugin's layers with plain full-attention ones (the hybrid manager off, a full layer
+    # first) is refused, not an AttributeError; the plugin's layers merge as before
+    with pytest.raises(TritonKVConfigError, match="hybrid KV-cache manager is off"):
+        TritonKVSpec.merge([TritonKVSpec(**spec), FullAttentionSpec(**spec)])
+    assert TritonKVSpec.merge([TritonKVSpec(**spec, tkv_budget=8)] * 2).tkv_budget == 8
 
 
 def test_settings():
@@ -74,6 +79,36 @@ def test_schedule():
         s = kept_start(n, 0.25, 32)
         assert s >= prev and s % 32 == 0 and n - s >= max(1, math.floor(0.25 * n))
         prev = s
+
+
+@pytest.mark.parametrize("cfg, min_keep", [
+    ({"policy": "keydiff", "budget": 0.1, "window": 64}, 64),  # the window
+    ({"policy": "streaming_llm", "budget": 0.1}, 4),  # the sink
+    ({"policy": "lagkv", "budget": 0.25}, 16 + 2 * 128 - 1),  # the sink and the longest tail: a lag and lag - 1 more
+    ({"policy": "lagkv", "budget": 0.25, "policy_args": {"lag": 32}}, 16 + 2 * 32 - 1),
+    ({"policy": "knorm", "budget": 0.1}, 1)])
+def test_a_fraction_keeps_at_least_the_protected_tokens(cfg, min_keep):
+    """A float budget keeps ``max(min_keep, floor(f·n))`` tokens, ``min_keep`` the fewest that hold the policy's
+    protected ones, so that no compression of the schedule is refused when it runs (it was, in the attention
+    forward of a running engine, for keydiff's window and LagKV's defaults): every region of prompts of 300, 600
+    and 1500 tokens fed in chunks of 32 or 1024, then 200 tokens decoded, compressed as the workers compress it
+    (``tritonkv.compress`` to ``n - start(n)`` tokens)."""
+    c = parse_config({"tritonkv": cfg})
+    assert c.min_keep == min_keep
+    pol, f, g = c.make_policy(), c.budget, 32
+    for prompt in (300, 600, 1500):
+        for chunk in (32, 1024):
+            s0 = n = compressions = 0
+            while n < prompt + 200:
+                n = min(n + chunk, prompt) if n < prompt else n + 1
+                s1 = kept_start(n, f, g, min_keep)
+                assert n - s1 >= min(n, max(min_keep, math.floor(f * n))) and s1 % g == 0
+                if s1 > s0:
+                    keys = torch.randn(1, 2, n - s0, 8, generator=torch.Generator().manual_seed(n))
+                    assert tritonkv.compress((keys, keys), pol, n - s1).keys.shape[2] == n - s1
+                    compressions += 1
+                s0 = s1
+            assert compressions > 0
 
 
 def test_compaction_on_vllms_cache_layout():

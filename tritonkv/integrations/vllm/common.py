@@ -22,7 +22,7 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from .config import TritonKVConfig, TritonKVConfigError, kept_start, parse_config
-from .spec import TritonKVSpec
+from .spec import MIXED_GROUP, TritonKVSpec
 
 # The settings and vLLM config this process last saw (the builder and impl run inside vLLM's config context; the
 # spec hook may be called outside it).
@@ -66,18 +66,21 @@ def check_engine(vllm_config) -> None:
 _ATTENTION_MODULE = "vllm.model_executor.layers.attention.attention"
 
 
-def check_layer(layer, vllm_config) -> None:
-    """Refuse with ``TritonKVConfigError`` a layer the plugin should compress (a full-attention decoder layer: a
-    ``FullAttentionSpec`` without sliding window, its own KV cache) that vLLM gave an attention backend the plugin
-    does not wrap: that layer would run uncompressed. Does nothing without the plugin's settings."""
+def compressible(layer) -> bool:
+    """A layer the plugin compresses: vLLM's plain ``Attention``, a decoder layer with full attention (a
+    ``FullAttentionSpec`` without sliding window) and its own KV cache."""
     mod = sys.modules.get(_ATTENTION_MODULE)
-    if mod is None or not isinstance(layer, mod.Attention):
-        return
-    if (type(layer).get_kv_cache_spec is not mod.Attention.get_kv_cache_spec  # its own spec kind (chunked, sink...)
-            or getattr(layer, "attn_type", None) != "decoder" or getattr(layer, "sliding_window", None) is not None
-            or getattr(layer, "kv_sharing_target_layer_name", None) is not None):
-        return
-    if vllm_config is None or current_config(vllm_config) is None:
+    return (mod is not None and isinstance(layer, mod.Attention)
+            and type(layer).get_kv_cache_spec is mod.Attention.get_kv_cache_spec  # not its own kind (chunked, sink...)
+            and getattr(layer, "attn_type", None) == "decoder" and getattr(layer, "sliding_window", None) is None
+            and getattr(layer, "kv_sharing_target_layer_name", None) is None)
+
+
+def check_layer(layer, vllm_config) -> None:
+    """Refuse with ``TritonKVConfigError`` a layer the plugin should compress (``compressible``) that vLLM gave an
+    attention backend the plugin does not wrap: that layer would run uncompressed. Does nothing without the
+    plugin's settings."""
+    if not compressible(layer) or vllm_config is None or current_config(vllm_config) is None:
         return
     backend = layer.get_attn_backend()
     if isinstance(backend, type) and issubclass(backend, TritonKVBackendMixin):
@@ -94,6 +97,19 @@ def check_layer(layer, vllm_config) -> None:
         "--attention-backend FLASH_ATTN (or TRITON_ATTN; in Python attention_config={'backend': 'FLASH_ATTN'}; a "
         "per-kind choice in attention_config['backend_per_kind']['full_attention'] overrides it), or remove the "
         "'tritonkv' entry")
+
+
+def check_group(layer_names, vllm_config) -> None:
+    """Refuse with ``TritonKVConfigError`` a KV-cache group without the plugin's spec that holds a layer the plugin
+    compresses: vLLM merged its layers with another kind into one plain full-attention group, which happens when its
+    hybrid KV-cache manager is off for a model that mixes layer kinds; those layers would run uncompressed."""
+    from vllm.config import get_layers_from_vllm_config
+
+    layers = [n for n, layer in get_layers_from_vllm_config(vllm_config, torch.nn.Module, layer_names).items()
+              if compressible(layer)]
+    if layers:
+        more = " ..." if len(layers) > 3 else ""
+        raise TritonKVConfigError(f"{_WHERE}: the full-attention layers {layers[:3]}{more} {MIXED_GROUP}")
 
 
 def on_module_registered(module, name, submodule):
@@ -131,7 +147,7 @@ def _host_seq_lens(cm, r: int) -> list:
     return [int(x) for x in host[:r].tolist()]
 
 
-def plan_step(cm, block_size: int, budget, granularity: int):
+def plan_step(cm, block_size: int, budget, granularity: int, min_keep: int = 1):
     """The metadata the stock builder should see and this step's compactions, for vLLM's
     ``CommonAttentionMetadata`` ``cm``.
 
@@ -144,8 +160,8 @@ def plan_step(cm, block_size: int, budget, granularity: int):
     qsl = cm.query_start_loc_cpu[: r + 1].tolist()
     n_new = _host_seq_lens(cm, r)
     q_len = [qsl[i + 1] - qsl[i] for i in range(r)]
-    old = [kept_start(n - q, budget, granularity) if n > 0 else 0 for n, q in zip(n_new, q_len)]
-    new = [kept_start(n, budget, granularity) if n > 0 else 0 for n in n_new]
+    old = [kept_start(n - q, budget, granularity, min_keep) if n > 0 else 0 for n, q in zip(n_new, q_len)]
+    new = [kept_start(n, budget, granularity, min_keep) if n > 0 else 0 for n in n_new]
     table = cm.block_table_tensor
     compactions = []
     for i, (s0, s1, n) in enumerate(zip(old, new, n_new)):
@@ -285,7 +301,8 @@ class TritonKVBuilderMixin:
             # vLLM may reuse one group's metadata for another with a new block table: that would skip the shift
             self.supports_update_block_table = False
         elif self.tkv is not None:
-            self.tkv = None  # a group the plugin does not compress: stock
+            check_group(layer_names, vllm_config)
+            self.tkv = None  # a group the plugin does not compress (sliding-window layers...): stock
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
@@ -300,7 +317,8 @@ class TritonKVBuilderMixin:
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False, **kwargs):
         if self.tkv is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
-        cm, plan = plan_step(common_attn_metadata, self.tkv_block_size, self.tkv.budget, self.tkv_granularity)
+        cm, plan = plan_step(common_attn_metadata, self.tkv_block_size, self.tkv.budget, self.tkv_granularity,
+                             self.tkv.min_keep)
         # no shared prefix: the rows' kept blocks differ (a cascade over physical blocks would be wrong)
         md = super().build(0, cm, fast_build, **kwargs)
         return with_plan(md, plan)
@@ -349,4 +367,4 @@ class TritonKVBackendMixin:
         fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.init}
         in_flight = getattr(_SEEN[1], "max_in_flight_tokens", 0) or 0
         return TritonKVSpec(**fields, tkv_budget=cfg.budget, tkv_granularity=cfg.granularity(spec.block_size),
-                            tkv_in_flight=int(in_flight))
+                            tkv_min_keep=cfg.min_keep, tkv_in_flight=int(in_flight))

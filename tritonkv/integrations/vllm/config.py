@@ -6,17 +6,18 @@ Settings live under the ``"tritonkv"`` key of vLLM's ``additional_config``
 * ``policy`` (required): a policy name (``tritonkv.POLICIES``) that scores tokens from the cached keys and values
   alone: ``knorm``, ``keydiff``, ``streaming_llm``, ``lagkv``.
 * ``budget`` (required): tokens kept per request, per layer and per KV head (an int >= 1), or the fraction of the
-  request's tokens kept (a float in (0, 1]).
+  request's tokens kept (a float in (0, 1]; never fewer than the policy's protected tokens, ``min_keep``).
 * ``sink`` / ``window``: the policy's protected first and last tokens (inside the budget).
 * ``policy_args``: more settings of the policy (``{"lag": 64}`` for ``lagkv``).
 * ``decode_every``: tokens between two compressions once a request holds more than its budget (default: the KV
   block size; a multiple of it).
 
 The schedule (``kept_start``): after a request's first ``n`` tokens are computed, its kept tokens lie in the
-logical slots ``[start(n), n)`` of its own block table, with ``start(n) = align_down(max(0, n - budget(n)), G)``
-and ``G = decode_every``. The scheduler frees the blocks below ``start(n)``; every worker hands the attention
-kernel the blocks from ``start(n)`` on and compacts a layer's kept tokens into them. The rule is a function of
-``n`` alone, so the processes agree without exchanging a message.
+logical slots ``[start(n), n)`` of its own block table, with ``start(n) = align_down(max(0, n - budget(n)), G)``,
+``G = decode_every`` and ``budget(n)`` the int budget or, for a fraction f, ``max(min_keep, floor(f·n))``. The
+scheduler frees the blocks below ``start(n)``; every worker hands the attention kernel the blocks from ``start(n)``
+on and compacts a layer's kept tokens into them. The rule is a function of ``n`` alone, so the processes agree
+without exchanging a message.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class TritonKVConfig:
     window: Optional[int] = None
     policy_args: tuple = ()  # sorted (name, value) pairs, hashable
     decode_every: Optional[int] = None
+    #: a fraction keeps at least this many tokens: the fewest that hold the policy's protected ones (its sink and
+    #: window, LagKV's sink and longest tail) in every region a compression sees (1 for an int budget)
+    min_keep: int = 1
 
     def make_policy(self):
         """The ``tritonkv`` policy object these settings describe."""
@@ -65,11 +69,11 @@ class TritonKVConfig:
         return g
 
 
-def kept_start(n: int, budget: Union[int, float], granularity: int) -> int:
+def kept_start(n: int, budget: Union[int, float], granularity: int, min_keep: int = 1) -> int:
     """``start(n)``: the first logical slot still held once ``n`` tokens are computed (0 while ``n`` fits the
-    budget). A float budget keeps ``max(1, floor(budget * n))`` tokens (as ``tritonkv.resolve_budget``); ``start``
-    never decreases as ``n`` grows."""
-    keep = budget if isinstance(budget, int) else max(1, math.floor(budget * n + 1e-6))
+    budget). A float budget keeps ``max(min_keep, 1, floor(budget * n))`` tokens (``floor`` as
+    ``tritonkv.resolve_budget``); ``start`` never decreases as ``n`` grows."""
+    keep = budget if isinstance(budget, int) else max(min_keep, 1, math.floor(budget * n + 1e-6))
     if n <= keep:
         return 0
     return (n - keep) // granularity * granularity
@@ -119,17 +123,39 @@ def parse_config(raw: Any) -> Optional[TritonKVConfig]:
         raise TritonKVConfigError(
             f"{where}['policy'] = {policy!r} needs the input(s) {missing}, which the vLLM attention backend cannot "
             f"supply (it compresses from the cached keys and values alone); use one of {', '.join(kv_only_policies())}")
-    if isinstance(budget, int):  # every region a compression can see: budget + 1 up to a few lags more
-        lag = getattr(pol, "lag", 0) if isinstance(getattr(pol, "lag", 0), int) else 0
-        for n in range(budget + 1, budget + 2 + max(256, 4 * lag)):
-            try:
-                sink, window = pol.protected(n, budget)
-            except ValueError as e:
-                raise TritonKVConfigError(f"{where}['budget'] = {budget}: {e}") from None
-            if sink + window > budget:
-                raise TritonKVConfigError(f"{where}['budget'] = {budget} is smaller than the protected tokens of "
-                                          f"{policy!r} (sink {sink} + window {window})")
-    return out
+    if isinstance(budget, int):
+        error = _unprotected(pol, budget)
+        if error:
+            raise TritonKVConfigError(f"{where}['budget'] = {budget}: {error}")
+        return out
+    return dataclasses.replace(out, min_keep=_min_keep(pol))
+
+
+def _unprotected(pol, keep: int) -> Optional[str]:
+    """Why keeping ``keep`` tokens of a region does not hold the policy's protected ones, for some region a
+    compression can see (``keep + 1`` tokens up to a few lags more), or None when it always does."""
+    lag = getattr(pol, "lag", 0) if isinstance(getattr(pol, "lag", 0), int) else 0
+    for n in range(keep + 1, keep + 2 + max(256, 4 * lag)):
+        try:
+            sink, window = pol.protected(n, keep)
+        except ValueError as e:
+            return str(e)
+        if sink + window > keep:
+            return f"smaller than the protected tokens of {pol.name!r} (sink {sink} + window {window})"
+    return None
+
+
+def _min_keep(pol) -> int:
+    """The fewest tokens a fraction keeps: the smallest count that holds the protected tokens (for the policies the
+    plugin runs, every larger count does too: sink + window, LagKV's sink + its longest tail)."""
+    hi = 1
+    while _unprotected(pol, hi):
+        hi *= 2
+    lo = hi // 2  # fails (or 0); hi holds
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _unprotected(pol, mid) is None else (mid, hi)
+    return hi
 
 
 def kv_only_policies() -> list[str]:
