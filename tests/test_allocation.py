@@ -82,7 +82,7 @@ def test_adjust_budgets_matches_oracle(data):
     x = total * p / p.sum()
     got = adjust_budgets(torch.from_numpy(x)[None], total, cap)[0].numpy()
     np.testing.assert_array_equal(got, ref.adjust_budgets(x, total, cap))
-    assert (got >= 0).all() and (got <= cap).all()
+    assert (got >= 0).all() and (got <= cap).all() and got.sum() <= total  # the clamp can only lower a total
 
 
 # -- uniform and pyramid -----------------------------------------------------------------------------
@@ -579,6 +579,21 @@ def test_compress_with_an_allocation_keeps_every_forced_token(data):
     if k < N:
         with pytest.raises(ValueError, match="forced"):
             tritonkv.compress((keys, keys), "knorm", k, allocation="adakv", forced=forced)
+
+
+def test_dense_compress_with_more_protected_tokens_than_the_budget():
+    """A dense ``compress`` reads nothing back, so it does not refuse a ``forced`` mask that, with the sink and
+    window, exceeds the budget (an allocation does, above): the documented rule keeps the lowest-index protected
+    tokens, the window's newest lost first; within the budget every protected token is kept."""
+    from tritonkv.policies import Knorm
+
+    keys = torch.randn(1, 2, 16, 8, generator=torch.Generator().manual_seed(0))
+    forced = torch.zeros(1, 2, 16, dtype=torch.bool)
+    forced[..., 3:10] = True  # sink 0, forced 3-9, window 14-15: ten protected tokens
+    got = tritonkv.compress((keys, keys), Knorm(sink=1, window=2), 6, forced=forced).indices
+    assert got.tolist() == [[[0, 3, 4, 5, 6, 7]] * 2]
+    got = tritonkv.compress((keys, keys), Knorm(sink=1, window=2), 11, forced=forced).indices
+    assert all({0, *range(3, 10), 14, 15} <= set(row) for row in got[0].tolist())
 
 
 def test_score_table_at_the_sequence_length_fits_the_row():

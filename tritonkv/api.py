@@ -45,7 +45,9 @@ INPUTS = {
                "it): the allocators over every layer (pyramid, headkv, surfacelogic, cake, score) compute their "
                "table at this length, so that layers whose views differ in length read the same table",
     "forced": "bool [B, H_kv, N]: tokens kept like the protected ones, inside the budget (Policy.select; the "
-              "transformers integration keeps a padded row's first real tokens with it)",
+              "transformers integration keeps a padded row's first real tokens with it); more than the budget "
+              "leaves beside the sink and window: a ValueError with an allocation; a dense compress (which reads "
+              "nothing back) keeps the lowest-index protected tokens, the window's newest lost first",
     "process_group": "tensor parallel: the torch.distributed group (or DeviceMesh) over which the layer's KV heads "
                      "are split; each rank passes its own heads and keeps exactly what one process would keep of "
                      "them (tritonkv.distributed; None = one process)",
