@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 import tritonkv
 from reference import streaming_llm as ref
 from tritonkv.policies import StreamingLLM
-from helpers import assert_raises_naming  # noqa: E402
+from helpers import assert_raises_naming, both_backends, on_backend  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -38,6 +38,28 @@ def test_kept_matches_oracle(B, H, N, D, dtype, sink, data):
     want = torch.from_numpy(ref.kept(N, k, sink))
     assert torch.equal(out.indices, want.expand(B, H, k))
     assert torch.equal(out.keys, keys[:, :, want]) and torch.equal(out.values, values[:, :, want])
+
+
+@both_backends
+def test_per_head_budgets_rank_the_constant_scores_by_index(backend):
+    """With an allocation whose budgets exceed sink + window (``Fixed``'s do: it ignores the budget), a head keeps
+    its sink and window plus its share of the other tokens, whose scores all tie at zero: the lowest indices, the
+    same on both backends and in every run (the Triton path once ranked an unwritten score buffer there)."""
+    from tritonkv.allocation import Fixed
+
+    g = torch.Generator().manual_seed(1)
+    B, H, N, sink, k = 2, 2, 64, 2, 20
+    keys, values = torch.randn(B, H, N, 16, generator=g), torch.randn(B, H, N, 16, generator=g)
+    shares = [[3, 9], [5, 0], [7, 7], [2, 30]]  # [L, H]: layer 1 gives heads 5 and 0
+    for _ in range(2):
+        with on_backend(backend):
+            out = tritonkv.compress((keys, values), StreamingLLM(sink=sink), k,
+                                    allocation=Fixed(budgets=torch.tensor(shares)), layer=1)
+        _, _, lengths, pos = out.to_padded(with_positions=True)
+        for h, share in enumerate(shares[1]):
+            want = sorted(set(range(sink + share)) | set(ref.kept(N, k, sink).tolist()))  # + the lowest others
+            for b in range(B):
+                assert pos[b, h, :int(lengths[b, h])].tolist() == want, (b, h)
 
 
 def test_scores_are_constant_zeros():

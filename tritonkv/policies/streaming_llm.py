@@ -1,7 +1,9 @@
 """StreamingLLM (``docs/algorithms.md`` §1.3): the first ``sink`` tokens (attention sinks)
-and the most recent ``k − sink``. No kernel of its own: everything kept is protected, so the shared
-select copies the protected rows directly (one launch, ``PROTECTED_ONLY``: no ranking, the scores
-are never read, so ``compress()`` does not even fill them); ``score()`` gives constant zeros."""
+and the most recent ``k − sink``. No kernel of its own: in a dense ``compress()`` everything kept is
+protected, so the shared select copies the protected rows directly (one launch, ``PROTECTED_ONLY``:
+no ranking, the scores are never read, so ``compress_dense`` does not even fill them); ``score()``
+gives constant zeros, which an allocation's per-head budgets (``Fixed``'s may exceed sink + window)
+rank by index."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +16,7 @@ from .base import Policy, register_policy
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class StreamingLLM(Policy):
     """StreamingLLM: ``sink`` first tokens (default 4) plus a recent window of ``budget − sink``.
     The window follows the budget, so ``window`` must stay 0. Nothing is read but the shapes, so
@@ -39,11 +41,14 @@ class StreamingLLM(Policy):
         check_kv_tensor("keys", keys)
         return torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device)
 
-    def score_and_hist0(self, keys: torch.Tensor, values: torch.Tensor, *, sink: int, window: int, **inputs):
-        """For a select that keeps only protected tokens (``compress()``'s dense path): the kernels
-        never read the scores, so they are left unwritten there (no device fill); zeros where the
-        PyTorch body runs."""
+    def compress_dense(self, keys: torch.Tensor, values: torch.Tensor, k: int, *, sink: int, window: int,
+                       **inputs):
+        """``compress()``'s dense path, one budget ``k`` for every head: every kept token is protected
+        (sink + window = k), so the select's kernels never read the scores, which are left unwritten
+        (no device fill; zeros where the PyTorch body runs). ``(keys, values, indices)``."""
         check_kv_tensor("keys", keys)
-        if not use_triton(keys):
-            return self.score(keys, values), None
-        return torch.empty(keys.shape[:3], dtype=torch.float32, device=keys.device), None
+        scores = torch.empty(keys.shape[:3], dtype=torch.float32, device=keys.device) if use_triton(keys) \
+            else self.score(keys, values)
+        kout, vout, idx, _ = self.select(scores, k, keys, values, sink=sink, window=window, k_max=k, budget=k,
+                                         **inputs)
+        return kout, vout, idx
