@@ -153,8 +153,9 @@ def run_case(model, case: dict, new_tokens: int = 12) -> dict:
     for b, row in enumerate(case["ids"]):
         ids[b, L - len(row):] = row
     mask = (torch.arange(L)[None] >= (L - torch.tensor(case["lengths"]))[:, None]).long()
+    every = 8 if case["mode"] == "decoding" else None  # how often decoding mode compresses (the others never do)
     kw = dict(policy=case["policy"], budget=case["budget"], allocation=case["allocation"], mode=case["mode"],
-              block_size=case["block_size"], decode_every=8, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+              block_size=case["block_size"], decode_every=every, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
               do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0, return_cache=True)
     out, cache = tt.generate(model, ids, attention_mask=mask, cache_kwargs=case["inputs"], **kw)
     worst, kept_equal = 0.0, True

@@ -312,6 +312,75 @@ def test_bad_arguments():
         tt.decode(None, tt.TritonKVCache("keydiff", 10), torch.zeros(1, 8), -1)
 
 
+def test_bad_inputs_of_the_entry_points():
+    """Token ids, masks, logits and caches the entry points cannot use are a TypeError or ValueError naming the
+    argument (they were raw IndexError, unpacking and AttributeError messages), checked before any forward; a
+    ``decode_every`` that the mode never reads is refused rather than ignored."""
+    ids = torch.zeros(1, 4, dtype=torch.long)
+
+    def cache(**kw):
+        return tt.TritonKVCache("keydiff", 10, **kw)
+
+    for bad, error in ((ids[0], ValueError), (ids.tolist(), TypeError), (ids.float(), TypeError),
+                       (ids[:, :0], ValueError)):
+        with pytest.raises(error, match="input_ids"):
+            tt.generate(None, bad, policy="keydiff", budget=10)
+        with pytest.raises(error, match="input_ids"):
+            tt.prefill(None, bad, cache())
+    for call in (lambda m: tt.generate(None, ids, policy="keydiff", budget=10, attention_mask=m),
+                 lambda m: tt.prefill(None, ids, cache(), attention_mask=m)):
+        for mask in (torch.ones(1, 3), torch.ones(2, 4), [[1, 1, 1, 1]]):
+            with pytest.raises(ValueError, match="attention_mask"):
+                call(mask)
+    for name in ("cache", "past_key_values"):  # generate makes its own: another one would be dropped
+        with pytest.raises(ValueError, match=name):
+            tt.generate(None, ids, policy="keydiff", budget=10, **{name: cache()})
+    with pytest.raises(TypeError, match="cache"):
+        tt.prefill(None, ids, None)
+    for mode in ("after_prefill", "blockwise"):
+        with pytest.raises(ValueError, match="decode_every"):
+            cache(mode=mode, decode_every=8)
+    with pytest.raises(ValueError, match="logits"):
+        tt.decode(None, cache(), torch.zeros(8), 1)
+    with pytest.raises(ValueError, match="context_ids"):
+        tt.answer(None, torch.zeros(2, 4, dtype=torch.long), [ids], policy="keydiff", budget=10)
+    with pytest.raises(ValueError, match=r"questions.*split"):
+        tt.answer(None, ids, torch.zeros(2, 3, dtype=torch.long), policy="keydiff", budget=10)
+    with pytest.raises(ValueError, match=r"questions\[1\]"):
+        tt.answer(None, ids, [ids, ids[0]], policy="keydiff", budget=10)
+    # kvpress's compression_ratio (the fraction removed), and no budget at all
+    for call in (lambda **kw: tt.generate(None, ids, policy="snapkv", **kw),
+                 lambda **kw: tt.make_cache(None, "snapkv", **kw),
+                 lambda **kw: tt.compressing(None, "snapkv", **kw).__enter__()):
+        with pytest.raises(TypeError, match=r"budget = 1 - compression_ratio \(here budget=0.25\)"):
+            call(compression_ratio=0.75)
+        with pytest.raises(TypeError, match="missing the budget"):
+            call()
+    for not_a_model in (torch.nn.Linear(2, 2), "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        with pytest.raises(TypeError, match="loaded transformers model"):
+            tt.make_cache(not_a_model, "keydiff", 10)
+        with pytest.raises(TypeError, match="loaded transformers model"):
+            with tt.use_tritonkv(not_a_model):
+                pass
+
+
+def test_decode_reads_prefills_logits_and_any_cache():
+    """``decode`` takes ``prefill``'s ``[B, T, V]`` logits as they come (their last position) and ``prefill`` any
+    transformers cache: the tokens of the ``[B, V]`` logits and of a ``DynamicCache`` fed alike."""
+    from transformers import DynamicCache
+
+    from benchmarks.common import random_llama
+
+    model = random_llama()
+    ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for cache, last in ((tt.make_cache(model, "keydiff", 100), False), (tt.make_cache(model, "keydiff", 100), True),
+                        (DynamicCache(), False)):
+        logits = tt.prefill(model, ids, cache, logits_to_keep=3)
+        runs.append(tt.decode(model, cache, logits[:, -1] if last else logits, 5))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
 # ------------------------------------------------------------------------------------------------
 # needle by likelihood (docs/architecture.md, "The real model and the needle check")
 

@@ -52,7 +52,7 @@ def get_policy(policy) -> "Policy":
     raise TypeError(f"policy must be a name or a tritonkv.policies.Policy, got {type(policy).__name__}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Policy:
     """Base class. ``sink`` first tokens and ``window`` last tokens are always kept (inside the budget)."""
 

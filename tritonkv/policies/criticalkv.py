@@ -80,7 +80,7 @@ def _check_fraction(name: str, v, lo: float, hi: float) -> None:
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class CriticalKV(Policy):
     """CriticalKV over ``base`` (default ``SnapKV()``: window 32, max-pool 7): stage-1 fraction
     ``alpha`` of the selectable budget by the base scores, the rest by (s + ``eps``)·‖v W_O‖₁

@@ -10,7 +10,7 @@ from .snapkv import WindowAttentionPolicy
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class H2O(WindowAttentionPolicy):
     """H2O-style: attention received from the last W = 32 queries, summed over the rows (no pooling).
 

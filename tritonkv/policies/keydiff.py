@@ -13,7 +13,7 @@ from .base import Policy, register_policy
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class KeyDiff(Policy):
     """KeyDiff: score ``−cos(k_i, a)`` with the anchor a over all n tokens of the row.
 

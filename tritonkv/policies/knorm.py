@@ -12,7 +12,7 @@ from .base import Policy, register_policy
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Knorm(Policy):
     """Knorm: score ``−‖k_i‖₂`` (fp32). No sink and no window by default; both are accepted.
 

@@ -31,7 +31,7 @@ from .base import Policy, register_policy
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class LagKV(Policy):
     """LagKV: sink S, lag L, keep ratio r (paper mode), raw cross-partition scores with ``cross_scoring``.
 

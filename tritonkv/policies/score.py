@@ -107,7 +107,7 @@ def _sequential_order(hd: torch.Tensor) -> torch.Tensor:
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class ScoreSelect(Policy):
     """SCORE's redundancy-penalised selection over ``base`` (default ``SnapKV(kernel_size=1)``).
 

@@ -23,7 +23,7 @@ def _positive_int(name: str, v) -> None:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class WindowAttentionPolicy(Policy):
     """Settings of the window-attention family.
 
@@ -121,7 +121,7 @@ class WindowAttentionPolicy(Policy):
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class SnapKV(WindowAttentionPolicy):
     """SnapKV: window W = 32, max-pool κ = 7, mean over the window rows and the query group (the
     AdaKV/CriticalKV setting). SnapKV's own code and kvpress use ``pool="avg"`` (kvpress: W = 64,

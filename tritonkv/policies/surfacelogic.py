@@ -11,7 +11,7 @@ from .snapkv import WindowAttentionPolicy
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class SurfaceLogicKV(WindowAttentionPolicy):
     """SurfaceLogicKV's per-head selection: W = 32, mean window attention, no pooling by default
     (the text mentions none; HeadKV's code max-pools with κ = 7: ``kernel_size=7``). Per-head

@@ -10,7 +10,7 @@ from .snapkv import WindowAttentionPolicy
 
 
 @register_policy
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class TOVA(WindowAttentionPolicy):
     """TOVA: the last query's attention over the keys. ``head_reduce="group"`` (default, alias of
     ``"mean"``: the mean over each KV head's query group, the KeyDiff paper's GQA treatment) or

@@ -456,8 +456,12 @@ NO_ATTENTION_LAYERS = ("moe", "mlp")  # layer types with no attention (no cache 
 
 
 def text_config(model):
-    """The config of ``model``'s decoder (a multimodal model's text config, e.g. Gemma 3's ``text_config``)."""
-    config = model.config
+    """The config of ``model``'s decoder (a multimodal model's text config, e.g. Gemma 3's ``text_config``); a
+    TypeError for what is not a loaded transformers model (a module without a config, a model id)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
+        raise TypeError(f"model must be a loaded transformers model (e.g. AutoModelForCausalLM.from_pretrained(...)), "
+                        f"got {type(model).__name__}")
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
@@ -565,6 +569,7 @@ def use_tritonkv(model):
     """Run ``model`` with ``attn_implementation="tritonkv"`` inside the block (restored afterwards). A model whose
     attention does not go through transformers' ``AttentionInterface`` (transformers then keeps its own attention
     and only logs a warning) is a NotImplementedError: its cache would never be compressed."""
+    text_config(model)  # a TypeError for what is not a transformers model
     old = model.config._attn_implementation
     drop_hand_over()
     if old != ATTN_IMPLEMENTATION:

@@ -888,6 +888,9 @@ class TritonKVCache(Cache):
         if decode_every is not None and (isinstance(decode_every, bool) or not isinstance(decode_every, int)
                                          or decode_every < 1):
             raise ValueError(f"decode_every must be a positive int or None, got {decode_every!r}")
+        if decode_every is not None and mode != "decoding":
+            raise ValueError(f"decode_every={decode_every} sets how often mode='decoding' compresses while decoding; "
+                             f"mode={mode!r} never compresses after the prompt: drop it or use mode='decoding'")
         if prompt_length is not None and (isinstance(prompt_length, bool) or not isinstance(prompt_length, int)
                                           or prompt_length < 1):
             raise ValueError(f"prompt_length must be a positive int or None, got {prompt_length!r}")

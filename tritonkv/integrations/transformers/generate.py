@@ -6,10 +6,12 @@ import copy
 import dataclasses
 import functools
 import inspect
+import numbers
 from typing import Optional
 
 import torch
 
+from ...api import _REQUIRED
 from ...kernels._common import check_int
 from .attention import check_model, text_config, use_tritonkv
 from .cache import TritonKVCache
@@ -39,10 +41,49 @@ def output_cache(out):
     return out.cache if "cache" in names else getattr(out, "past_key_values", None)
 
 
-def make_cache(model, policy, budget, *, mode="after_prefill", allocation=None, block_size=128,
+def _check_ids(name: str, ids, batch: Optional[int] = None) -> None:
+    """``ids``: token ids, a 2-D integer tensor ``[B, T]`` with ``T >= 1`` (and ``B == batch`` when given); else a
+    TypeError or ValueError naming ``name``."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch tensor of token ids [B, T], got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got {ids.dtype}")
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"{name} must be token ids [B, T] with T >= 1 (a 1-D prompt: ids[None]), got shape "
+                         f"{tuple(ids.shape)}")
+    if batch is not None and ids.shape[0] != batch:
+        raise ValueError(f"{name} must hold {batch} row(s) [{batch}, T], got shape {tuple(ids.shape)}")
+
+
+def _check_mask(attention_mask, columns: int, input_ids) -> None:
+    """``attention_mask`` (None, or ``[B, columns]`` for ``input_ids`` ``[B, T]``): else a ValueError."""
+    if attention_mask is None:
+        return
+    want = (input_ids.shape[0], columns)
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != want:
+        raise ValueError(f"attention_mask must be [B, {columns}] (the tokens already seen plus input_ids), got "
+                         f"{tuple(getattr(attention_mask, 'shape', ())) or type(attention_mask).__name__}")
+
+
+def _check_budget(fn: str, budget, kwargs: dict) -> None:
+    """A budget given, and no kvpress ``compression_ratio`` (the fraction removed) beside or instead of it: else a
+    TypeError saying what the budget is."""
+    ratio = kwargs.get("compression_ratio")
+    if "compression_ratio" in kwargs:
+        here = f" (here budget={1 - float(ratio):.6g})" if isinstance(ratio, numbers.Real) and \
+            not isinstance(ratio, bool) and 0 <= ratio < 1 else ""
+        raise TypeError(f"{fn}() takes no compression_ratio: kvpress's compression_ratio is the fraction removed, "
+                        f"tritonkv's budget the fraction kept: budget = 1 - compression_ratio{here}")
+    if budget is _REQUIRED:
+        raise TypeError(f"{fn}() missing the budget: tokens kept per (batch row, KV head) as an int, or the "
+                        f"fraction of the prompt kept as a float in (0, 1]")
+
+
+def make_cache(model, policy, budget=_REQUIRED, *, mode="after_prefill", allocation=None, block_size=128,
                decode_every=None, prompt_length=None, **kwargs) -> TritonKVCache:
     """A ``TritonKVCache`` for ``model`` (its decoder's layer count filled in; a multimodal model's text config).
     A model whose layers the cache cannot hold is a NotImplementedError here (``check_model``)."""
+    _check_budget("make_cache", budget, kwargs)
     check_model(model)
     return TritonKVCache(policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                          decode_every=decode_every, prompt_length=prompt_length,
@@ -111,15 +152,17 @@ def prefill(model, input_ids, cache: TritonKVCache, *, attention_mask=None, bloc
     blocks start at its first real token (forwards end wherever some row's block ends; a row compresses only at
     its own block ends): every row keeps what it would keep alone."""
     check_int("forward_tokens", forward_tokens, 1)
+    _check_ids("input_ids", input_ids)
+    if not hasattr(cache, "get_seq_length"):
+        raise TypeError(f"cache must be a transformers cache (a TritonKVCache from make_cache, or any Cache), got "
+                        f"{type(cache).__name__}")
     B, T = input_ids.shape
     if block_size is None:
-        block_size = cache.block_size if cache.mode == "blockwise" else T
+        block_size = cache.block_size if getattr(cache, "mode", None) == "blockwise" else T
     check_int("block_size", block_size, 1)
     start0 = cache.get_seq_length()
     full_mask = attention_mask
-    if attention_mask is not None and attention_mask.shape[1] != start0 + T:
-        raise ValueError(f"attention_mask must cover the tokens already seen plus input_ids "
-                         f"({start0 + T} columns), got {attention_mask.shape[1]}")
+    _check_mask(attention_mask, start0 + T, input_ids)
     return _feed(model, input_ids, cache, full_mask, start0, _row_blocks(full_mask, start0, T, block_size),
                  logits_to_keep, progress, forward_tokens)
 
@@ -156,7 +199,7 @@ def _feed(model, input_ids, cache, full_mask, start0: int, blocks, logits_to_kee
     return out.logits
 
 
-def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", allocation=None,
+def generate(model, input_ids, *, policy, budget=_REQUIRED, mode: str = "after_prefill", allocation=None,
              block_size: int = 128, decode_every: Optional[int] = None, attention_mask=None,
              cache_kwargs: Optional[dict] = None, return_cache: bool = False,
              forward_tokens: int = FORWARD_TOKENS, **generate_kwargs):
@@ -167,6 +210,13 @@ def generate(model, input_ids, *, policy, budget, mode: str = "after_prefill", a
     sampling, left-padded batches with ``attention_mask``). Returns the generated ids (and the cache with
     ``return_cache``)."""
     check_int("forward_tokens", forward_tokens, 1)
+    _check_budget("generate", budget, generate_kwargs)
+    _check_ids("input_ids", input_ids)
+    _check_mask(attention_mask, input_ids.shape[1], input_ids)
+    own = sorted(k for k in ("cache", "past_key_values") if k in generate_kwargs)
+    if own:
+        raise ValueError(f"generate makes its own TritonKVCache, so it takes no {own[0]}: for a cache of your own "
+                         f"call model.generate inside use_tritonkv(model) (or compressing(model, ...))")
     cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                        decode_every=decode_every, prompt_length=input_ids.shape[1], **(cache_kwargs or {}))
     if attention_mask is None:
@@ -208,9 +258,15 @@ def _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size: in
 @torch.no_grad()
 def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eos_token_id=None, progress=None):
     """Greedy decoding from a prefilled ``cache`` (ours, or any transformers cache) given the last logits
-    ``[B, V]``: returns the new token ids ``[B, <= max_new_tokens]``. RoPE positions continue from the tokens
-    seen; with the prompt's ``attention_mask`` ``[B, T]`` (a left-padded batch) from each row's real tokens."""
+    ``[B, V]`` (or ``prefill``'s ``[B, T, V]``, whose last position is read): returns the new token ids
+    ``[B, <= max_new_tokens]``. RoPE positions continue from the tokens seen; with the prompt's ``attention_mask``
+    ``[B, T]`` (a left-padded batch) from each row's real tokens."""
     check_int("max_new_tokens", max_new_tokens, 1)
+    if not isinstance(logits, torch.Tensor) or logits.dim() not in (2, 3):
+        raise ValueError(f"logits must be the last logits [B, V] (or prefill's [B, T, V]), got "
+                         f"{tuple(getattr(logits, 'shape', ())) or type(logits).__name__}")
+    if logits.dim() == 3:
+        logits = logits[:, -1]
     B = logits.shape[0]
     real = None if attention_mask is None else attention_mask.long().sum(-1, keepdim=True).to(logits.device)
     out = []
@@ -234,8 +290,9 @@ def decode(model, cache, logits, max_new_tokens: int, *, attention_mask=None, eo
 
 
 @contextlib.contextmanager
-def compressing(model, policy, budget, *, mode: str = "after_prefill", allocation=None, block_size: int = 128,
-                decode_every: Optional[int] = None, forward_tokens: int = FORWARD_TOKENS, **cache_kwargs):
+def compressing(model, policy, budget=_REQUIRED, *, mode: str = "after_prefill", allocation=None,
+                block_size: int = 128, decode_every: Optional[int] = None, forward_tokens: int = FORWARD_TOKENS,
+                **cache_kwargs):
     """kvpress's ``with press(model): model.generate(...)``: inside the block, every ``model.generate`` call that
     passes no cache of its own gets a fresh ``TritonKVCache`` (``policy``, ``budget`` as a fraction of that call's
     prompt, ``mode``, ``allocation``) and the ``"tritonkv"`` attention function; in blockwise mode every block of
@@ -248,6 +305,7 @@ def compressing(model, policy, budget, *, mode: str = "after_prefill", allocatio
             out = model.generate(input_ids, max_new_tokens=64)
     """
     check_int("forward_tokens", forward_tokens, 1)
+    _check_budget("compressing", budget, cache_kwargs)
     make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                decode_every=decode_every, **cache_kwargs)  # argument checks now, not at the first call
     stock = model.generate
@@ -294,8 +352,14 @@ def answer(model, context_ids, questions, *, policy, budget, max_new_tokens: int
     (the question's tokens are not evicted). ``budget`` is tokens per head (int) or a fraction of the context
     (float). Returns one tensor of new token ids ``[1, <= max_new_tokens]`` per question. With a budget >= N the
     answers equal greedy decoding of context + question with the full cache."""
+    _check_ids("context_ids", context_ids, batch=1)
     if not isinstance(questions, (list, tuple)):
+        if isinstance(questions, torch.Tensor) and questions.dim() == 2 and questions.shape[0] > 1:
+            raise ValueError(f"questions must be one [1, T_q] tensor or a list of them, got a "
+                             f"{tuple(questions.shape)} tensor (several questions: list(questions.split(1)))")
         questions = [questions]
+    for i, q in enumerate(questions):
+        _check_ids(f"questions[{i}]", q, batch=1)
     cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                        prompt_length=context_ids.shape[1], **cache_kwargs)
     prefill(model, context_ids, cache)
