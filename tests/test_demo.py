@@ -34,10 +34,12 @@ def test_rows_measure_memory(tiny_run):
         assert r["kept_tokens"] == 64  # 25% of 256
         assert r["peak_tokens"] == 64 + 64  # the budget plus one block
         assert r["kv_bytes"] == 64 * 2 * 2 * 16 * 2 * 4  # memory_bytes(): K+V of the kept tokens
-        assert r["kv_bytes"] < r["kept_bytes"] < full["kept_bytes"]  # nbytes adds positions, slack (and queries)
+        assert r["kv_bytes"] < r["kept_bytes"] < full["kept_bytes"]  # nbytes adds positions and slack
         assert r["peak_bytes"] == 128 * 2 * 2 * 16 * 2 * 4
         assert 1 <= r["rank"] <= 10 and r["decode_ms"] > 0 and r["prefill_tok_s"] > 0
-    assert comp[1]["queries"] > 0 and comp[0]["queries"] == 0  # snapkv keeps its query window, keydiff none
+    # the queries a layer holds once the prompt is read: none (a block-wise cache that knows the prompt's length
+    # drops snapkv's window of queries after the prompt's last compression)
+    assert comp[1]["queries"] == comp[0]["queries"] == 0
 
 
 def test_output_has_table_legend_and_plot(tiny_run):
@@ -47,7 +49,8 @@ def test_output_has_table_legend_and_plot(tiny_run):
     for col in ("KV kept", "KV peak", "key rank", "greedy answer", "key?", "prefill", "decode"):
         assert col in head
     legend = " ".join(text.split())
-    for phrase in ("cache.nbytes", "memory_bytes(peak=True)", "64 + 64 = 128 tokens per head = 50% of the prompt",
+    for phrase in ("cache.nbytes", "memory_bytes(peak=True)",
+                   "min(64 + 64, 256) = 128 tokens per head = 50% of the prompt",
                    "likelihood rank among 10 candidate", "same 64-token blocks", "native PyTorch path"):
         assert phrase in legend, phrase
     pytest.importorskip("matplotlib")
@@ -96,7 +99,10 @@ def _cli(capsys, monkeypatch, *args):
     (["--tokens", "20000"], ["--tokens", "8192"]),
     (["--tokens", "-5"], ["--tokens", "8192"]),
     (["--budget", "1.5"], ["--budget", "(0, 1]"]),
-    (["--block-size", "0"], ["--block-size", "at least 1"]),
+    (["--block-size", "1"], ["--block-size", "at least 2"]),  # a 1-token forward is a decode step
+    # a policy whose protected tokens the budget cannot hold: refused before the model loads
+    (["--budget", "0.01", "--policies", "keydiff,snapkv"], ["--budget 0.01", "7 of 768", "snapkv", "window 32"]),
+    (["--budget", "0.01", "--policies", "lagkv"], ["--budget 0.01", "lagkv", "LagKV's protected tokens"]),
     (["--depth", "2"], ["--depth", "[0, 1]"]),
     (["--policies", "keydiff,snapvk"], ["unknown policy 'snapvk'", "did you mean 'snapkv'"]),
     (["--policies", ","], ["--policies", "snapkv"]),
@@ -130,7 +136,7 @@ def test_a_setting_the_run_refuses_is_one_line(capsys, monkeypatch):
         raise ValueError("budget 7 is smaller than the protected tokens of 'snapkv' (sink 0 + window 32)")
 
     monkeypatch.setattr(demo, "run", refuse)
-    assert main(["demo", "--device", "cpu", "--budget", "0.01"]) == 2
+    assert main(["demo", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["tritonkv demo: error: budget 7 is smaller than the protected tokens of 'snapkv' (sink 0 + window 32)"]
 

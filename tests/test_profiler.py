@@ -124,3 +124,25 @@ def test_profiler_on_real_model():
     assert p.grid["lengths"] == [384] and p.grid["layers"] == [0, 14]
     q = profile_infsc(model, tok, **kw)
     assert torch.equal(p.infsc_query_heads, q.infsc_query_heads) and torch.equal(p.wd, q.wd)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--lengths", "abc"], ["--lengths", "comma-separated numbers"]),
+    (["--lengths", "20000"], ["--lengths", "8192"]),
+    (["--depths", "2"], ["--depths", "[0, 1]"]),
+    (["--steps", "9"], ["--steps", "between 1 and 5"]),
+    (["--trials", "0"], ["--trials", "at least 1"]),
+    (["--layers", "0"], ["--layers", "at least 1"]),
+])
+def test_bad_arguments_are_one_line_errors_before_the_model_loads(capsys, monkeypatch, args, words):
+    """``tritonkv profile`` with arguments it cannot run with: one line on stderr, status 2, and the model is
+    never loaded (the checks come first)."""
+    from tritonkv.__main__ import main
+    from tritonkv.integrations import model
+
+    monkeypatch.setattr(model, "load_smollm2", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["profile", "--out", "unused.json", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tritonkv profile: error: "), err
+    for w in words:
+        assert w in err[0], (w, err[0])

@@ -111,8 +111,8 @@ def _legend(rows, n_tokens: int, budget: float, block_size: int, key: str, devic
              + (f"; window policies also keep the queries they score with ({readers})." if readers else ".")),
             ("KV peak", "the most K+V held at once (cache.memory_bytes(peak=True)). Block-wise, the cache takes in a "
              f"whole {block_size}-token block before evicting back to the budget, so it peaks at the budget plus one "
-             f"block: {k} + {block_size} = {peak_tok} tokens per head = {100 * peak_tok / n_tokens:.0f}% of the "
-             "prompt. The full cache keeps every token (kept = peak).")]
+             f"block, at most the prompt: min({k} + {block_size}, {n_tokens}) = {peak_tok} tokens per head = "
+             f"{100 * peak_tok / n_tokens:.0f}% of the prompt. The full cache keeps every token (kept = peak).")]
     else:
         entries.append(("KV kept/peak", "the full cache's keys and values: every token of the prompt."))
     where = "the same native PyTorch path (SDPA)" if device == "cpu" else "the same device"
@@ -151,8 +151,7 @@ def _plot(curves, path: str, n_tokens: int, budget: float, block_size: int, out=
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("KV cache held after the prompt (MB, cache.nbytes)")
     ax.set_title(f"SmolLM2-135M KV cache, budget {budget:.0%} of the prompt, {block_size}-token blocks\n"
-                 "(one budget, one memory: most policies' lines overlap; window policies add their queries)",
-                 fontsize=9)
+                 "(one budget, one memory: the policies' lines overlap)", fontsize=9)
     ax.set_xlim(0, n_tokens * 1.02)
     ax.set_ylim(0, None)
     ax.grid(alpha=0.3)
@@ -229,7 +228,10 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
         name = type(model).__name__
     t_loaded = time.perf_counter()
     subject = SUBJECTS[seed % len(SUBJECTS)]
-    case = build_case(tok, n_tokens, depth=depth, seed=seed, source=haystack, subject=subject)
+    try:
+        case = build_case(tok, n_tokens, depth=depth, seed=seed, source=haystack, subject=subject)
+    except ValueError as e:
+        raise ValueError(f"--tokens {n_tokens}: {e}") from None
     names = [p for p in policies if p in POLICIES]
     missing = [p for p in policies if p not in POLICIES]
     on = f"{device}, {n_threads} thread{'s' * (n_threads != 1)}" if device == "cpu" else device
@@ -323,7 +325,8 @@ def _run(device, n_tokens, budget, block_size, policies, new_tokens, depth, seed
             finish(label, cache, logits, t_prefill, cache.nbytes, cache.memory_bytes(peak=True),
                    cache.memory_bytes(), max(kept), max(layer.peak for layer in cache.layers),
                    lambda: use_tritonkv(model), slack=cache.layers[0].capacity - cache.layers[0].n,
-                   queries=cache.q_window if cache._wants_queries else 0)
+                   queries=max((q.shape[-2] for q in (getattr(layer, "queries", None) for layer in cache.layers)
+                                if q is not None), default=0))  # the queries a layer still holds (none: 0)
     if bar is not None:
         bar.close()
     out(_fmt_rows(rows))
@@ -364,7 +367,8 @@ def check_args(a) -> None:
                          f"got {a.tokens}")
     if not 0 < a.budget <= 1:
         raise ValueError(f"--budget is the fraction of the prompt kept and must lie in (0, 1], got {a.budget}")
-    for name, v, lo in (("--block-size", a.block_size, 1), ("--new-tokens", a.new_tokens, 1), ("--threads", a.threads, 0)):
+    for name, v, lo in (("--block-size", a.block_size, 2), ("--new-tokens", a.new_tokens, 1),
+                        ("--threads", a.threads, 0)):
         if v < lo:
             raise ValueError(f"{name} must be at least {lo}, got {v}")
     if not 0 <= a.depth <= 1:
@@ -376,6 +380,28 @@ def check_args(a) -> None:
         if n not in POLICIES:
             raise ValueError(f"--policies: unknown policy {n!r}{did_you_mean(n, POLICIES)} "
                              f"(policies: {', '.join(sorted(POLICIES))})")
+    _check_budget_fits(a, names)
+
+
+def _check_budget_fits(a, names) -> None:
+    """Each policy's protected tokens fit the budget in every region the block-wise prefill compresses (its
+    budget plus up to one block), before the model loads: else the ValueError ``compress`` would raise midway."""
+    from . import resolve_budget
+
+    cuda = a.device.startswith("cuda") or a.device == "auto" and torch.cuda.is_available()
+    n = a.tokens or (6144 if cuda else CPU_TOKENS)
+    k = resolve_budget(a.budget, n)
+    for name in names:
+        pol = _policy(name, n)
+        for region in range(k + 1, min(k + a.block_size, n) + 1):
+            try:
+                sink, window = pol.protected(region, k)
+            except ValueError as e:
+                raise ValueError(f"--budget {a.budget} ({k} of {n} tokens per head) is too small for {name}: {e}") \
+                    from None
+            if sink + window > k:
+                raise ValueError(f"--budget {a.budget} ({k} of {n} tokens per head) is smaller than the protected "
+                                 f"tokens of {name} (sink {sink} + window {window}); raise --budget")
 
 
 def main(argv=None) -> int:

@@ -107,7 +107,9 @@ class Cake(Allocator):
 @dataclasses.dataclass
 class Fixed(Allocator):
     """Precomputed selectable budgets (``[L, H]`` or ``[L, B, H]``), e.g. from ``score_budgets``;
-    each layer's row is returned, clamped to ``[0, avail]``."""
+    each layer's row is returned, clamped to ``[0, avail]``. The table is the allocation: ``compress``'s
+    budget does not scale it (it sets only the policy's protected tokens, which every head keeps beside
+    its entry)."""
 
     name = "fixed"
     tp_mode = "replicated"  # every head's budget from shapes and replicated inputs: no collective

