@@ -459,7 +459,7 @@ def text_config(model):
     """The config of ``model``'s decoder (a multimodal model's text config, e.g. Gemma 3's ``text_config``); a
     TypeError for what is not a loaded transformers model (a module without a config, a model id)."""
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "num_hidden_layers") and not hasattr(config, "get_text_config"):
+    if config is None:
         raise TypeError(f"model must be a loaded transformers model (e.g. AutoModelForCausalLM.from_pretrained(...)), "
                         f"got {type(model).__name__}")
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
