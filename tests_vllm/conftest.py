@@ -68,7 +68,7 @@ def scenario(model_dirs, tmp_path_factory):
     """``scenario(name)``: the JSON of ``engine_run.py`` for a scenario on the tiny Llama, or ``"hybrid:KIND"`` for
     the ``hybrid`` scenario on the tiny model ``KIND``."""
     tmp = str(tmp_path_factory.mktemp("engines"))
-    settings = {"compressed": dict(in_process=True), "bad": dict(in_process=True),
+    settings = {"compressed": dict(in_process=True), "bad": dict(in_process=True), "preempted": dict(in_process=True),
                 "full": dict(in_process=False), "stock": dict(in_process=True, plugins=False),
                 # one CPU per worker: vLLM's automatic binding wants a NUMA node per worker
                 "tp2": dict(in_process=False, env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, two_cpus()))})}

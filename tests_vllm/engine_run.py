@@ -34,6 +34,8 @@ SHORT = ("short", 30, 4, 20)  # 50 tokens: under the budget
 CONCURRENT = [("c300", 300, 5, 24), ("c90", 90, 6, 24), ("c420", 420, 9, 24)]
 REUSE = [("long", 400, 7, 40), ("late", 40, 8, 8)]
 AGAIN = ("again", 150, 2, 16)  # the prompt of s150 again: vLLM's prefix cache (on) must not serve compressed blocks
+#: three requests whose 264 tokens each (9 blocks) the pool cannot hold at once: vLLM preempts and recomputes
+PREEMPTED = [("p1", 200, 11, 64), ("p2", 200, 12, 64), ("p3", 200, 13, 64)]
 POLICY = {"policy": "keydiff", "budget": BUDGET}
 
 
@@ -97,6 +99,25 @@ def tp2(model: str) -> dict:
         out = llm.generate([{"prompt_token_ids": H.prompt(n, seed)}], params, use_tqdm=False)[0]
         tokens[rid] = list(out.outputs[0].token_ids)
     return dict(tokens=tokens)
+
+
+def preempted(model: str) -> dict:
+    """``PREEMPTED`` at a budget no request reaches, on the ``POOL``-block pool (vLLM preempts a request and later
+    recomputes it from its prompt and generated tokens) and on one that holds them all: tokens, computed-token
+    counts, and the free blocks before and after."""
+    out = {}
+    for name, pool in (("small", POOL), ("large", 4 * POOL)):
+        llm = _llm(model, {**POLICY, "budget": 100_000}, num_gpu_blocks_override=pool,
+                   max_num_batched_tokens=2 * H.BLOCK, max_model_len=448)
+        rec = H.Recorder(llm)
+        free = rec.pool.get_num_free_blocks()
+        for rid, n, seed, t in PREEMPTED:
+            rec.add(rid, H.prompt(n, seed), t)
+        rec.run()
+        out[name] = dict(tokens=rec.tokens, computed=rec.computed, free_before=free,
+                         free_after=rec.pool.get_num_free_blocks())
+        del rec, llm
+    return out
 
 
 def generate(model: str, cfg) -> dict:
@@ -167,6 +188,8 @@ def main(argv) -> None:
         res = hybrid(model)
     elif scenario == "tp2":
         res = tp2(model)
+    elif scenario == "preempted":
+        res = preempted(model)
     elif scenario == "bad":
         res = bad(model)
     else:

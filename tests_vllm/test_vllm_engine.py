@@ -8,7 +8,7 @@ another request in the same run.
 """
 import helpers as H
 import pytest
-from engine_run import AGAIN, BUDGET, CONCURRENT, POLICY, SEQUENTIAL, SHORT
+from engine_run import AGAIN, BUDGET, CONCURRENT, POLICY, PREEMPTED, SEQUENTIAL, SHORT
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +102,17 @@ def test_prefix_cache_serves_no_compressed_block(run):
     assert run["prompts"][rid] == run["prompts"][first]
     assert run["cached"][rid] == 0
     assert run["tokens"][rid] == run["tokens"][first]
+
+
+def test_a_preempted_request_is_recomputed_with_the_same_tokens(scenario):
+    """Three requests the pool cannot hold at once, at a budget none reaches: vLLM preempts one (its computed
+    tokens drop) and recomputes it from its prompt and generated tokens; every request gives the tokens of the same
+    requests on a pool that holds them all, and every block comes back."""
+    run = scenario("preempted")
+    small, large = run["small"], run["large"]
+    assert any(b < a for c in small["computed"].values() for a, b in zip(c, c[1:])), "nothing was preempted"
+    assert not any(b < a for c in large["computed"].values() for a, b in zip(c, c[1:]))
+    for rid, _, _, t in PREEMPTED:
+        assert len(small["tokens"][rid]) == t and small["tokens"][rid] == large["tokens"][rid], rid
+    for r in (small, large):
+        assert r["free_after"] == r["free_before"]
