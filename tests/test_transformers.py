@@ -352,7 +352,7 @@ def test_bad_inputs_of_the_entry_points():
     for call in (lambda **kw: tt.generate(None, ids, policy="snapkv", **kw),
                  lambda **kw: tt.make_cache(None, "snapkv", **kw),
                  lambda **kw: tt.compressing(None, "snapkv", **kw).__enter__()):
-        with pytest.raises(TypeError, match=r"budget = 1 - compression_ratio \(here budget=0.25\)"):
+        with pytest.raises(TypeError, match=r"budget = 1 - compression_ratio \(here 0.25: .*budget=0.25\)"):
             call(compression_ratio=0.75)
         with pytest.raises(TypeError, match="missing the budget"):
             call()

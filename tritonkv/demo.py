@@ -392,16 +392,9 @@ def _check_budget_fits(a, names) -> None:
     n = a.tokens or (6144 if cuda else CPU_TOKENS)
     k = resolve_budget(a.budget, n)
     for name in names:
-        pol = _policy(name, n)
-        for region in range(k + 1, min(k + a.block_size, n) + 1):
-            try:
-                sink, window = pol.protected(region, k)
-            except ValueError as e:
-                raise ValueError(f"--budget {a.budget} ({k} of {n} tokens per head) is too small for {name}: {e}") \
-                    from None
-            if sink + window > k:
-                raise ValueError(f"--budget {a.budget} ({k} of {n} tokens per head) is smaller than the protected "
-                                 f"tokens of {name} (sink {sink} + window {window}); raise --budget")
+        error = _policy(name, n).unprotected(k, range(k + 1, min(k + a.block_size, n) + 1))
+        if error:
+            raise ValueError(f"--budget {a.budget} ({k} of {n} tokens per head) is too small for {name}: {error}")
 
 
 def main(argv=None) -> int:

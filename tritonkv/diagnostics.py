@@ -137,17 +137,24 @@ def _settings(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
+def ratio_hint(ratio, call: str) -> str:
+    """What kvpress's ``compression_ratio`` is to a tritonkv budget, with ``call`` (a format string taking the
+    budget, e.g. ``"compress(kv, policy, {})"``) at this ratio's budget when it is a ratio in [0, 1)."""
+    here = ""
+    if isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and 0 <= float(ratio) < 1:
+        b = f"{1 - float(ratio):.6g}"
+        here = f" (here {b}: {call.format(b)})"
+    return (f"kvpress's compression_ratio is the fraction removed; tritonkv's budget is the fraction kept: "
+            f"budget = 1 - compression_ratio{here}")
+
+
 def _unknown_input(name: str, value, pol, alloc, known) -> str:
     """Why ``compress(..., name=value)`` is not accepted, and what was probably meant."""
     from .allocation import ALLOCATORS
 
     v = _short(value)
     if name == "compression_ratio":
-        here = ""
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 <= float(value) < 1:
-            here = f" (here {1 - float(value):.6g}: compress(kv, policy, {1 - float(value):.6g}))"
-        return (f"'compression_ratio' (kvpress's compression_ratio is the fraction removed; tritonkv's budget is "
-                f"the fraction kept: budget = 1 - compression_ratio{here})")
+        return f"'compression_ratio' ({ratio_hint(value, 'compress(kv, policy, {})')})"
     pcls = type(pol) if pol is not None else None
     if pcls is not None and name in _settings(pcls):
         return (f"{name!r} ({name}={v} is a setting of the policy {pol.name!r}, not an input of compress(): pass "

@@ -79,6 +79,20 @@ class Policy:
         sink = min(self.sink, n)
         return sink, min(self.window, n - sink)
 
+    def unprotected(self, budget: int, lengths) -> str | None:
+        """Why a budget does not hold the protected tokens (``protected``) of a row of some length in ``lengths``
+        (the rows a caller's compressions will see), or None when it holds them in every one: the check behind a
+        setting refused before anything runs (the vLLM plugin's, the demo's)."""
+        for n in lengths:
+            try:
+                sink, window = self.protected(n, budget)
+            except ValueError as e:  # a policy that refuses the budget itself (LagKV)
+                return str(e)
+            if sink + window > budget:
+                return (f"budget {budget} is smaller than the protected tokens of {self.name!r} (sink {sink} + "
+                        f"window {window})")
+        return None
+
     # -- scoring -------------------------------------------------------------------------------
     def score(self, keys: torch.Tensor, values: torch.Tensor, **inputs) -> torch.Tensor:
         """fp32 scores ``[B, H_kv, N]``, higher means keep."""

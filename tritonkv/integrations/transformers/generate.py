@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import functools
 import inspect
-import numbers
 from typing import Optional
 
 import torch
@@ -68,12 +67,11 @@ def _check_mask(attention_mask, columns: int, input_ids) -> None:
 def _check_budget(fn: str, budget, kwargs: dict) -> None:
     """A budget given, and no kvpress ``compression_ratio`` (the fraction removed) beside or instead of it: else a
     TypeError saying what the budget is."""
-    ratio = kwargs.get("compression_ratio")
     if "compression_ratio" in kwargs:
-        here = f" (here budget={1 - float(ratio):.6g})" if isinstance(ratio, numbers.Real) and \
-            not isinstance(ratio, bool) and 0 <= ratio < 1 else ""
-        raise TypeError(f"{fn}() takes no compression_ratio: kvpress's compression_ratio is the fraction removed, "
-                        f"tritonkv's budget the fraction kept: budget = 1 - compression_ratio{here}")
+        from ...diagnostics import ratio_hint
+
+        raise TypeError(f"{fn}() takes no compression_ratio: "
+                        + ratio_hint(kwargs["compression_ratio"], f"{fn}(..., budget={{}})"))
     if budget is _REQUIRED:
         raise TypeError(f"{fn}() missing the budget: tokens kept per (batch row, KV head) as an int, or the "
                         f"fraction of the prompt kept as a float in (0, 1]")

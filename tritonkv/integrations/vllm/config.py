@@ -132,17 +132,10 @@ def parse_config(raw: Any) -> Optional[TritonKVConfig]:
 
 
 def _unprotected(pol, keep: int) -> Optional[str]:
-    """Why keeping ``keep`` tokens of a region does not hold the policy's protected ones, for some region a
-    compression can see (``keep + 1`` tokens up to a few lags more), or None when it always does."""
+    """``Policy.unprotected`` over every region a compression that keeps ``keep`` tokens can see: ``keep + 1``
+    tokens up to a few lags more."""
     lag = getattr(pol, "lag", 0) if isinstance(getattr(pol, "lag", 0), int) else 0
-    for n in range(keep + 1, keep + 2 + max(256, 4 * lag)):
-        try:
-            sink, window = pol.protected(n, keep)
-        except ValueError as e:
-            return str(e)
-        if sink + window > keep:
-            return f"smaller than the protected tokens of {pol.name!r} (sink {sink} + window {window})"
-    return None
+    return pol.unprotected(keep, range(keep + 1, keep + 2 + max(256, 4 * lag)))
 
 
 def _min_keep(pol) -> int:
