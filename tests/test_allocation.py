@@ -313,6 +313,21 @@ def test_profile_objects():
         HeadKV(profile=p)(shape=(1, 3, 50), budget=10, layer=1, num_layers=5)
 
 
+
+def test_a_profile_written_through_numpy_gives_its_new_budgets():
+    """The table an allocator computes once per profile object follows a write that bumps no version counter (a
+    NumPy view's, ``.data``'s): the budgets are those of the profile as it is at the call."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 4, 200, 16, generator=g), torch.randn(1, 4, 200, 16, generator=g)
+    arr = np.array([[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    prof = torch.from_numpy(arr)
+    lengths = lambda p: tritonkv.compress((k, v), "knorm", 40, allocation="headkv", layer=0, profile=p).lengths
+    before = lengths(prof)
+    arr[0] = [8.0, 0.1, 0.1, 0.1]
+    after, fresh = lengths(prof), lengths(prof.clone())  # a new object: computed anew
+    assert torch.equal(after, fresh) and not torch.equal(after, before), (before, after, fresh)
+
+
 # -- SCORE ---------------------------------------------------------------------------------------------
 def score_case(data):
     rng = rng_of(data)

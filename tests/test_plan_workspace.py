@@ -32,6 +32,34 @@ def test_garbage_in_the_workspace_changes_nothing():
     assert res["cases"] == 8 and res["repeats"] == 16 and res["kept_tensors"] > 30, res
 
 
+ALIASED = """
+import json, torch, workspace_check
+workspace_check.interpreted_kernels()
+import tritonkv
+from tritonkv.kernels import _plan
+
+g = torch.Generator().manual_seed(0)
+k1, k2, v2 = (torch.randn(1, 2, 128, 16, generator=g) for _ in range(3))
+for _ in range(2):  # keys that are the values (a key-only caller): seen, then recorded
+    tritonkv.compress((k1, k1), "knorm", 32)
+got = [tritonkv.compress((k2, v2), "knorm", 32), tritonkv.compress((k2, k2), "knorm", 32)]
+counts = dict(_plan.counts)
+_plan._enabled[0] = False
+ref = [tritonkv.compress((k2, v2), "knorm", 32), tritonkv.compress((k2, k2), "knorm", 32)]
+print(json.dumps(dict(counts=counts, same=[workspace_check.same(a, b) for a, b in zip(got, ref)])))
+"""
+
+
+@pytest.mark.skipif(tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9),
+                    reason="Triton < 3.9's interpreter cannot take a scalar argument as a loop bound under NumPy 2")
+def test_a_plan_of_keys_that_are_the_values_serves_no_call_with_other_values():
+    """A plan records each input object as one slot: recorded from ``(k, k)``, it must not serve ``(k2, v2)``
+    (it would score and gather the values), only calls whose inputs coincide the same way."""
+    res = _run(ALIASED)
+    assert res["same"] == [True, True], res
+    assert res["counts"] == {"first": 2, "recorded": 1, "replayed": 1}, res
+
+
 MECHANICS = """
 import json, threading, torch
 from benchmarks.host_time import gpu_path_on_cpu

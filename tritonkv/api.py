@@ -233,6 +233,10 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
             parts.append((name, t, v))
         else:
             return None
+    # which inputs are one object (keys is values, say): a plan records each object as one slot, so it may
+    # serve only calls whose inputs coincide the same way
+    first = {}
+    parts.append(tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors)))
     return tuple(parts), tuple(tensors), tuple(known), kv, inputs
 
 

@@ -144,13 +144,17 @@ def memo(t, key, fn):
     """``fn()``, cached per (the tensor object ``t`` as it is now, ``key``): a table computed from a model-level
     input that every layer passes again (a profile, CAKE's preferences, SCORE's head means) is computed once. An
     in-place change of ``t`` bumps its version and misses the cache; so does a new object. ``t`` may also be a
-    list or tuple of tensors (SCORE's head means, one per layer): cached per those objects as they are. Not
-    cached: anything else, and inference-mode tensors (they have no version counter)."""
+    list or tuple of tensors (SCORE's head means, one per layer): cached per those objects as they are. A write
+    that bumps no version (through a NumPy view or ``.data``) misses it too in small host tensors (up to 4096
+    elements, such as a profile or CAKE's preferences), whose values are part of the key. Not cached: anything
+    else, and inference-mode tensors (they have no version counter)."""
     many = isinstance(t, (list, tuple))
     parts = tuple(t) if many else (t,)
     try:
-        k = (tuple(map(id, parts)), tuple(x._version for x in parts), key)
-    except (AttributeError, RuntimeError):
+        k = (tuple(map(id, parts)), tuple(x._version for x in parts), key,
+             tuple(x.detach().reshape(-1).view(torch.uint8).numpy().tobytes() if x.is_cpu and x.numel() <= 4096
+                   else None for x in parts))
+    except (AttributeError, RuntimeError, TypeError):
         return fn()
     if not many:
         _plan.depends_on(t)  # a plan recorded now holds for this object as it is now
