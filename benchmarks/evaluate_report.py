@@ -368,8 +368,10 @@ def markdown(recs, summary) -> str:
             out += _held(c["comparisons"], summary["cells"])
         if c.get("heads"):
             out += ["Head-wise (per (layer, query head), mean error over cases): the fraction of heads where the "
-                    "first configuration is lower, bounded below by the heads whose own paired 95 % interval is "
-                    "wholly below 0 and above by 1 − those wholly above 0:", ""]
+                    "first configuration is lower, bounded below by the heads whose interval is wholly below 0 and "
+                    "above by 1 − those wholly above 0; the intervals are simultaneous over the heads (95 % that "
+                    "every head lies in its own at once: `evaluate_stats.head_wise`), so the bounds hold together:",
+                    ""]
             out += table([[h["task"], h["context"], _vs(h), h["n"], h["heads"],
                            f"{h['fraction']:.2f} [{h['lo']:.2f}, {h['hi']:.2f}]", h["vs_paper"], h["verdict"]]
                           for h in c["heads"]],

@@ -148,21 +148,28 @@ def verdict(lo: float, hi: float, *, better: str = "higher", margin: float = 0.0
 def head_wise(a: np.ndarray, b: np.ndarray, *, n_boot: int = N_BOOT, level: float = LEVEL,
               seed: int = 0) -> Dict[str, float]:
     """CriticalKV's head-wise statistic. ``a``, ``b``: ``[cases, heads]`` errors of two selections on the same
-    cases. Per head, the paired-bootstrap interval of the mean difference a − b over cases (the same resamples
-    for every head). Returns the fraction of heads whose mean error is lower under ``a`` (``lower``), and the
-    fractions whose interval lies wholly below 0 (``sig_lower``) or wholly above 0 (``sig_higher``): the true
-    fraction of heads improved is bounded by ``[sig_lower, 1 − sig_higher]`` (each head at its own 95 %)."""
+    cases. Returns the fraction of heads whose mean error is lower under ``a`` (``lower``), and the fractions of
+    heads whose interval of the mean difference a − b lies wholly below 0 (``sig_lower``) or wholly above 0
+    (``sig_higher``). The intervals are simultaneous: mean ± c · its standard error for every head, with one c,
+    the ``level`` quantile over paired bootstrap resamples of cases (the same for every head) of the largest
+    studentised deviation |mean* − mean| / se* over heads. So with probability ~``level`` every head lies in its
+    interval at once, and the true fraction of heads improved lies in ``[sig_lower, 1 − sig_higher]`` (per-head
+    intervals would not bound it: with hundreds of heads, some 5 % of them look significant by chance)."""
     d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     n, h = d.shape
     if n < 2:
         nan = float("nan")
         return {"heads": h, "lower": float((d.mean(0) < 0).mean()) if n else nan, "sig_lower": nan,
                 "sig_higher": nan}
-    idx = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
-    boots = np.stack([d[i].mean(0) for i in idx])  # [n_boot, heads]
-    alpha = (1.0 - level) / 2.0
-    lo, hi = np.quantile(boots, [alpha, 1.0 - alpha], axis=0)
-    return {"heads": h, "lower": float((d.mean(0) < 0).mean()), "sig_lower": float((hi < 0).mean()),
+    mean, se = d.mean(0), d.std(0, ddof=1) / np.sqrt(n)
+    worst = np.empty(n_boot)
+    for j, i in enumerate(np.random.default_rng(seed).integers(0, n, size=(n_boot, n))):
+        x = d[i]
+        se_x = x.std(0, ddof=1) / np.sqrt(n)
+        worst[j] = np.divide(np.abs(x.mean(0) - mean), se_x, out=np.zeros(h), where=se_x > 0).max()
+    c = float(np.quantile(worst, level))
+    lo, hi = mean - c * se, mean + c * se
+    return {"heads": h, "lower": float((mean < 0).mean()), "sig_lower": float((hi < 0).mean()),
             "sig_higher": float((lo > 0).mean())}
 
 

@@ -717,11 +717,14 @@ def _times(nbytes: int, warp_instructions: int = 0, atoms_warp: int = 0) -> dict
 
 
 def floor_bytes(name: str, N: int) -> int | None:
-    """The HBM floor of a compress: read what scoring reads (K, K+V for lagkv/criticalkv, nothing for
-    streaming_llm), re-read and write the kept K+V."""
+    """The HBM floor of a compress (``benchmarks.speed``'s): read what scoring reads (K; K+V for lagkv and
+    criticalkv, with criticalkv's W_O; nothing for streaming_llm), then re-read and write the kept K+V (lagkv, whose
+    selection is within the partition it has just read: write them)."""
     token = SHAPE["B"] * SHAPE["H"] * SHAPE["D"] * 2  # bytes of one bf16 token of K (or V), every head
-    reads = {"streaming_llm": 0, "lagkv": 2, "criticalkv": 2, "criticalkv_l2": 2}.get(re.split(r"[+\[]", name)[0], 1)
-    return token * (reads * N + 4 * tritonkv.resolve_budget(KEEP, N))
+    base = re.split(r"[+\[]", name)[0]
+    reads = {"streaming_llm": 0, "lagkv": 2, "criticalkv": 2, "criticalkv_l2": 2}.get(base, 1)
+    w_o = (SHAPE["H"] * SHAPE["G"] * SHAPE["D"]) ** 2 * 2 if base.startswith("criticalkv") else 0
+    return token * (reads * N + (2 if base == "lagkv" else 4) * tritonkv.resolve_budget(KEEP, N)) + w_o
 
 
 # ---------------------------------------------------------------------------------------------

@@ -62,6 +62,19 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
     ("quality/profiles/README.md", "the SurfaceLogicKV INF profiles of the quality runs"),
     ("gpu_tests.md", "the test suite on GPUs"),
     ("hypothesis_deep.md", "the property tests with thousands of examples, and the kernels' tests under Triton 3.6"),
+    ("generate_cpu-2k/*/generate_cpu.md", "the single runs that generate_cpu-2k/README.md compares (each folder: "
+                                          "the tree, the threads and the rounds)"),
+    ("generate_cpu-8k/**/generate_cpu.md", "the single runs that generate_cpu-8k/README.md compares"),
+    ("generate_cpu-ab/README.md", "`generate` on the CPU before and after a change of 2026-11-26, run back to back"),
+    ("host_time-*.md", "host time per eager `compress` before and after a change, both trees in one run "
+                       "(`host_time.py --compare <commit>`; the file says which)"),
+    ("memory-8k-stop*/memory.md", "memory at N = 8192 in every mode, rerun after the changes of 2026-12-07 and "
+                                  "2026-12-08 to check that none raised a peak (`memory.py --n 8192`)"),
+    ("nvidia-h100-memory-32k/memory.md", "block-wise prefill's peak at N = 32768 on an H100 (`memory.py` on a GPU)"),
+    ("nvidia-h100-2026-11-26/*.md", "block-wise prefill on an H100 against the stock chunked prefill, and where its "
+                                    "time goes"),
+    ("serving-cpu-*.md", "vLLM with and without the plugin on needle prompts, on the CPU (`serving.py --task "
+                         "needle`; the file names the policy)"),
 ]
 SECTIONS = ("README.md", "memory.md", "quality/README.md")  # the page itself and the files its sections link
 

@@ -33,6 +33,15 @@ from benchmarks.common import (RESULTS, copy_bandwidth, device_tag, gpu_time, ma
 
 KV_POLICIES = {"lagkv", "criticalkv"}  # scores read V too
 PARTS = ("compress", "allocation", "decode", "scaling")
+# the method's version, in each result: 2 times eager calls with the host's work (``common.host_timed``), compares
+# kvpress with the call without attn_lse where a policy takes one, and gives LagKV's floor the kept K+V written once
+# and CriticalKV's its W_O; runs of version 1 (no ``method`` field) did none of these
+METHOD = 2
+OLD_METHOD = ("This run used version 1 of the method, which version 2 corrects: eager times are device times (`do_bench` "
+              "calls while its L2 flush runs, so the host's work went unseen below ~90 µs); the kvpress ratios of "
+              "SnapKV, TOVA and CriticalKV gave tritonkv the `attn_lse` that kvpress computes itself; LagKV's floor "
+              "re-read the kept K+V (its kernel writes them from the partition it has just read) and CriticalKV's left "
+              "out reading W_O.")
 
 # (B, H_kv, G, D, W): W window queries
 SHAPE, SMOKE_SHAPE = (1, 8, 4, 128, 32), (1, 2, 2, 16, 4)
@@ -55,7 +64,7 @@ SAME_SETTINGS = {"knorm", "keydiff"}
 def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
     """``(gpu_time(...), "graph")`` from a CUDA graph replay, or the eager time when capture fails."""
     if not cuda:
-        return gpu_time(fn, cuda), "eager"
+        return gpu_time(fn, cuda, host=True), "eager"
     # a call that synchronises with the host cannot be captured: find out without a capture, whose failure can
     # leave the default CUDA generator unusable outside graphs
     torch.cuda.set_sync_debug_mode("error")
@@ -73,7 +82,7 @@ def measure_graph(fn, cuda: bool, what: str) -> tuple[dict, str]:
             why = f"CUDA graph capture failed ({type(e).__name__}: {e})"
             torch.cuda.synchronize()
     print(f"{what}: {why}; eager time reported", file=sys.stderr)
-    return gpu_time(fn, cuda), "eager"
+    return gpu_time(fn, cuda, host=True), "eager"
 
 
 def eager_time(fn, cuda: bool) -> tuple[dict, dict]:
@@ -81,7 +90,7 @@ def eager_time(fn, cuda: bool) -> tuple[dict, dict]:
     (``tritonkv/kernels/_plan.py``): the share of them that were, and why the call was not recorded if it was not."""
     counts = _plan.counts
     calls, replayed, failed = sum(counts.values()), counts["replayed"], counts["not recorded"]
-    t = gpu_time(fn, cuda)
+    t = gpu_time(fn, cuda, host=True)
     calls = sum(counts.values()) - calls
     failed = counts["not recorded"] - failed
     return t, dict(eager_planned=round((counts["replayed"] - replayed) / calls, 2) if calls else None,
@@ -123,9 +132,21 @@ def check_kept(keys, values, out) -> bool:
                 and (torch.where(valid[..., None], values.gather(2, g) == V, True)).all())
 
 
-def score_reads(name, keys) -> int:
-    """Bytes the policy's scoring must read: K (K and V for lagkv/criticalkv; none for streaming_llm)."""
-    return 0 if name == "streaming_llm" else keys.numel() * keys.element_size() * (2 if name in KV_POLICIES else 1)
+def score_reads(name, keys, inputs=None) -> int:
+    """Bytes the policy's scoring must read: K; K and V for lagkv and criticalkv, and criticalkv's W_O too (its
+    exact stage multiplies every value by it); none for streaming_llm."""
+    if name == "streaming_llm":
+        return 0
+    w = inputs["o_proj"] if name == "criticalkv" else None
+    w = getattr(w, "weight", w)
+    return (keys.numel() * keys.element_size() * (2 if name in KV_POLICIES else 1)
+            + (w.numel() * w.element_size() if w is not None else 0))
+
+
+def kept_moves(name) -> int:
+    """How often the floor moves the kept K+V: read again once the selection is known, and written (2); LagKV's
+    selection is within the partition it has just read, so its kept tokens are only written (1)."""
+    return 1 if name == "lagkv" else 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,10 +266,11 @@ class Ctx:
         return dict(floor_flops=flops, compute_floor_us=round(floor_us, 2),
                     x_compute_floor=round(t["us"] / floor_us, 2))
 
-    def timed(self, t: dict, timing: str, keys, reads: int, kept_tokens: int) -> dict:
+    def timed(self, t: dict, timing: str, keys, reads: int, kept_tokens: int, moves: int = 2) -> dict:
         """A timed row's columns: ``gpu_time``'s median, spread and count, how it was timed, and its floor: read
-        ``reads`` bytes, then read and write the kept K+V of ``kept_tokens`` tokens, at the copy bandwidth."""
-        us, fb = t["us"], reads + 2 * 2 * kept_tokens * keys.shape[-1] * keys.element_size()
+        ``reads`` bytes, then move the kept K+V of ``kept_tokens`` tokens ``moves`` times (``kept_moves``: read and
+        write, or write), at the copy bandwidth."""
+        us, fb = t["us"], reads + moves * 2 * kept_tokens * keys.shape[-1] * keys.element_size()
         floor_us = fb / (self.copy_GBps * 1e3)
         return dict(tritonkv_us=us, p20_us=t["p20_us"], p80_us=t["p80_us"], reps=t["reps"], timing=timing,
                     floor_bytes=fb, floor_us=round(floor_us, 2), x_floor=round(us / floor_us, 2),
@@ -296,24 +318,36 @@ def run_compress(ctx: Ctx, rows: list) -> None:
             eager, planned = eager_time(fn, ctx.cuda)
             t, timing = measure_graph(fn, ctx.cuda, f"compress {name} N={N}") if ctx.cuda else (eager, "eager")
             kv_us = kv_graph = same = None
+            mine_eager, mine_t, mine_timing = eager, t, timing  # tritonkv's side of the kvpress ratios
             if kv_ref:
                 press_fn, scores_fn = kv_ref
                 press_fn()
-                kv_us = gpu_time(press_fn, ctx.cuda)["us"]
+                kv_us = gpu_time(press_fn, ctx.cuda, host=True)["us"]
                 if ctx.cuda:  # kvpress under a CUDA graph where it allows one (a host sync inside does not)
                     g, g_timing = measure_graph(press_fn, ctx.cuda, f"kvpress {name} N={N}")
                     kv_graph = g["us"] if g_timing == "graph" else None
+                if "attn_lse" in inputs:  # kvpress computes the softmax normaliser itself: the same work is the call
+                    bare = {a: b for a, b in inputs.items() if a != "attn_lse"}  # without attn_lse (as in generate)
+                    bare_fn = lambda: tritonkv.compress((keys, values), pol, k, **bare)  # noqa: E731
+                    bare_fn()
+                    mine_eager, _ = eager_time(bare_fn, ctx.cuda)
+                    mine_t, mine_timing = (measure_graph(bare_fn, ctx.cuda, f"compress {name} N={N} without lse")
+                                           if ctx.cuda else (mine_eager, "eager"))
                 if name in SAME_SETTINGS:
                     sink, window = pol.protected(N, k)
                     ref_idx, _ = select_indices(scores_fn().float(), k, k, sink=sink, window=window)
                     same = bool(torch.equal(ref_idx, out.indices))
             emit(rows, dict(kind="compress", policy=name, allocation=None, **ctx.base(N),
                             kept_tokens=ctx.B * ctx.H * k, tritonkv_eager_us=eager["us"], **planned,
-                            **ctx.timed(t, timing, keys, score_reads(name, keys), ctx.B * ctx.H * k),
+                            **ctx.timed(t, timing, keys, score_reads(name, keys, inputs), ctx.B * ctx.H * k,
+                                        kept_moves(name)),
                             **ctx.compute_floor(name, t, keys, mine),
                             kvpress_us=kv_us, kvpress_graph_us=kv_graph,
-                            x_kvpress_eager=round(kv_us / eager["us"], 2) if kv_us else None,
-                            x_kvpress_graph=round(kv_graph / t["us"], 2) if kv_graph and timing == "graph" else None,
+                            no_lse_us=mine_t["us"] if mine_t is not t else None,
+                            no_lse_eager_us=mine_eager["us"] if mine_eager is not eager else None,
+                            x_kvpress_eager=round(kv_us / mine_eager["us"], 2) if kv_us else None,
+                            x_kvpress_graph=(round(kv_graph / mine_t["us"], 2) if kv_graph and mine_timing == "graph"
+                                             else None),
                             torch_compile_us=None, same_kept=same, ok=ok))
 
 
@@ -397,7 +431,8 @@ def run_scaling(ctx: Ctx, rows: list) -> dict:
             t, timing = measure_graph(fn, ctx.cuda, f"scaling {name} N={N}")
             emit(rows, dict(kind="scaling", policy=name, allocation=None, **ctx.base(N),
                             ns_per_token=round(t["us"] * 1e3 / N, 4), copy_GBps=round(ctx.copy_GBps, 1),
-                            **ctx.timed(t, timing, keys, score_reads(name, keys), ctx.B * ctx.H * k), ok=ok))
+                            **ctx.timed(t, timing, keys, score_reads(name, keys, inputs), ctx.B * ctx.H * k,
+                                        kept_moves(name)), ok=ok))
     return {name: fit([(r["N"], r["tritonkv_us"]) for r in rows if r.get("kind") == "scaling"
                        and r["policy"] == name and "tritonkv_us" in r]) for name in SCALING_POLICIES}
 
@@ -450,7 +485,7 @@ def run_torch_compile(ctx: Ctx, rows: list) -> None:
 def run(args):
     ctx = Ctx(args)
     parts = [p for p in PARTS if getattr(args, p)] or list(PARTS)
-    res = dict(run_info(ctx.cuda), parts=parts,
+    res = dict(run_info(ctx.cuda), method=METHOD, parts=parts,
                settings=dict(B=ctx.B, H_kv=ctx.H, H_q=ctx.H * ctx.G, D=ctx.D, W=ctx.W, dtype="bfloat16", keep=KEEP,
                              allocation_policy=ALLOC_POLICY, layer=LAYER, num_layers=NUM_LAYERS,
                              time_budget_s=args.time_budget),
@@ -504,13 +539,19 @@ def markdown(result) -> str:
            f"{result.get('copy_bytes', 1 << 30) >> 20} MiB clone)"
            + (f"; bf16 matmul {result['matmul_TFLOPS']} TFLOP/s" if result.get("matmul_TFLOPS") else "")
            + f"; run {result.get('wall_s')} s", ""]
+    new = result.get("method", 1) >= 2
+    if not new:
+        out += [OLD_METHOD, ""]
     shape = (f"B={s.get('B')}, H_kv={s.get('H_kv')}, H_q={s.get('H_q')}, D={s.get('D')}, {s.get('dtype')}, "
              f"keep {s.get('keep')}")
     kinds = [("compress", f"**Compress** (one layer's `tritonkv.compress`, {shape}; µs, median; floor = bytes that "
                            "must move over the copy bandwidth; x_compute_floor, CriticalKV only: time over its exact "
-                           "stage's flops at the bf16 matmul rate)",
-              ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "x_compute_floor", "pct_copy_bw",
-               "kvpress_us",
+                           "stage's flops at the bf16 matmul rate"
+                           + ("; no_lse_us: the call without `attn_lse` (as inside `generate`), the side of the "
+                              "kvpress ratios for a policy that takes one, since kvpress computes its softmax "
+                              "normaliser itself; eager times include the host's)" if new else ")"),
+              ["policy", "N", "tritonkv_us", "timing", "floor_us", "x_floor", "x_compute_floor", "pct_copy_bw"]
+              + ["no_lse_us"] * new + ["kvpress_us",
                "x_kvpress_eager", "kvpress_graph_us", "x_kvpress_graph", "torch_compile_us", "same_kept", "ok"]),
              ("allocation", f"**Allocation** (`compress(..., \"{s.get('allocation_policy')}\", allocation=...)` as "
                             f"layer {s.get('layer')} of {s.get('num_layers')}, RaggedKV output; the score "
@@ -533,8 +574,9 @@ def markdown(result) -> str:
             by_n[r["N"]][floor(r)] = r["floor_us"]
         fl = list(dict.fromkeys(map(floor, sc)))
         prow = [by_n[N] for N in sorted(by_n)]
-        out += [f"**Scaling in N** ({shape}; µs (ns per token); floor µs reads K or K+V, then copies the kept "
-                "K+V)", ""]
+        out += [f"**Scaling in N** ({shape}; µs (ns per token); floor µs reads K or K+V"
+                + (" (LagKV), then copies the kept K+V (LagKV: writes them)" if new else ", then copies the kept K+V)"),
+                ""]
         out += table(prow, ["N"] + names + fl,
                      ["N"] + [f"{n} µs (ns/token)" for n in names] + [f + " µs" for f in fl])
         out += ["", "Least-squares fit time = intercept + slope·N; exponent = log-log slope over the larger N "
@@ -577,7 +619,7 @@ def write(result, out_dir):
             fr = {r["N"]: r["floor_us"] for r in of_kind if (r["policy"] in KV_POLICIES) == kv}
             if fr:
                 ax.plot(sorted(fr), [fr[n] for n in sorted(fr)], style, color="grey",
-                        label="copy floor (read K+V)" if kv else "copy floor (read K)")
+                        label="copy floor (read K+V, write the kept)" if kv else "copy floor (read K)")
         ax.set_xscale("log", base=2)
         if scaling:
             ax.set_yscale("log")

@@ -757,3 +757,9 @@ def test_adakv_reuses_the_scoring_kernels_first_pass(name):
                 assert torch.equal(got.lengths, want.lengths), (budget, alpha)
                 assert all(torch.equal(a, b) for a, b in zip(got.to_padded(with_positions=True),
                                                              want.to_padded(with_positions=True))), (budget, alpha)
+
+
+def test_the_fixed_allocator_by_name_says_it_needs_budgets():
+    k = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"Fixed\(budgets="):
+        tritonkv.compress((k, k), "knorm", 16, allocation="fixed")

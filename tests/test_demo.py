@@ -73,7 +73,8 @@ def test_pick_threads():
 
 @pytest.mark.model
 def test_real_model_full_cache_answers_with_the_key(tmp_path):
-    """SmolLM2 with the full cache answers the question greedily with the key (the issue: it never did)."""
+    """SmolLM2 with the full cache answers the question greedily with the key (an early version of the demo's
+    prompt never got it to)."""
     lines = []
     rows = demo.run("cpu", 512, 0.25, 128, ("keydiff",), new_tokens=7, plot=None, out=lines.append, progress=False)
     full = rows[0]

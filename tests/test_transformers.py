@@ -335,6 +335,15 @@ def test_bad_inputs_of_the_entry_points():
     for name in ("cache", "past_key_values"):  # generate makes its own: another one would be dropped
         with pytest.raises(ValueError, match=name):
             tt.generate(None, ids, policy="keydiff", budget=10, **{name: cache()})
+    # tritonkv's keywords given to generate, which model.generate would refuse without saying where they go
+    with pytest.raises(TypeError, match=r"generate\(\) got .*'window'.*Knorm\(window=4\)"):
+        tt.generate(None, ids, policy="knorm", budget=10, window=4)
+    with pytest.raises(TypeError, match=r"generate\(\) got .*AdaKV\(alpha=0.3\)"):
+        tt.generate(None, ids, policy="snapkv", budget=10, allocation="adakv", alpha=0.3)
+    with pytest.raises(TypeError, match=r"generate\(\) got 'layer_preference'.*cache_kwargs"):
+        tt.generate(None, ids, policy="knorm", budget=10, allocation="cake", layer_preference=torch.ones(2))
+    with pytest.raises(TypeError, match=r"TritonKVCache\(\) got .*'window'"):
+        cache(window=4)
     with pytest.raises(TypeError, match="cache"):
         tt.prefill(None, ids, None)
     for mode in ("after_prefill", "blockwise"):

@@ -339,11 +339,11 @@ def _split_kv(kv):
 _ACCEPTED: set = set()  # (policy type, allocator type, input names) that passed check_input_names
 
 
-def check_input_names(inputs: dict, policy=None, allocation=None) -> None:
+def check_input_names(inputs: dict, policy=None, allocation=None, caller: str = "compress()") -> None:
     """A TypeError naming every keyword in ``inputs`` that ``compress()`` would not use (with the near
     match or, for a policy/allocator setting or kvpress's ``compression_ratio``, what to do instead).
     ``policy``/``allocation`` may be names or objects; the transformers integration can call this when a
-    cache is built so that a wrong keyword fails before the first forward.
+    cache is built so that a wrong keyword fails before the first forward (``caller``: the call the error names).
 
     Memoised per (policy type, allocator type, input names) for the names every object of those types accepts
     (a policy's ``needs`` may depend on its settings: names accepted only through them are checked each call)."""
@@ -360,9 +360,9 @@ def check_input_names(inputs: dict, policy=None, allocation=None) -> None:
 
     known = accepted_inputs(pol, alloc)
     if not known.issuperset(inputs):
-        raise unknown_inputs(inputs, pol, alloc, known)
-    if accepted_inputs(type(pol), type(alloc)).issuperset(inputs):
-        _ACCEPTED.add(key)
+        raise unknown_inputs(inputs, pol, alloc, known, caller)
+    if accepted_inputs(type(pol), type(alloc)).issuperset(inputs) and not torch.compiler.is_compiling():
+        _ACCEPTED.add(key)  # not while tracing: a side effect that torch.export warns of
 
 
 def _check_inputs(keys, inputs: dict, pol) -> None:

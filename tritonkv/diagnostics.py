@@ -38,14 +38,14 @@ def accepted_inputs(policy=None, allocation=None) -> set[str]:
     return known
 
 
-def unknown_inputs(inputs: dict, pol, alloc, known) -> TypeError:
+def unknown_inputs(inputs: dict, pol, alloc, known, caller: str = "compress()") -> TypeError:
     """The TypeError for the keywords of ``inputs`` not in ``known``: each one with the near match or, for a
-    policy/allocator setting or kvpress's ``compression_ratio``, what to do instead."""
+    policy/allocator setting or kvpress's ``compression_ratio``, what to do instead; ``caller``: the call named."""
     bad = [n for n in inputs if n not in known]
     why = [_unknown_input(n, inputs[n], pol, alloc, known) for n in bad]
     what = "an unexpected keyword argument" if len(bad) == 1 else "unexpected keyword arguments"
-    return TypeError(f"compress() got {what} " + "; ".join(why)
-                     + f". The inputs compress() accepts: {', '.join(sorted(known))}")
+    return TypeError(f"{caller} got {what} " + "; ".join(why)
+                     + (f". The inputs compress() accepts: {', '.join(sorted(known))}" if known else ""))
 
 
 def missing_budget(inputs: dict) -> TypeError:

@@ -118,6 +118,9 @@ class Fixed(Allocator):
     budgets: torch.Tensor = None
 
     def __post_init__(self):
+        if self.budgets is None:
+            raise ValueError("the fixed allocator needs its budgets: pass allocation=tritonkv.allocation.Fixed("
+                             "budgets=<int tensor [L, H] or [L, B, H] of selectable budgets>), not the name 'fixed'")
         if not isinstance(self.budgets, torch.Tensor) or self.budgets.dim() not in (2, 3) \
                 or self.budgets.dtype.is_floating_point or self.budgets.dtype == torch.bool:
             raise ValueError("budgets must be an int tensor [L, H] or [L, B, H] of selectable budgets")

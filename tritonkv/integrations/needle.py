@@ -29,7 +29,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -295,8 +295,3 @@ def _expandable(cache) -> bool:
     if not hasattr(cache, "batch_repeat_interleave"):
         return False
     return not any(getattr(getattr(layer, "store", None), "ragged", False) for layer in getattr(cache, "layers", []))
-
-
-def needle_accuracy(model, prefill_fn: PrefillFn, cases: Sequence[NeedleCase]) -> float:
-    """Fraction of ``cases`` whose true key ranks first."""
-    return sum(rank_candidates(model, prefill_fn, c).top1 for c in cases) / max(len(cases), 1)

@@ -23,6 +23,7 @@ class StreamingLLM(Policy):
     non-finite keys/values change nothing (they are copied as they are)."""
 
     name: ClassVar[str] = "streaming_llm"
+    reads_values: ClassVar[bool] = False
 
     sink: int = 4
 

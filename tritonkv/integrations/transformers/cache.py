@@ -895,7 +895,8 @@ class TritonKVCache(Cache):
                                           or prompt_length < 1):
             raise ValueError(f"prompt_length must be a positive int or None, got {prompt_length!r}")
         self.policy = get_policy(policy)
-        check_input_names(inputs, self.policy, allocation)  # a wrong keyword fails now, not at the first compression
+        # a wrong keyword fails now, not at the first compression
+        check_input_names(inputs, self.policy, allocation, f"{type(self).__name__}()")
         _check_supplied(self.policy, allocation, inputs, num_layers)  # likewise a missing input
         resolve_budget(budget, 1)  # type/range check now
         self.budget, self.mode, self.allocation = budget, mode, allocation

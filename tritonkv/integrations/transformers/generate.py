@@ -215,6 +215,7 @@ def generate(model, input_ids, *, policy, budget=_REQUIRED, mode: str = "after_p
     if own:
         raise ValueError(f"generate makes its own TritonKVCache, so it takes no {own[0]}: for a cache of your own "
                          f"call model.generate inside use_tritonkv(model) (or compressing(model, ...))")
+    _check_not_ours(policy, allocation, generate_kwargs)
     cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                        decode_every=decode_every, prompt_length=input_ids.shape[1], **(cache_kwargs or {}))
     if attention_mask is None:
@@ -225,6 +226,30 @@ def generate(model, input_ids, *, policy, budget=_REQUIRED, mode: str = "after_p
     with use_tritonkv(model):
         out = model.generate(input_ids, attention_mask=attention_mask, **{cache_kwarg(model): cache}, **generate_kwargs)
     return (out, cache) if return_cache else out
+
+
+def _check_not_ours(policy, allocation, kwargs: dict) -> None:
+    """A TypeError for keywords of ``generate`` that ``model.generate`` would get but that belong to tritonkv: a
+    setting of the policy or the allocator (it goes in their constructor), or an input of ``compress`` (it goes in
+    ``cache_kwargs``). ``model.generate`` would refuse them without saying where they go."""
+    from transformers import GenerationConfig
+
+    from ...allocation import get_allocator
+    from ...api import get_policy
+    from ...diagnostics import _settings, accepted_inputs, unknown_inputs
+
+    pol = get_policy(policy)
+    alloc = get_allocator(allocation) if allocation is not None else None
+    theirs = set(vars(GenerationConfig())) | {"attention_mask", "position_ids", "inputs_embeds", "token_type_ids"}
+    settings = {*_settings(type(pol)), *(_settings(type(alloc)) if alloc is not None else ())} - theirs
+    inputs = accepted_inputs(pol, alloc) - theirs
+    bad = {k: v for k, v in kwargs.items() if k in settings}
+    if bad:
+        raise unknown_inputs(bad, pol, alloc, (), "generate()")
+    bad = sorted(k for k in kwargs if k in inputs)
+    if bad:
+        raise TypeError(f"generate() got {', '.join(map(repr, bad))}, an input of the policy or the allocator: pass "
+                        f"it in cache_kwargs={{{bad[0]!r}: ...}} (other keywords go to model.generate)")
 
 
 def _prompt_tensors_only_in_ids(kwargs: dict) -> None:
