@@ -127,6 +127,37 @@ def test_speed_markdown_from_committed_run():
         assert speed.markdown(json.load(f)) == g.read()
 
 
+def test_host_timed_times_each_call_from_an_idle_device(monkeypatch):
+    """``common.host_timed`` (speed.py's eager times; CUDA faked here): before each call the device is waited for,
+    so the events around the call see the host's work; the repeats fill the wall-time budget given."""
+    import torch
+
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.t = None
+
+        def record(self):
+            log.append("record")
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            log.append("wait")
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: empty(1024, dtype=torch.int8))
+    ts = common.host_timed(lambda: (log.append("call"), time.sleep(0.002)), warmup=10, rep=40)
+    assert 5 <= len(ts) <= 20 and all(t >= 2.0 for t in ts), ts
+    assert log[:5] == ["sync", "record", "call", "record", "wait"], log[:5]
+    assert log.count("call") == log.count("sync") > len(ts) + 5  # warm-up calls too, each from an idle device
+
+
 def test_speed_smoke(tmp_path):
     """speed.py --smoke (tiny shapes under the interpreter, in this process) through every part, every row checked;
     its JSON, Markdown and plots; report.py's speed section from a GPU run's files."""
