@@ -46,7 +46,8 @@ TF_MIN_PINS  := transformers==$(TF_MIN) huggingface_hub==1.33.0 tokenizers==0.22
                 kernels==$(TF_MIN_KERNELS)
 TF_MIN_STAMP := $(TF_MIN_DIR)/.installed-$(TF_MIN)-kernels-$(TF_MIN_KERNELS)
 TF_MIN_TESTS := tests/test_transformers_versions.py tests/test_transformers_configs.py \
-                tests/test_transformers_padding.py tests/test_transformers_compiled.py
+                tests/test_transformers_padding.py tests/test_transformers_compiled.py \
+                tests/test_transformers_generation.py
 
 $(TF_MIN_STAMP): | $(STAMP)
 	rm -rf $(TF_MIN_DIR)

@@ -42,3 +42,31 @@ def test_compress_exports_without_graph_break():
 
     exported = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("exported")}
     assert exported == set(POLICIES)
+
+
+_ALLOCATED = r"""
+import torch, tritonkv
+B, H, G, N, D, W = 1, 2, 3, 64, 16, 4
+class M(torch.nn.Module):
+    def __init__(self, allocation, extra): super().__init__(); self.allocation, self.extra = allocation, extra
+    def forward(self, k, v, q):
+        out = tritonkv.compress((k, v), "snapkv", 40, queries=q, allocation=self.allocation, **self.extra)
+        return out.keys, out.values, out.lengths
+for name, extra in (("uniform", {}), ("pyramid", dict(layer=1, num_layers=4)), ("adakv", {})):
+    k, v, q = torch.randn(B, H, N, D), torch.randn(B, H, N, D), torch.randn(B, H * G, W, D)
+    ep = torch.export.export(M(name, extra), (k, v, q), strict=True)
+    got, want = ep.module()(k, v, q)[2], tritonkv.compress((k, v), "snapkv", 40, queries=q, allocation=name,
+                                                            **extra).lengths
+    assert torch.equal(got, want), (name, got, want)
+    print("exported", name, flush=True)
+"""
+
+
+def test_allocations_from_shapes_export_as_one_graph():
+    """Uniform, pyramid (a table of host ints) and AdaKV (static sizes, H·b) read nothing back: an allocated
+    compress exports whole (docs/contracts.md; the table-driven allocators read theirs back: a graph break)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _ALLOCATED], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-5000:]
+    assert {line.split()[1] for line in r.stdout.splitlines() if line.startswith("exported")} == {
+        "uniform", "pyramid", "adakv"}

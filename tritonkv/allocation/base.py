@@ -148,6 +148,8 @@ def memo(t, key, fn):
     that bumps no version (through a NumPy view or ``.data``) misses it too in small host tensors (up to 4096
     elements, such as a profile or CAKE's preferences), whose values are part of the key. Not cached: anything
     else, and inference-mode tensors (they have no version counter)."""
+    if torch.compiler.is_compiling():  # traced: the table is part of the graph
+        return fn()
     many = isinstance(t, (list, tuple))
     parts = tuple(t) if many else (t,)
     try:

@@ -83,6 +83,13 @@ class Pyramid(Allocator):
         return torch.tensor(self.host(ctx), dtype=torch.int32)
 
 
-@functools.lru_cache(maxsize=256)
+@torch.compiler.assume_constant_result
 def _table(num_layers: int, b: int, avail: int, beta: float, mode: str) -> tuple:
+    """Every layer's budget (host ints from host ints): torch.compile calls it rather than tracing its tensor ops,
+    whose ``tolist()`` would give data-dependent sizes."""
+    return _cached_table(num_layers, b, avail, beta, mode)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_table(num_layers: int, b: int, avail: int, beta: float, mode: str) -> tuple:
     return tuple(pyramid_budgets(num_layers, b, avail, beta=beta, mode=mode).tolist())

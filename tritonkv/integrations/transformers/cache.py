@@ -373,11 +373,16 @@ class TritonKVLayer(CacheLayerMixin):
             self._qcount.zero_()
         self.pads, self.row_n, self.row_since, self.row_alloc, self.row_block = None, [], [], [], []
 
-    def _index_batch(self, fn):
+    def _index_batch(self, fn, repeats: int = 0):
+        """``fn`` applied to every tensor with a batch dimension; ``repeats``: ``fn`` repeats each row that many
+        times in place (``batch_repeat_interleave``), which the per-row counters of a left-padded batch follow."""
         if self.is_initialized:
-            if self.pads is not None:
+            if self.pads is not None and not repeats:
                 raise NotImplementedError("beam search / batch reindexing of a left-padded batch is not supported")
             self.store.index_batch(fn)
+            if self.pads is not None:
+                for name in ("pads", "row_n", "row_since", "row_alloc", "row_block"):
+                    setattr(self, name, [x for x in getattr(self, name) for _ in range(repeats)])
             if self.queries is not None:
                 self.queries = fn(self.queries)
             self._shape = (self.store.keys.shape[0],) + self._shape[1:]
@@ -386,7 +391,7 @@ class TritonKVLayer(CacheLayerMixin):
         self._index_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int):
-        self._index_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._index_batch(lambda t: t.repeat_interleave(repeats, dim=0), repeats)
 
     def batch_select_indices(self, indices):
         self._index_batch(lambda t: t[indices])

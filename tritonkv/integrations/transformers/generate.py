@@ -216,6 +216,7 @@ def generate(model, input_ids, *, policy, budget=_REQUIRED, mode: str = "after_p
         raise ValueError(f"generate makes its own TritonKVCache, so it takes no {own[0]}: for a cache of your own "
                          f"call model.generate inside use_tritonkv(model) (or compressing(model, ...))")
     _check_not_ours(policy, allocation, generate_kwargs)
+    _check_use_cache(model, (), generate_kwargs)
     cache = make_cache(model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
                        decode_every=decode_every, prompt_length=input_ids.shape[1], **(cache_kwargs or {}))
     if attention_mask is None:
@@ -252,6 +253,32 @@ def _check_not_ours(policy, allocation, kwargs: dict) -> None:
                         f"it in cache_kwargs={{{bad[0]!r}: ...}} (other keywords go to model.generate)")
 
 
+def _setting(model, args: tuple, kwargs: dict, name: str):
+    """A generation setting as ``model.generate(*args, **kwargs)`` will read it: the keyword, else the caller's
+    ``generation_config`` (the keyword, or ``model.generate``'s second positional argument) where it differs from
+    the library default, else the model's own ``generation_config`` (transformers merges the model's defaults
+    into a caller's config the same way)."""
+    from transformers import GenerationConfig
+
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    mine = kwargs.get("generation_config")
+    if mine is None and args and isinstance(args[0], GenerationConfig):
+        mine = args[0]
+    if mine is not None and getattr(mine, name, None) != getattr(GenerationConfig(), name, None):
+        return getattr(mine, name)
+    return getattr(model.generation_config, name, None)
+
+
+def _check_use_cache(model, args: tuple, kwargs: dict) -> None:
+    """``use_cache=False`` (a keyword or a generation config's): transformers then feeds the whole sequence at
+    every step, into the cache it is given, so a compressed cache would serve wrong tokens while it looks bounded."""
+    if _setting(model, args, kwargs, "use_cache") is False:
+        raise ValueError("use_cache=False (here or in a generation_config) recomputes the whole sequence at every "
+                         "step without a cache, so there is nothing to compress: drop it, or call the model "
+                         "without tritonkv")
+
+
 def _prompt_tensors_only_in_ids(kwargs: dict) -> None:
     """Block-wise prefill feeds the prompt's token ids block by block; a tensor input of the prompt beside them
     (``pixel_values``, ``token_type_ids``, audio features, ...) would reach only the last block: a ValueError."""
@@ -263,7 +290,7 @@ def _prompt_tensors_only_in_ids(kwargs: dict) -> None:
 
 
 def _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size: int, forward_tokens: int,
-                         generate_kwargs: dict) -> None:
+                         generate_kwargs: dict, args: tuple = ()) -> None:
     """Block-wise mode before ``model.generate``: feed every block of the prompt but the last (each row's blocks
     from its first real token, ``forward_tokens`` per forward); ``model.generate`` then prefills the last one. With
     several sequences per prompt (``num_return_sequences``, ``num_beams``: ``model.generate`` repeats the prompt's
@@ -271,9 +298,8 @@ def _blocks_but_the_last(model, input_ids, cache, attention_mask, block_size: in
     blocks = _row_blocks(attention_mask, 0, input_ids.shape[1], block_size)
     if len(blocks) > 1:
         _feed(model, input_ids, cache, attention_mask, 0, blocks[:-1], forward_tokens=forward_tokens)
-        config = generate_kwargs.get("generation_config") or model.generation_config
-        repeats = max(generate_kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1,
-                      generate_kwargs.get("num_return_sequences") or getattr(config, "num_return_sequences", 1) or 1)
+        repeats = max(_setting(model, args, generate_kwargs, "num_beams") or 1,
+                      _setting(model, args, generate_kwargs, "num_return_sequences") or 1)
         if repeats > 1:  # as transformers expands the prompt's rows: max(num_beams, num_return_sequences)
             cache.batch_repeat_interleave(repeats)
 
@@ -344,16 +370,18 @@ def compressing(model, policy, budget=_REQUIRED, *, mode: str = "after_prefill",
             raise ValueError("pass one cache to generate: past_key_values or cache, not both")
         if own:
             kwargs[cache_kwarg(model)] = own[0]
-        elif input_ids is not None:
+        elif input_ids is not None or kwargs.get("inputs_embeds") is not None:  # the prompt as ids or embeddings
+            _check_use_cache(model, args, kwargs)
+            prompt = input_ids if input_ids is not None else kwargs["inputs_embeds"]
             cache = kwargs[cache_kwarg(model)] = make_cache(
                 model, policy, budget, mode=mode, allocation=allocation, block_size=block_size,
-                decode_every=decode_every, prompt_length=input_ids.shape[1], **cache_kwargs)
+                decode_every=decode_every, prompt_length=prompt.shape[1], **cache_kwargs)
             if mode == "blockwise":
-                _prompt_tensors_only_in_ids(kwargs)
+                _prompt_tensors_only_in_ids(kwargs)  # embeddings alone: a ValueError
                 if kwargs.get("attention_mask") is None:
                     kwargs["attention_mask"] = torch.ones_like(input_ids)
                 _blocks_but_the_last(model, input_ids, cache, kwargs["attention_mask"], block_size, forward_tokens,
-                                     kwargs)
+                                     kwargs, args)
         return stock(inputs, *args, **kwargs)
 
     model.generate = generate_compressed
