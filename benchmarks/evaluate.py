@@ -668,6 +668,9 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     sources = available_sources()  # rotated over seeds
+    real = [s for s in sources if s != "synthetic"]
+    if "lm" in a.tasks and not real:
+        p.error("task lm needs a real-text source (the Python licenses or pydoc_data; see available_sources)")
     model, tok = load_smollm2()
     store = Store(a.out)
     configs = [c for g in a.groups if g != "full" for c in GROUPS[g]]
@@ -676,7 +679,9 @@ def main(argv=None):
             "device": f"cpu ({platform.machine()})", "torch": torch.__version__}
     append_jsonl(os.path.join(a.out, "runs.jsonl"), [meta])
     for seed, ctx, task in itertools.product(_seeds(a.seeds), a.contexts, a.tasks):
-        src = "synthetic" if task == "cwe" else sources[seed % len(sources)]
+        # lm continues real text only (the synthetic filler is five sentences in a loop); cwe counts synthetic words
+        pool = ["synthetic"] if task == "cwe" else real if task == "lm" else sources
+        src = pool[seed % len(pool)]
         case = build_case(tok, task, ctx, seed, src)
         if store.done(case, FULL) and all(store.done(case, c) for c in configs):
             continue

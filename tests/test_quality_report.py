@@ -82,3 +82,29 @@ def test_profile_effect_of_a_profile_against_itself_is_nil():
     assert R.profile_effect(a="no-such-profile", b=name) is None
     other = R.profile_effect(a=R.PAPER_PROFILE, b=name)  # two different shipped profiles do move budget
     assert other["spearman"] < 0.99 and all(0 < r["moved"] < 1 for r in other["budgets"])
+
+
+def test_lm_cases_on_the_synthetic_filler_are_left_out():
+    """``lm`` continues real text: its records on the synthetic filler (five sentences in a loop) are not read;
+    the synthetic haystack still serves the other tasks."""
+    rec = lambda task, source, seed: dict(task=task, context=2048, config=R.FULL, metric="kl", seed=seed,
+                                          source=source, value=0.1)
+    idx = R.index([rec("lm", "synthetic", 0), rec("lm", "licenses", 1), rec("needle", "synthetic", 0)])
+    assert list(idx[("lm", 2048, R.FULL, "kl")]) == [(1, "licenses")]
+    assert list(idx[("needle", 2048, R.FULL, "kl")]) == [(0, "synthetic")]
+
+
+def test_the_head_fraction_is_judged_against_the_paper_at_20_percent_only():
+    """CriticalKV's "92 % of heads" is its claim at 20 %: a cell at 40 % is shown and not judged against it."""
+    rng = np.random.default_rng(0)
+    idx = {}
+    for b in (0.2, 0.4):
+        for pol in ("criticalkv", "snapkv"):
+            cfg = R.cfg_name(pol, "uniform", setting="agnostic", budget=b)
+            idx[("needle", 2048, cfg, "wo_err")] = {
+                (s, "synthetic"): dict(value=float(v.mean()), per_head=v.tolist())
+                for s, v in enumerate(rng.random((12, 6)))}
+    claim = next(c for c in R.claim_rows(idx) if c["id"] == "criticalkv_err")
+    heads = {h["a"]: h["vs_paper"] for h in claim["heads"]}
+    assert heads[R.cfg_name("criticalkv", "uniform", setting="agnostic", budget=0.4)].startswith("–")
+    assert not heads[R.cfg_name("criticalkv", "uniform", setting="agnostic", budget=0.2)].startswith("–")
