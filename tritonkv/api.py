@@ -235,8 +235,8 @@ def _plan_key(kv, policy, budget, allocation, inputs: dict):
             return None
     # which inputs are one object (keys is values, say): a plan records each object as one slot, so it may
     # serve only calls whose inputs coincide the same way
-    first = {}
-    parts.append(tuple(first.setdefault(id(t), i) for i, t in enumerate(tensors)))
+    ids = [id(t) for t in tensors]
+    parts.append(None if len(set(ids)) == len(ids) else tuple(map(ids.index, ids)))
     return tuple(parts), tuple(tensors), tuple(known), kv, inputs
 
 

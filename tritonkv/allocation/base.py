@@ -19,6 +19,7 @@ import weakref
 from typing import ClassVar, NamedTuple, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..kernels import _plan
 from ..kernels._common import check_int  # noqa: F401  (the library's one integer check; allocators import it here)
@@ -140,6 +141,15 @@ class Plan(NamedTuple):
 _MEMO: dict = {}  # (ids of the tensors, their versions, key) -> (weak references to them, value)
 
 
+def _content(x):
+    """The bytes of a small host tensor (None for another), read outside any dispatch mode: a plan being recorded
+    (``kernels/_plan.py``) neither logs nor repeats this read."""
+    if not (x.is_cpu and x.numel() <= 4096):
+        return None
+    with _disable_current_modes():
+        return x.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def memo(t, key, fn):
     """``fn()``, cached per (the tensor object ``t`` as it is now, ``key``): a table computed from a model-level
     input that every layer passes again (a profile, CAKE's preferences, SCORE's head means) is computed once. An
@@ -153,9 +163,7 @@ def memo(t, key, fn):
     many = isinstance(t, (list, tuple))
     parts = tuple(t) if many else (t,)
     try:
-        k = (tuple(map(id, parts)), tuple(x._version for x in parts), key,
-             tuple(x.detach().reshape(-1).view(torch.uint8).numpy().tobytes() if x.is_cpu and x.numel() <= 4096
-                   else None for x in parts))
+        k = (tuple(map(id, parts)), tuple(x._version for x in parts), key, tuple(map(_content, parts)))
     except (AttributeError, RuntimeError, TypeError):
         return fn()
     if not many:
