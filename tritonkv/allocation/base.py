@@ -142,12 +142,13 @@ _MEMO: dict = {}  # (ids of the tensors, their versions, key) -> (weak reference
 
 
 def _content(x):
-    """The bytes of a small host tensor (None for another), read outside any dispatch mode: a plan being recorded
-    (``kernels/_plan.py``) neither logs nor repeats this read."""
+    """The bytes of a small host tensor (None for another), read out of sight of a plan being recorded
+    (``kernels/_plan.py``): outside dispatch modes and through the base class's ``numpy``, so that the recording
+    call finds the table the call before it cached, and no replay repeats the read."""
     if not (x.is_cpu and x.numel() <= 4096):
         return None
     with _disable_current_modes():
-        return x.detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return torch._C.TensorBase.numpy(x.detach().reshape(-1).view(torch.uint8)).tobytes()
 
 
 def memo(t, key, fn):
