@@ -152,6 +152,44 @@ def test_split_count_does_not_change_result(backend):
 
 
 @both_backends
+@pytest.mark.parametrize("split", [16, 8])
+def test_a_split_of_minus_inf_logits_weighs_nothing(backend, split):
+    """A kept key with a -inf element gives a logit of -inf: weight 0, as softmax gives it. Alone in its split
+    (the newest token after N = 16k tokens) that split's partial was 0/0, and the merge zeroed the whole head."""
+    g = torch.Generator().manual_seed(3)
+    D = 16
+    k, v = torch.randn(1, 1, 17, D, generator=g), torch.randn(1, 1, 17, D, generator=g)
+    q = torch.randn(1, 1, 1, D, generator=g).abs() + 0.1
+    k[0, 0, 16, 3] = float("-inf")  # q > 0: token 16's logit is -inf
+    want = torch.softmax(q[0, 0, 0] @ k[0, 0, :16].T / math.sqrt(D), 0) @ v[0, 0, :16]
+    with on_backend(backend):
+        o, lse = decode_attention(*_dev(q), _dev(k, v), split_tokens=split, return_lse=True)
+    torch.testing.assert_close(o[0, 0, 0].cpu(), want, rtol=1e-5, atol=1e-6)
+    assert math.isfinite(float(lse))
+
+
+@both_backends
+def test_a_non_finite_logit_gives_nan_as_softmax_attention_does(backend):
+    """A NaN (or +inf) logit poisons its head as it does in softmax attention (SDPA): NaN, never the zeros and
+    -inf of an empty row, which a sink or an LSE merge would then silently drop. Other heads and an empty row keep
+    their values."""
+    g = torch.Generator().manual_seed(4)
+    B, H, G, N, D = 1, 3, 2, 40, 16
+    k, v = torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    q = torch.randn(B, H * G, 1, D, generator=g).abs() + 0.1
+    k[0, 0, 5, 3] = float("nan")
+    k[0, 1, 7, 2] = float("inf")  # q > 0: a +inf logit
+    lengths = torch.tensor([[N, N, 0]])
+    with on_backend(backend):
+        o, lse = decode_attention(*_dev(q), _dev(k, v), *_dev(lengths), split_tokens=16, return_lse=True)
+    o, lse = o.cpu(), lse.cpu()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q[:, :4], k[:, :2].repeat_interleave(G, 1),
+                                                            v[:, :2].repeat_interleave(G, 1))
+    assert torch.isnan(sdpa).all() and torch.isnan(o[0, :4]).all() and torch.isnan(lse[0, :4]).all()
+    assert (o[0, 4:] == 0).all() and (lse[0, 4:] == float("-inf")).all()
+
+
+@both_backends
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ragged_cache_equals_its_padded_form(backend, dtype):
     """RaggedKV from a selection, appended to: ragged attention == padded attention == oracle."""

@@ -105,9 +105,10 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_p
             if SOFTCAP:  # tanh(x) = 2 / (1 + e^(-2x)) - 1: saturates to +-1, never NaN
                 qk = (2.0 / (1.0 + tl.exp2(qk * (-2.0 * 1.4426950408889634))) - 1.0) * cap_scale
             qk = tl.where(tmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile has a valid token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every logit so far -inf (a -inf key): weights 0
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(qk - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             if NATIVE_DOT:
                 pv = tl.dot(p.to(v.dtype), v)
@@ -115,10 +116,12 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, start_ptr, len_ptr, po_ptr, plse_p
                 pv = tl.dot(p, v, input_precision="ieee")
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        # a split whose logits are all -inf: weight 0 in the merge (o 0, lse -inf), not 0/0; a NaN passes through
         part = (r * S + s) * G + g.to(tl.int64)
-        tl.store(po_ptr + part[:, None] * D + d[None, :], acc / l_i[:, None],
+        none = l_i == 0.0
+        tl.store(po_ptr + part[:, None] * D + d[None, :], tl.where(none[:, None], 0.0, acc / l_i[:, None]),
                  mask=gmask[:, None] & dmask[None, :])
-        tl.store(plse_ptr + part, m_i + tl.log2(l_i), mask=gmask)
+        tl.store(plse_ptr + part, tl.where(none, float("-inf"), m_i + tl.log2(l_i)), mask=gmask)
 
 
 @triton.jit(do_not_specialize=["S", "SPLIT"])
@@ -128,7 +131,8 @@ def _decode_merge_kernel(po_ptr, plse_ptr, len_ptr, o_ptr, lse_ptr, G, D, S, SPL
     index ``j = r·G + g`` over ``NH = R·G``) and the channels ``[c·BLOCK_D, (c+1)·BLOCK_D)``, the
     non-empty splits of row ``r = j // G`` into O and the LSE (natural log). Splits are taken BLOCK_S
     at a time (a tree reduction per chunk, an online rescaling across chunks); their count is
-    re-derived from ``length``. A row of length 0 gives zeros and -inf."""
+    re-derived from ``length``. A row of length 0 gives zeros and -inf; a row whose logits hold a NaN or +inf (a
+    non-finite key) gives NaN, as softmax attention does, never the zeros of an empty row."""
     pdl_wait(PDL)
     c = tl.program_id(0)
     j = tl.program_id(1).to(tl.int64) * HB + tl.arange(0, HB)
@@ -158,7 +162,7 @@ def _decode_merge_kernel(po_ptr, plse_ptr, len_ptr, o_ptr, lse_ptr, G, D, S, SPL
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
         l_sum = l_sum * alpha + tl.sum(w, 1)
         m = m_new
-    nonempty = l_sum > 0.0
+    nonempty = n_split > 0
     out = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_sum, 1.0)[:, None], 0.0)
     tl.store(o_ptr + j[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=jmask[:, None] & dmask[None, :])
@@ -269,7 +273,8 @@ def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, lim
     ``row_start[r] + j``, tokens ``j >= length[r]`` masked (their logits -inf, their values 0, so
     whatever the slack holds never leaks in). Then one fp32 matmul per row for the ``[G, L]`` logits of
     the row's G query heads (no repeat_kv), a softmax and a matmul with V. Empty rows give zeros and an
-    LSE of -inf; the LSE is natural-log, as the merge kernel writes it."""
+    LSE of -inf; a NaN or +inf logit gives NaN, as softmax attention does; the LSE is natural-log, as the merge
+    kernel writes it."""
     B, Hq, _, D = q.shape
     G, R = Hq // H, B * H
     ragged = row_start.numel() > 0
@@ -292,7 +297,7 @@ def _decode_torch(q, keys, values, row_start, lengths, scale: float, H: int, lim
     p = torch.exp2((logits - torch.where(m == float("-inf"), 0.0, m)).mul_(LOG2E))  # exp2: see _common.LOG2E
     l_sum = p.sum(-1, keepdim=True)
     o = torch.matmul(p, _zero_invalid(v, valid, ragged))  # [B, H, G, D]
-    nonempty = l_sum > 0
+    nonempty = (lengths > 0).view(B, H, 1, 1)
     o = torch.where(nonempty, o / torch.where(nonempty, l_sum, 1.0), 0.0)
     lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l_sum, 1.0)), float("-inf"))
     return o.to(q.dtype).view(B, Hq, 1, D), lse.view(B, Hq)
