@@ -314,6 +314,56 @@ def test_profile_objects():
 
 
 
+@pytest.mark.parametrize("fn", [headkv_budgets, surfacelogic_budgets])
+def test_budget_functions_refuse_nonfinite_profiles(fn):
+    """NaN, inf or a negative entry is a ValueError, not budgets of -2**31 or plausible-looking ones."""
+    p = torch.rand(4, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for bad in (float("nan"), float("inf"), -float("inf"), -0.5):
+        q = p.clone()
+        q[1, 2] = bad
+        for given in (q, q.to(torch.float32), q.numpy(), q.tolist()):
+            with pytest.raises(ValueError, match="profile must be finite and non-negative"):
+                fn(given, 10, 40)
+    assert int(fn(p, 10, 40).sum()) == 4 * 3 * 10
+
+
+def test_query_head_profile_must_have_the_models_query_heads():
+    """With queries (H_q known) a profile is [L, H_kv] or [L, H_q]; another multiple of H_kv is refused (it would be
+    averaged over groups of the wrong size). Without them any multiple of H_kv is taken, as before."""
+    g = torch.Generator().manual_seed(5)
+    p6, p9 = torch.rand(4, 6, generator=g), torch.rand(4, 9, generator=g)
+    q9, q6 = torch.randn(1, 9, 4, 8, generator=g), torch.randn(1, 6, 4, 8, generator=g)
+    kw = dict(shape=(1, 3, 50), budget=10, layer=1, num_layers=4)
+    for obj, fn in ((HeadKV(), headkv_budgets), (SurfaceLogic(), surfacelogic_budgets)):
+        for p, q in ((p9, q9), (p6, q6), (p9[:, :3], q9), (p6, None)):
+            want = fn(p.double().view(4, 3, -1).mean(-1), 10, 50)[1]
+            assert torch.equal(obj(**kw, profile=p, **({} if q is None else {"queries": q}))[0], want)
+        with pytest.raises(ValueError, match="expected H_kv = 3 or H_q = 9"):
+            obj(**kw, profile=p6, queries=q9)
+        with pytest.raises(ValueError, match="expected H_kv = 3 or H_q = 9"):
+            type(obj)(profile=p6)(**kw, queries=q9)
+    k = v = torch.randn(1, 3, 50, 8, generator=g)
+    with pytest.raises(ValueError, match="expected H_kv = 3 or H_q = 9"):
+        tritonkv.compress((k, v), tritonkv.policies.SnapKV(window=4), 20, allocation=HeadKV(profile=p6), layer=0,
+                          num_layers=4, queries=q9)
+
+
+def test_surfacelogic_rereads_a_rewritten_profile_file(tmp_path):
+    """``profile_name`` as a path: a file rewritten in place gives its new budgets (a shipped name is read once)."""
+    import json
+    import os
+
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"infsc_kv_heads": [[1.0, 0.0], [1.0, 0.0]]}))
+    sl = SurfaceLogic(profile_name=str(path))
+    first = sl(shape=(1, 2, 64), budget=16, layer=0, num_layers=2)
+    assert first[0, 0] > first[0, 1]
+    st = os.stat(path)
+    path.write_text(json.dumps({"infsc_kv_heads": [[0.0, 1.0], [0.0, 1.0]]}))  # the same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a later write, whatever the clock's resolution
+    for obj in (sl, SurfaceLogic(profile_name=str(path))):
+        assert torch.equal(obj(shape=(1, 2, 64), budget=16, layer=0, num_layers=2), first.flip(-1))
+
 def test_a_profile_written_through_numpy_gives_its_new_budgets():
     """The table an allocator computes once per profile object follows a write that bumps no version counter (a
     NumPy view's, ``.data``'s): the budgets are those of the profile as it is at the call."""

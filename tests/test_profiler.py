@@ -146,3 +146,45 @@ def test_bad_arguments_are_one_line_errors_before_the_model_loads(capsys, monkey
     assert len(err) == 1 and err[0].startswith("tritonkv profile: error: "), err
     for w in words:
         assert w in err[0], (w, err[0])
+
+
+def test_weight_sums_refuse_other_shapes():
+    """Sums of one run's ``[L, H_q]`` shape never broadcast with another's (a resumed run with other layers)."""
+    s = WeightSums()
+    s.add(torch.ones(2, 4, 1), torch.ones(2, 4, 1), torch.ones(2, 4, 1))
+    for shape in ((1, 4, 1), (2, 1, 1)):
+        with pytest.raises(ValueError, match="cannot be added"):
+            s.add(torch.ones(shape), torch.ones(shape), torch.ones(shape))
+    with pytest.raises(ValueError, match="one shape"):
+        s.add(torch.ones(2, 4, 1), torch.ones(2, 4, 2), torch.ones(2, 4, 1))
+    r = WeightSums()
+    r.load(s.state())
+    torch.testing.assert_close(r.profile(2, {}).wd, s.profile(2, {}).wd)
+    bad = dict(s.state(), wd=torch.ones(1, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="one \\[L, H_q\\] shape"):
+        WeightSums().load(bad)
+    WeightSums().load(WeightSums().state())  # an empty run's state
+
+
+def test_load_profile_paths_and_bad_files(tmp_path):
+    """A name ending in ``.json`` or with a separator is a path; a file that is no profile is a ValueError naming it."""
+    missing = str(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="not found") as e:
+        load_profile(missing)
+    assert f"(no file {missing})" in str(e.value) and ".json.json" not in str(e.value)
+    torch.testing.assert_close(load_profile(SHIPPED + ".json"), load_profile(SHIPPED))
+    (tmp_path / "corrupt.json").write_text("{not json")
+    (tmp_path / "flat.json").write_text(json.dumps({"infsc_kv_heads": [1.0, 2.0]}))
+    (tmp_path / "ragged.json").write_text(json.dumps({"infsc_kv_heads": [[1.0, 2.0], [1.0]]}))
+    (tmp_path / "list.json").write_text("[[1.0, 2.0]]")
+    for name, words in (("corrupt", "not valid JSON"), ("flat", "got shape (2,)"), ("ragged", "[L, H]"),
+                        ("list", "no 'infsc_kv_heads' entry")):
+        path = str(tmp_path / f"{name}.json")
+        with pytest.raises(ValueError, match="profile file") as e:
+            load_profile(path)
+        assert path in str(e.value) and words in str(e.value), str(e.value)
+    from tritonkv.allocation import SurfaceLogic
+
+    with pytest.raises(ValueError, match="not valid JSON") as e:
+        SurfaceLogic(profile_name=str(tmp_path / "corrupt.json"))(shape=(1, 2, 64), budget=16, layer=0)
+    assert "shipped" not in str(e.value)

@@ -100,8 +100,10 @@ def check_positive(name: str, v, lo: float = 0.0, strict: bool = True, hi: Optio
     return float(v)
 
 
-def check_profile(name: str, profile, num_heads: Optional[int] = None) -> torch.Tensor:
-    """A float ``[L, H]`` profile; a query-head profile ``[L, G·H]`` is averaged over each group."""
+def check_profile(name: str, profile, num_heads: Optional[int] = None,
+                  num_query_heads: Optional[int] = None) -> torch.Tensor:
+    """A float ``[L, H]`` profile; a query-head profile ``[L, G·H]`` is averaged over each group. With
+    ``num_query_heads`` (H_q, when the caller knows it) the width must be ``H`` or ``H_q``."""
     if not isinstance(profile, torch.Tensor):
         try:
             profile = torch.as_tensor(profile, dtype=torch.float64)
@@ -113,11 +115,46 @@ def check_profile(name: str, profile, num_heads: Optional[int] = None) -> torch.
         raise TypeError(f"{name} must hold real numbers, got {profile.dtype}")
     profile = profile.to(torch.float64)
     if num_heads is not None and profile.shape[1] != num_heads:
-        if profile.shape[1] % num_heads:
-            raise ValueError(f"{name} has {profile.shape[1]} heads per layer: expected H_kv = {num_heads} or a "
-                             f"multiple of it (query heads, averaged over each group)")
+        check_profile_width(name, profile.shape[1], num_heads, num_query_heads)
         profile = profile.view(profile.shape[0], num_heads, -1).mean(-1)
     return profile
+
+
+def check_profile_width(name: str, width: int, num_heads: int, num_query_heads: Optional[int] = None) -> None:
+    """A ValueError unless a profile of ``width`` heads per layer fits ``num_heads`` KV heads: ``H_kv`` itself, or
+    ``H_q`` (``num_query_heads``) when known, else any multiple of ``H_kv``."""
+    if width == num_heads or (width == num_query_heads if num_query_heads else width % num_heads == 0):
+        return
+    if num_query_heads:
+        raise ValueError(f"{name} has {width} heads per layer: expected H_kv = {num_heads} or H_q = "
+                         f"{num_query_heads} (query heads, averaged over each group)")
+    raise ValueError(f"{name} has {width} heads per layer: expected H_kv = {num_heads} or a "
+                     f"multiple of it (query heads, averaged over each group)")
+
+
+def query_heads(ctx: dict, inputs: dict) -> Optional[int]:
+    """The model's query heads H_q when the inputs show them (``queries`` ``[B, H_q, W, D]``; under tensor
+    parallelism a rank's queries hold its share, ``H_q / world``), else None."""
+    q = inputs.get("queries")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return None
+    tp = ctx.get("tp")
+    return int(q.shape[1]) * (1 if tp is None else tp.world)
+
+
+def check_query_width(name: str, profile, ctx: dict, inputs: dict) -> None:
+    """``check_profile_width`` of an ``[L, W]`` profile against ``ctx``'s KV heads and the H_q that ``inputs`` show
+    (a shape check: no value is read); nothing to check without queries."""
+    hq = query_heads(ctx, inputs)
+    if hq is None or profile is None:
+        return
+    if not isinstance(profile, torch.Tensor):
+        try:
+            profile = torch.as_tensor(profile, dtype=torch.float64)
+        except Exception:
+            return  # check_profile says what is wrong with it
+    if profile.dim() == 2:
+        check_profile_width(name, profile.shape[1], ctx["H"], hq)
 
 
 def check_nonnegative(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from ..kernels._common import on_host
-from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile, floor_eps,
-                   host_row, register_allocator)
+from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile,
+                   check_query_width, floor_eps, host_row, query_heads, register_allocator)
 from .rounding import largest_remainder
 
 MODES = ("exact", "paper")
@@ -46,12 +46,16 @@ def profile_budgets(share: torch.Tensor, b: int, avail: int, ratio: float, mode:
 
 def headkv_budgets(profile: torch.Tensor, b: int, avail: int, *, beta: float = 1.5, tau: float = 1.0,
                    mode: str = "exact") -> torch.Tensor:
-    """int32 ``[L, H]`` selectable budgets of every (layer, head), on the profile's device."""
+    """int32 ``[L, H]`` selectable budgets of every (layer, head), on the profile's device. A profile on the host
+    must be finite and non-negative (one on the device is not read back to check it)."""
     check_budget(b, avail)
     check_positive("beta", beta, 1.0, strict=False)
     check_positive("tau", tau)
     check_mode(mode, MODES)
-    p = normalise(check_profile("profile", profile).clamp_min(0.0))
+    p = check_profile("profile", profile)
+    if on_host(p):  # a profile on the device is not read back
+        check_nonnegative("profile", p)
+    p = normalise(p.clamp_min(0.0))
     if tau != 1.0:  # p^1 renormalised is p: skip the no-op so τ = 1 is bit-exact
         p = normalise(p ** tau)
     return profile_budgets(p, b, avail, beta, mode)
@@ -89,6 +93,7 @@ class HeadKV(Allocator):
         """The layer's row, the table computed once per profile and setting (on the CPU; a profile on the device
         is read back once)."""
         profile = self.profile if profile is None else profile
+        check_query_width("profile", profile, ctx, inputs)
         key = ("headkv", ctx["H"], ctx["b"], ctx["avail"], self.beta, self.tau, self.mode)
         return host_row(self, ctx, profile, key, lambda c, src: self.allocate(None, c, profile=src, table=True))
 
@@ -96,7 +101,7 @@ class HeadKV(Allocator):
         profile = self.profile if profile is None else profile
         if profile is None:
             raise ValueError("profile: headkv needs an offline head profile [L, H] (field or input profile=)")
-        p = check_profile("profile", profile, ctx["H"])
+        p = check_profile("profile", profile, ctx["H"], query_heads(ctx, inputs))
         if on_host(p):  # an input profile is checked where it already is (no device read)
             check_nonnegative("profile", p)
         p = p.to(ctx["device"])

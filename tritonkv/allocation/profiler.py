@@ -18,7 +18,9 @@ to the model code it runs. Those names stay importable from here (resolved lazil
 never imports the integrations)::
 
     python -m tritonkv.integrations.profiler --out tritonkv/data/smollm2-135m-instruct-infsc.json \\
-        --lengths 1024,2048,3072,4096 --depths 0.1,0.35,0.65,0.9 --steps 1
+        --lengths 1024,2048,3072,4096 --depths 0.1,0.3,0.5,0.7,0.9 --steps 1 --source kjv
+
+writes the shipped default profile (its ``grid`` records these settings).
 """
 from __future__ import annotations
 
@@ -110,8 +112,14 @@ class WeightSums:
         self.count = 0
 
     def add(self, wo, wd, ws) -> None:
-        """Add ``[L, H_q, S]`` weights of one trial's S steps."""
+        """Add ``[L, H_q, S]`` weights of one trial's S steps (``[L, H_q]`` like the sums so far)."""
+        if not wo.shape == wd.shape == ws.shape or wo.dim() != 3:
+            raise ValueError(f"wo, wd, ws must be [L, H_q, S] of one shape, got {tuple(wo.shape)}, "
+                             f"{tuple(wd.shape)}, {tuple(ws.shape)}")
         s = [t.to(torch.float64).sum(-1) for t in (wo, wd, ws)]
+        if self.wo is not None and s[0].shape != self.wo.shape:
+            raise ValueError(f"weights of [L, H_q] = {list(s[0].shape)} cannot be added to sums of "
+                             f"{list(self.wo.shape)} (other layers or heads)")
         if self.wo is None:
             self.wo, self.wd, self.ws = s
         else:
@@ -122,7 +130,21 @@ class WeightSums:
         return {"wo": self.wo, "wd": self.wd, "ws": self.ws, "count": self.count}
 
     def load(self, st: dict) -> None:
-        self.wo, self.wd, self.ws, self.count = st["wo"], st["wd"], st["ws"], st["count"]
+        """Restore ``state()``'s dict: three ``[L, H_q]`` sums of one shape and their step count (or empty sums)."""
+        if not isinstance(st, dict):
+            raise TypeError(f"state must be a dict from WeightSums.state(), got {type(st).__name__}")
+        t, count = [st.get(k) for k in ("wo", "wd", "ws")], st.get("count")
+        if all(x is None for x in t) and count == 0:
+            self.wo = self.wd = self.ws = None
+            self.count = 0
+            return
+        if not all(isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape == t[0].shape for x in t) \
+                or not isinstance(count, int) or count < 1:
+            shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__ for x in t]
+            raise ValueError(f"state must hold sums wo, wd, ws of one [L, H_q] shape and a count >= 1, got "
+                             f"{shapes} and count {count!r}")
+        self.wo, self.wd, self.ws = (x.to(torch.float64) for x in t)
+        self.count = count
 
     def profile(self, num_kv_heads: int, grid: dict, model: str = "") -> Profile:
         if not self.count:
@@ -141,29 +163,48 @@ def save_profile(profile: Profile, path: str) -> None:
         f.write("\n")
 
 
+def is_path(name: str) -> bool:
+    """True when the profile ``name`` names a file (it ends in ``.json`` or holds a path separator)."""
+    return name.endswith(".json") or os.sep in name or bool(os.altsep and os.altsep in name)
+
+
 def profile_path(name: str) -> str:
-    """``tritonkv/data/<name>.json``, or ``name`` itself when it is a path to a ``.json`` file."""
-    if name.endswith(".json") and os.path.exists(name):
-        return name
-    return os.path.join(DATA_DIR, f"{name}.json")
+    """The file of profile ``name``: ``tritonkv/data/<name>.json`` for a shipped name, ``name`` itself for a path
+    (see ``is_path``); a bare ``<stem>.json`` that is no file here but a shipped one is the shipped one."""
+    if not is_path(name):
+        return os.path.join(DATA_DIR, f"{name}.json")
+    shipped = os.path.join(DATA_DIR, name)
+    if os.path.basename(name) == name and not os.path.exists(name) and os.path.isfile(shipped):
+        return shipped
+    return name
 
 
 def load_profile(name: str, heads: str = "kv") -> torch.Tensor:
-    """A shipped INFsc profile as fp32 ``[L, H_kv]`` (``heads="kv"``) or ``[L, H_q]`` (``"query"``).
+    """An INFsc profile as fp32 ``[L, H_kv]`` (``heads="kv"``) or ``[L, H_q]`` (``"query"``).
 
-    ``name`` is a file stem in ``tritonkv/data`` (e.g. ``"smollm2-135m-instruct-infsc"``) or a path to
-    a ``.json`` profile."""
+    ``name`` is a shipped profile, a file stem in ``tritonkv/data`` (e.g. ``"smollm2-135m-instruct-infsc"``,
+    ``.json`` optional), or a path to a profile: a name ending in ``.json`` or holding a path separator."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"profile must be a profile name (str), got {name!r}")
     if heads not in ("kv", "query"):
         raise ValueError(f"heads must be 'kv' or 'query', got {heads!r}")
     path = profile_path(name)
-    if not os.path.exists(path):
+    if not os.path.isfile(path):
         avail = sorted(f[:-5] for f in os.listdir(DATA_DIR) if f.endswith(".json")) if os.path.isdir(DATA_DIR) else []
-        raise ValueError(f"profile {name!r} not found (looked for {path}); available: {avail}")
-    with open(path) as f:
-        data = json.load(f)
+        raise ValueError(f"profile {name!r} not found (no file {path}); shipped profiles: {avail}")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"profile file {path} is not valid JSON ({e})") from None
     key = "infsc_kv_heads" if heads == "kv" else "infsc_query_heads"
-    if key not in data:
-        raise ValueError(f"profile {name!r} has no {key!r} entry")
-    return torch.tensor(data[key], dtype=torch.float32)
+    if not isinstance(data, dict) or key not in data:
+        raise ValueError(f"profile file {path} has no {key!r} entry")
+    try:
+        t = torch.tensor(data[key], dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"profile file {path}: {key} must be an [L, H] list of rows of numbers ({e})") from None
+    if t.dim() != 2 or 0 in t.shape:
+        raise ValueError(f"profile file {path}: {key} must be an [L, H] list of rows of numbers, got shape "
+                         f"{tuple(t.shape)}")
+    return t

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 import torch
 
 from ..kernels._common import on_host
-from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile, host_row,
-                   register_allocator)
+from .base import (Allocator, check_budget, check_mode, check_nonnegative, check_positive, check_profile,
+                   check_query_width, host_row, query_heads, register_allocator)
 from .headkv import profile_budgets
 
 MODES = ("strict", "paper")
@@ -32,7 +33,10 @@ DEFAULT_PROFILE = "smollm2-135m-instruct-infsc"  # tritonkv/data/<name>.json, wr
 
 def surfacelogic_shares(inf: torch.Tensor, *, floor: float = 0.01, mode: str = "strict") -> torch.Tensor:
     """``Ĩ_l · I_lh`` as float64 ``[L, H]``."""
-    inf = check_profile("profile", inf).clamp_min(0.0)
+    inf = check_profile("profile", inf)
+    if on_host(inf):  # a profile on the device is not read back
+        check_nonnegative("profile", inf)
+    inf = inf.clamp_min(0.0)
     L, H = inf.shape
     layer = inf.sum(1)
     tot = layer.sum()
@@ -45,7 +49,8 @@ def surfacelogic_shares(inf: torch.Tensor, *, floor: float = 0.01, mode: str = "
 
 def surfacelogic_budgets(inf: torch.Tensor, b: int, avail: int, *, rho: float = 1.351, floor: float = 0.01,
                          mode: str = "strict") -> torch.Tensor:
-    """int32 ``[L, H]`` selectable budgets of every (layer, head), on the profile's device."""
+    """int32 ``[L, H]`` selectable budgets of every (layer, head), on the profile's device. A profile on the host
+    must be finite and non-negative (one on the device is not read back to check it)."""
     check_budget(b, avail)
     check_positive("rho", rho, 1.0, strict=False)
     check_positive("floor", floor, 0.0, strict=False)
@@ -54,8 +59,23 @@ def surfacelogic_budgets(inf: torch.Tensor, b: int, avail: int, *, rho: float = 
     return profile_budgets(share, b, avail, rho, "exact" if mode == "strict" else "paper")
 
 
+def _profile(name: str) -> torch.Tensor:
+    """The profile ``profile_name`` names: a shipped one read once per process, a file read again when it changes."""
+    stamp = None
+    try:
+        from .profiler import is_path, profile_path
+
+        if isinstance(name, str) and is_path(name):
+            st = os.stat(profile_path(name))
+            stamp = (st.st_mtime_ns, st.st_size)
+    except (ImportError, OSError):  # _shipped says why
+        pass
+    return _shipped(name, stamp)
+
+
 @functools.lru_cache(maxsize=8)
-def _shipped(name: str) -> torch.Tensor:
+def _shipped(name: str, stamp=None) -> torch.Tensor:
+    """``load_profile(name)``, checked; ``stamp`` (a file's mtime and size) keys a path's cache entry."""
     try:
         from .profiler import load_profile
     except ImportError as e:
@@ -64,8 +84,8 @@ def _shipped(name: str) -> torch.Tensor:
     try:
         prof = load_profile(name)
     except (OSError, KeyError, ValueError, TypeError) as e:
-        raise ValueError(f"profile: surfacelogic needs an INF profile [L, H]; none was given and no shipped "
-                         f"profile {name!r} exists ({e})") from None
+        raise ValueError(f"profile: surfacelogic needs an INF profile [L, H]; none was given and profile_name "
+                         f"{name!r} cannot be loaded: {e}") from None
     return check_nonnegative("profile", check_profile("profile", prof))
 
 
@@ -74,8 +94,8 @@ def _shipped(name: str) -> torch.Tensor:
 class SurfaceLogic(Allocator):
     """SurfaceLogicKV: fixed share per head + a pool split by layer and head INF importance.
 
-    The profile is the field ``profile``, the input ``profile=``, or else the shipped profile
-    ``profile_name`` (``tritonkv/data/<name>.json``).
+    The profile is the field ``profile``, the input ``profile=``, or else the profile ``profile_name``: a shipped
+    one (``tritonkv/data/<name>.json``) or a path to a ``.json`` profile (read again when the file changes).
     """
 
     name = "surfacelogic"
@@ -101,15 +121,16 @@ class SurfaceLogic(Allocator):
         is read back once)."""
         profile = self.profile if profile is None else profile
         if profile is None:
-            profile = _shipped(self.profile_name)
+            profile = _profile(self.profile_name)
+        check_query_width("profile", profile, ctx, inputs)
         key = ("surfacelogic", ctx["H"], ctx["b"], ctx["avail"], self.rho, self.floor, self.mode)
         return host_row(self, ctx, profile, key, lambda c, src: self.allocate(None, c, profile=src, table=True))
 
     def allocate(self, scores, ctx, profile=None, table=False, **inputs):
         profile = self.profile if profile is None else profile
         if profile is None:
-            profile = _shipped(self.profile_name)
-        p = check_profile("profile", profile, ctx["H"])
+            profile = _profile(self.profile_name)
+        p = check_profile("profile", profile, ctx["H"], query_heads(ctx, inputs))
         if on_host(p):  # an input profile is checked where it already is (no device read)
             check_nonnegative("profile", p)
         p = p.to(ctx["device"])
