@@ -133,6 +133,8 @@ def test_profiler_on_real_model():
     (["--steps", "9"], ["--steps", "between 1 and 5"]),
     (["--trials", "0"], ["--trials", "at least 1"]),
     (["--layers", "0"], ["--layers", "at least 1"]),
+    (["--out", "."], ["--out", "directory"]),
+    (["--out", "no-such-dir/p.json"], ["--out", "does not exist"]),
 ])
 def test_bad_arguments_are_one_line_errors_before_the_model_loads(capsys, monkeypatch, args, words):
     """``tritonkv profile`` with arguments it cannot run with: one line on stderr, status 2, and the model is
@@ -188,3 +190,120 @@ def test_load_profile_paths_and_bad_files(tmp_path):
     with pytest.raises(ValueError, match="not valid JSON") as e:
         SurfaceLogic(profile_name=str(tmp_path / "corrupt.json"))(shape=(1, 2, 64), budget=16, layer=0)
     assert "shipped" not in str(e.value)
+
+
+def _fake_trials(monkeypatch, calls):
+    """``tritonkv profile`` with no model: each trial's attention is a fixed function of its case's seed."""
+    from types import SimpleNamespace
+
+    from tritonkv.integrations import model, needle
+    from tritonkv.integrations import profiler as cli
+
+    cfg = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2)
+    monkeypatch.setattr(model, "load_smollm2", lambda *a, **k: (SimpleNamespace(config=cfg), None))
+    monkeypatch.setattr(needle, "build_case", lambda tok, n, d, seed, text: SimpleNamespace(
+        seed=seed, needle_positions=torch.arange(2)))
+
+    def attention(model, case, steps, layers):
+        calls.append(case.seed)
+        g = torch.Generator().manual_seed(case.seed)
+        return torch.softmax(torch.randn(len(layers or range(3)), 4, steps, 16, generator=g), -1)
+    monkeypatch.setattr(cli, "answer_attention", attention)
+
+
+def test_resume_refuses_another_runs_checkpoint(tmp_path, monkeypatch, capsys):
+    """``--resume`` continues a checkpoint only with the settings it was written with; a run that cannot write
+    its profile says so in one line and keeps the checkpoint."""
+    from tritonkv.__main__ import main
+    from tritonkv.integrations import profiler as cli
+
+    calls = []
+    _fake_trials(monkeypatch, calls)
+    out = str(tmp_path / "p.json")
+    run = ["profile", "--out", out, "--lengths", "96", "--depths", "0.2,0.7", "--steps", "2", "--source", "synthetic"]
+    real_save = cli.save_profile
+
+    def no_disk(prof, path):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(cli, "save_profile", no_disk)
+    assert main(run) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write" in err[0] and "--resume" in err[0], err
+    assert len(calls) == 2 and not (tmp_path / "p.json").exists()
+    partial = tmp_path / "p.json.partial.pt"
+    assert partial.exists()
+    monkeypatch.setattr(cli, "save_profile", real_save)
+    for other, words in ((["--seed", "9"], "seed 0 (now 9)"), (["--steps", "1"], "steps 2 (now 1)"),
+                         (["--depths", "0.7,0.2"], "depths"), (["--layers", "1"], "layers None (now 1)"),
+                         (["--lengths", "128"], "lengths [96] (now [128])"), (["--trials", "2"], "trials")):
+        assert main([*run, *other, "--resume"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "another run" in err[0] and words in err[0], (other, err)
+    assert len(calls) == 2 and partial.exists()
+    assert main([*run, "--resume"]) == 0  # the same run: every trial is done
+    assert len(calls) == 2 and not partial.exists()
+    resumed = json.loads((tmp_path / "p.json").read_text())
+    assert main([*run, "--out", str(tmp_path / "fresh.json")]) == 0
+    fresh = json.loads((tmp_path / "fresh.json").read_text())
+    assert resumed["infsc_query_heads"] == fresh["infsc_query_heads"] and resumed["grid"] == fresh["grid"]
+    torch.save({"sums": {}, "done": []}, partial)  # a checkpoint without its settings
+    assert main([*run, "--resume"]) == 2
+    assert "does not record" in capsys.readouterr().err
+
+    def read_only(*a, **k):
+        raise OSError(13, "Permission denied")
+    monkeypatch.setattr(torch, "save", read_only)
+    assert main([*run, "--out", str(tmp_path / "third.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write the checkpoint" in err[0], err
+
+
+def test_module_exit_status():
+    """``python -m tritonkv.integrations.profiler`` exits with main()'s status."""
+    import runpy
+    import sys
+    import warnings
+
+    argv = sys.argv
+    sys.argv = ["profiler", "--out", "unused.json", "--lengths", "abc"]
+    try:
+        with warnings.catch_warnings(), pytest.raises(SystemExit) as e:
+            warnings.simplefilter("ignore", RuntimeWarning)  # the module is already imported
+            runpy.run_module("tritonkv.integrations.profiler", run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert e.value.code == 2
+
+
+def _commands(text: str):
+    """The ``profile`` commands in ``text`` (line continuations joined), as argument lists."""
+    import re
+    import shlex
+
+    text = text.replace("\\\n", " ")
+    pattern = r"(?:-m tritonkv\.integrations\.profiler|tritonkv profile) (--out [^\n`]*)"
+    return [shlex.split(m) for m in re.findall(pattern, text)]
+
+
+def test_documented_command_writes_the_shipped_grid():
+    """The regeneration command in the docstrings and the docs has the shipped default profile's settings, and
+    ``--help`` shows the defaults."""
+    import os
+
+    from tritonkv.integrations import profiler as cli
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(profiler.profile_path(SHIPPED)) as f:
+        grid = json.load(f)["grid"]
+    with open(os.path.join(root, "docs", "algorithms.md")) as f:
+        docs = f.read()
+    commands = [c for text in (profiler.__doc__, cli.__doc__, docs) for c in _commands(text)]
+    assert len(commands) == 3
+    for argv in commands:
+        a = cli.parser().parse_args(["--out", "x.json", *argv])
+        assert a.out.endswith(SHIPPED + ".json")
+        lengths, depths = cli._floats(a.lengths), cli._floats(a.depths)
+        assert cli.run_settings(a, lengths, depths) == grid, argv
+    text = " ".join(cli.parser().format_help().split())
+    for words in ("(default: 0.1,0.35,0.65,0.9)", "(default: 5)", "--trials TRIALS cases", "--seed SEED base seed"):
+        assert words in text, words

