@@ -60,6 +60,24 @@ if _cpu[0] not in _CPU_CHOICES:
     raise ValueError(f"TRITONKV_CPU_KERNELS must be one of {_CPU_CHOICES}, got {_cpu[0]!r}")
 
 
+def host_cache(maxsize: int):
+    """``functools.lru_cache(maxsize)`` for a pure function of host values (a launch configuration, a table) called
+    on every eager launch; a traced call (``torch.compile``, ``torch.export``) runs the function itself, which is
+    what dynamo would do anyway, without its warning about a cache wrapper it cannot keep."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling():
+                return fn(*args, **kwargs)
+            return cached(*args, **kwargs)
+
+        call.cache_clear, call.cache_info = cached.cache_clear, cached.cache_info
+        return call
+    return wrap
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """Whether an op on ``t``'s device runs its Triton kernels (True) or its PyTorch body (False).
 

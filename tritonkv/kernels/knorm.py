@@ -18,7 +18,6 @@ same formula in PyTorch.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -26,8 +25,8 @@ import triton.language as tl
 
 from typing import Optional
 
-from ._common import (INTERPRET, cdiv, check_kv_tensor, launch, next_pow2, pdl_wait, row_major, triton_op,
-                      use_triton)
+from ._common import (INTERPRET, cdiv, check_kv_tensor, host_cache, launch, next_pow2, pdl_wait, row_major,
+                      triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 
@@ -73,7 +72,7 @@ def _knorm_kernel(k_ptr, out_ptr, h0_ptr, H, skb, skh, skn, N, D, CHUNK, C0, sin
 STREAM_STAGES = 3
 
 
-@functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
+@host_cache(1024)  # pure; called on every launch (the result is shared: read only)
 def token_blocks(n: int, rows: int, d: int, chunk: int = 0) -> dict:
     """Launch configuration of a token-streaming kernel: ``CHUNK`` tokens per program (a power of
     two; a runtime argument of the kernels), ``TILE`` tokens per loop step, ``BLOCK_D`` = next_pow2(d), ``num_warps``.

@@ -49,15 +49,14 @@ scores, or the sinks and the tail copied. On the CPU (outside the interpreter) t
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, check_int, check_kv_tensor, launch, next_pow2, pdl_wait, row_major,
-                      triton_op, use_triton)
+from ._common import (INTERPRET, cdiv, check_int, check_kv_tensor, host_cache, launch, next_pow2, pdl_wait,
+                      row_major, triton_op, use_triton)
 
 # the kernel's MODE: raw scores, ranks ρ/L, or the kept tokens
 RAW, RANK, SELECT = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
@@ -314,7 +313,7 @@ def _aligned(*ts: torch.Tensor) -> bool:
     return all(x % 16 == 0 for t in ts for x in (t.storage_offset() * t.element_size(), *t.stride()[:3]))
 
 
-@functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
+@host_cache(1024)  # pure; called on every launch (the result is shared: read only)
 def _tiling(lag: int, d: int, itemsize: int, tile: int = 0, warps: int = 0, aligned: bool = True):
     """(BLOCK_L, BLOCK_T, BLOCK_D, BLOCK_J, num_warps) for partitions of ``lag`` tokens of ``d`` channels:
     ``tile`` tokens per chunk (BLOCK_T = min(tile, BLOCK_L); BLOCK_L: whole partitions) and ``warps`` per

@@ -49,7 +49,6 @@ static shapes only (torch.compile and torch.export trace it).
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -57,8 +56,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, cdiv, check_device, check_int, check_kv_tensor, launch, next_pow2, pdl_wait,
-                      triton_op, use_triton)
+from ._common import (INTERPRET, cdiv, check_device, check_int, check_kv_tensor, host_cache, launch, next_pow2,
+                      pdl_wait, triton_op, use_triton)
 
 NB = 256  # bins per radix pass: four 8-bit digits of the 32-bit keys
 
@@ -397,7 +396,7 @@ def _select_compact_kernel(s_ptr, f_ptr, budget_ptr, cnt_ptr, N, sink, window, k
                     _copy_kv_cols(k_ptr, v_ptr, ko_ptr, vo_ptr, bh_k, bh_v, skn, svn, src, dst, m, D, d0, BLOCK_D)
 
 
-@functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
+@host_cache(1024)  # pure; called on every launch (the result is shared: read only)
 def _blocks(n: int, rows: int, chunk: Optional[int]):
     """(CHUNK, TILE): tokens per program of the select and per loop step of its compaction.
 

@@ -57,7 +57,6 @@ far-off and masked logits are; its ``exp2`` does not).
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
@@ -65,8 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET, LOG2E, cdiv, check_kv_tensor, check_positive_float, finite_rows, launch, next_pow2,
-                      on_host, pdl_wait, row_major, triton_op, use_triton)
+from ._common import (INTERPRET, LOG2E, cdiv, check_kv_tensor, check_positive_float, finite_rows, host_cache,
+                      launch, next_pow2, on_host, pdl_wait, row_major, triton_op, use_triton)
 from .select import NB, Hist0, hist0_buffer, hist0_of_chunk
 
 #: key tiles the score kernel keeps in flight when it reads no values (a launch argument, read at each launch): at
@@ -378,7 +377,7 @@ def _window_pool_kernel(u_ptr, out_ptr, h0_ptr, H, N, n_pool, C0, sink, window, 
         hist0_of_chunk(out_ptr + r * N, out_ptr, h0_ptr, r, c, C0, N, BLOCK, sink, window, HIST_TILE, NB, False)
 
 
-@functools.lru_cache(maxsize=1024)  # pure; called on every launch (the result is shared: read only)
+@host_cache(1024)  # pure; called on every launch (the result is shared: read only)
 def _config(N: int, G: int, W: int, D: int, chunk: int) -> dict:
     """Block sizes. Rows: GB heads × BW window rows per block (≥ 16 rows for ``tl.dot``)."""
     block_d = max(16, next_pow2(D))
@@ -434,13 +433,13 @@ def row_weights(queries: torch.Tensor, attn_lse: Optional[torch.Tensor], N: int,
     return w.contiguous()
 
 
-@functools.lru_cache(maxsize=64)
+@host_cache(64)
 def _unit_weight(W: int, G: int, row_reduce: str, head_reduce: str) -> float:
     """``row_weights``' entry when every query row is finite and no LSE is given (then the same for every row)."""
     return row_weights(torch.zeros(1, G, W, 1), None, W, 1, row_reduce, head_reduce)[0, 0, 0].item()
 
 
-@functools.lru_cache(maxsize=64)
+@host_cache(64)
 def _hidden(G: int, W: int, ahead: int, n: int, device: torch.device) -> torch.Tensor:
     """bool ``[G·W, n]``: key column m hidden from window row i (i % W is the row's place in the window), for
     columns that start ``ahead`` keys after the window's first position: ``ahead + m > i % W``. Cached (small)."""
