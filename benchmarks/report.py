@@ -70,6 +70,7 @@ OTHERS = [  # (file or glob in results/, what it holds); any other Markdown file
                        "(`host_time.py --compare <commit>`; the file says which)"),
     ("memory-8k-stop*/memory.md", "memory at N = 8192 in every mode, rerun after the changes of 2026-12-07 and "
                                   "2026-12-08 to check that none raised a peak (`memory.py --n 8192`)"),
+    ("memory-8k-2026-*/memory.md", "the same check after the changes of that date"),
     ("nvidia-h100-memory-32k/memory.md", "block-wise prefill's peak at N = 32768 on an H100 (`memory.py` on a GPU)"),
     ("nvidia-h100-2026-11-26/*.md", "block-wise prefill on an H100 against the stock chunked prefill, and where its "
                                     "time goes"),
